@@ -1,0 +1,83 @@
+"""The public attention entry point and its backend choice.
+
+`varlen_attention` runs the Triton kernel on CUDA GPUs of compute capability 8.0 or newer, and
+PyTorch SDPA everywhere else (CPU, older GPUs, no Triton). Both take exactly the same arguments
+and compute the same function. `QWEN3VL_ATTN_BACKEND=triton|sdpa` forces one; the choice is made
+once per device and dtype and can be read back with `resolve_backend`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from .varlen_attention import sdpa_varlen_attention, triton, triton_varlen_attention
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("triton", "sdpa")
+ENV_VAR = "QWEN3VL_ATTN_BACKEND"
+
+
+def _forced() -> str | None:
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {BACKENDS} or 'auto'")
+    return value
+
+
+def triton_supported(device: torch.device) -> tuple[bool, str]:
+    if triton is None:
+        return False, "triton is not installed"
+    if device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return True, "Triton interpreter (TRITON_INTERPRET=1), tests only"
+        return False, f"device {device.type} is not CUDA"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, f"compute capability {major}.{minor} < 8.0"
+    return True, f"CUDA sm{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(device_type: str, device_index: int | None, forced: str | None) -> str:
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    ok, why = triton_supported(device)
+    if forced == "triton":
+        if not ok:
+            raise RuntimeError(f"{ENV_VAR}=triton but the Triton kernels cannot run here: {why}")
+        choice = "triton"
+    elif forced == "sdpa":
+        choice, why = "sdpa", f"forced by {ENV_VAR}"
+    else:
+        choice = "triton" if ok and device.type == "cuda" else "sdpa"
+    log.info("attention backend on %s: %s (%s)", device, choice, why)
+    return choice
+
+
+def resolve_backend(device: torch.device | str) -> str:
+    """'triton' or 'sdpa' for this device, honouring QWEN3VL_ATTN_BACKEND."""
+    device = torch.device(device)
+    index = device.index if device.type != "cuda" else (device.index if device.index is not None else
+                                                         torch.cuda.current_device())
+    return _resolve(device.type, index, _forced())
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None, seqlens=None,
+                     backend: str | None = None):
+    """Block-diagonal attention over packed segments, with optional fused 2D vision RoPE on q and k.
+
+    q, k, v: `(total_tokens, heads, head_dim)`, last dim contiguous, any token/head strides.
+    cu_seqlens: int32 `(segments + 1,)` on q's device. max_seqlen: Python int, the longest segment.
+    cos, sin: optional float32 `(total_tokens, head_dim // 2)` rotary tables (see kernels.rope).
+    seqlens: optional host list of segment lengths; the SDPA path uses it to avoid a device read.
+    Returns `(total_tokens, heads, head_dim)` in q's dtype.
+    """
+    backend = backend or resolve_backend(q.device)
+    fn = triton_varlen_attention if backend == "triton" else sdpa_varlen_attention
+    return fn(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale, seqlens=seqlens)

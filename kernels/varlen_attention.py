@@ -1,0 +1,320 @@
+"""Packed variable-length ("block-diagonal") attention forward, with optional fused 2D vision RoPE.
+
+Contract (flash-attention's varlen one): q, k, v are `(total_tokens, heads, head_dim)` views with any
+token and head strides and a contiguous last dim — e.g. the three slices of a fused QKV projection,
+no copies. `cu_seqlens` int32 `(segments + 1,)` on the device, `max_seqlen` a Python int. Every token
+attends to every token of its own segment (non-causal), never across segments.
+
+Kernel design:
+- one program per (query tile, head, segment); tiles past a segment's end exit at once, so a launch
+  covers any mix of lengths without host syncs or per-segment launches;
+- online softmax in base 2 with fp32 state; each K/V tile is loaded once per query tile and shared by
+  all its rows; full tiles run unmasked, only a segment's last tile is masked;
+- the head dim is split into a power-of-two chunk D0 and a 16-wide remainder D1 (72 = 64 + 8/16,
+  80 = 64 + 16), so 72 and 80 cost 80 lanes, not 128;
+- with `ROPE`, Q (once) and each K tile are rotated as they are loaded: the rotate-half partner
+  columns are a second (cached) load, the float32 cos/sin table is indexed by global token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .rope import apply_vision_rope
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+
+
+def _check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin):
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one (total_tokens, heads, head_dim) shape; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be int32 of shape (segments + 1,); got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    if not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be a positive Python int; got {max_seqlen!r}")
+    if (cos is None) != (sin is None):
+        raise ValueError("pass both cos and sin, or neither")
+    if cos is not None:
+        half = q.shape[-1] // 2
+        for name, t in (("cos", cos), ("sin", sin)):
+            if t.shape != (q.shape[0], half) or t.dtype != torch.float32:
+                raise ValueError(f"{name} must be float32 ({q.shape[0]}, {half}); got {t.dtype} {tuple(t.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference and PyTorch fallback
+# ----------------------------------------------------------------------------------------------------
+
+
+def reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, cos=None, sin=None,
+                               softmax_scale=None, upcast=True):
+    """Per-segment softmax(QKᵀ)V in plain matmuls: float32 when `upcast`, else in the inputs' dtype."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if cos is not None:
+        q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
+    dtype = torch.float32 if upcast else q.dtype
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (t[s:e].transpose(0, 1).to(dtype) for t in (q, k, v))  # [H, L, D]
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        probs = torch.softmax(scores.float(), dim=-1).to(dtype)
+        out[s:e] = torch.matmul(probs, vs).transpose(0, 1)
+    return out
+
+
+def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
+                          seqlens=None):
+    """The fallback: one batched SDPA call per distinct segment length, not one per segment.
+
+    Segments of equal length are gathered into one `(B, H, L, D)` batch, which SDPA runs with its
+    best backend (flash/cuDNN on GPUs, the fused CPU kernel otherwise). Image packs have few distinct
+    lengths, so this is a handful of calls. `seqlens` (host ints) avoids reading `cu_seqlens` back.
+    """
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
+    if cos is not None:
+        q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
+    if seqlens is None:
+        bounds = cu_seqlens.tolist()
+        seqlens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    total, heads, dim = q.shape
+    out = torch.empty((total, heads, dim), dtype=q.dtype, device=q.device)
+    starts: dict[int, list[int]] = {}
+    offset = 0
+    for n in seqlens:
+        starts.setdefault(n, []).append(offset)
+        offset += n
+    for length, group in starts.items():
+        idx = (torch.tensor(group, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
+        qb, kb, vb = (t.index_select(0, idx).view(len(group), length, heads, dim).transpose(1, 2)
+                      for t in (q, k, v))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, scale=softmax_scale)  # [B, H, L, D]
+        out.index_copy_(0, idx, ob.transpose(1, 2).reshape(-1, heads, dim))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _load_tile(BASE, rows, cols, stride_t, row_mask, COS, SIN, stride_c, tok0,
+                   HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr,
+                   ROPE: tl.constexpr):
+        """A [rows, cols] tile of one head; with ROPE, rotated in float32 and rounded to the input dtype."""
+        ptrs = BASE + rows[:, None] * stride_t + cols[None, :]
+        mask = (row_mask[:, None] | (not MASK_ROWS)) & ((cols < HEAD_DIM)[None, :] | (not MASK_COLS))
+        if MASK_ROWS or MASK_COLS:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        else:
+            x = tl.load(ptrs)
+        if ROPE:
+            HALF: tl.constexpr = HEAD_DIM // 2
+            lower = cols < HALF
+            partner = tl.where(lower, cols + HALF, cols - HALF)
+            cs = (tok0 + rows)[:, None] * stride_c + tl.where(lower, cols, cols - HALF)[None, :]
+            p_ptrs = BASE + rows[:, None] * stride_t + partner[None, :]
+            if MASK_ROWS or MASK_COLS:
+                xp = tl.load(p_ptrs, mask=mask, other=0.0)
+                c = tl.load(COS + cs, mask=mask, other=0.0)
+                s = tl.load(SIN + cs, mask=mask, other=0.0)
+            else:
+                xp = tl.load(p_ptrs)
+                c = tl.load(COS + cs)
+                s = tl.load(SIN + cs)
+            xp = tl.where(lower[None, :], -xp.to(tl.float32), xp.to(tl.float32))
+            x = (x.to(tl.float32) * c + xp * s).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _attn_step(acc0, acc1, l_i, m_i, q0, q1, K_BASE, V_BASE, COS, SIN, start_n, seqlen, tok0,
+                   stride_kt, stride_vt, stride_c, qk_scale,
+                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MASK_N: tl.constexpr, ROPE: tl.constexpr):
+        rows = start_n + tl.arange(0, BLOCK_N)
+        n_mask = rows < seqlen
+        cols0 = tl.arange(0, D0)
+        k0 = _load_tile(K_BASE, rows, cols0, stride_kt, n_mask, COS, SIN, stride_c, tok0,
+                        HEAD_DIM, MASK_N, False, ROPE)
+        qk = tl.dot(q0, tl.trans(k0))
+        if D1 > 0:
+            cols1 = D0 + tl.arange(0, D1)
+            k1 = _load_tile(K_BASE, rows, cols1, stride_kt, n_mask, COS, SIN, stride_c, tok0,
+                            HEAD_DIM, MASK_N, D0 + D1 > HEAD_DIM, ROPE)
+            qk = tl.dot(q1, tl.trans(k1), qk)
+        qk = qk * qk_scale
+        if MASK_N:
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v0 = _load_tile(V_BASE, rows, cols0, stride_vt, n_mask, COS, SIN, stride_c, tok0,
+                        HEAD_DIM, MASK_N, False, False)
+        p = p.to(v0.dtype)
+        acc0 = tl.dot(p, v0, acc0 * alpha[:, None])
+        if D1 > 0:
+            v1 = _load_tile(V_BASE, rows, D0 + tl.arange(0, D1), stride_vt, n_mask, COS, SIN, stride_c,
+                            tok0, HEAD_DIM, MASK_N, D0 + D1 > HEAD_DIM, False)
+            acc1 = tl.dot(p, v1, acc1 * alpha[:, None])
+        return acc0, acc1, l_i, m_ij
+
+    @triton.jit
+    def _varlen_attn_fwd(
+        Q, K, V, O, CU_SEQLENS, COS, SIN,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_c,
+        qk_scale, SEQ_BUCKET,
+        HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D1_ALLOC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+    ):
+        start_m = tl.program_id(0)
+        head = tl.program_id(1)
+        seg = tl.program_id(2)
+        tok0 = tl.load(CU_SEQLENS + seg)
+        seqlen = tl.load(CU_SEQLENS + seg + 1) - tok0
+        if start_m * BLOCK_M >= seqlen:
+            return
+        rows_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = rows_m < seqlen
+        q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
+        k_base = K + tok0.to(tl.int64) * stride_kt + head * stride_kh
+        v_base = V + tok0.to(tl.int64) * stride_vt + head * stride_vh
+        cols0 = tl.arange(0, D0)
+        cols1 = D0 + tl.arange(0, D1_ALLOC)
+        q0 = _load_tile(q_base, rows_m, cols0, stride_qt, m_mask, COS, SIN, stride_c, tok0,
+                        HEAD_DIM, True, False, ROPE)
+        q1 = q0
+        if D1 > 0:
+            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0,
+                            HEAD_DIM, True, D0 + D1 > HEAD_DIM, ROPE)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, D1_ALLOC], tl.float32)
+        n_full = (seqlen // BLOCK_N) * BLOCK_N
+        for start_n in range(0, n_full, BLOCK_N):
+            acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
+                                              start_n, seqlen, tok0, stride_kt, stride_vt, stride_c,
+                                              qk_scale, HEAD_DIM, D0, D1, BLOCK_N, False, ROPE)
+        if n_full < seqlen:
+            acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
+                                              n_full, seqlen, tok0, stride_kt, stride_vt, stride_c,
+                                              qk_scale, HEAD_DIM, D0, D1, BLOCK_N, True, ROPE)
+
+        inv_l = 1.0 / l_i
+        o_base = O + tok0.to(tl.int64) * stride_ot + head * stride_oh
+        o_rows = o_base + rows_m[:, None] * stride_ot
+        tl.store(o_rows + cols0[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=m_mask[:, None])
+        if D1 > 0:
+            tl.store(o_rows + cols1[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
+                     mask=m_mask[:, None] & (cols1 < HEAD_DIM)[None, :])
+
+
+def head_dim_split(head_dim: int) -> tuple[int, int]:
+    """(D0, D1): a power-of-two chunk and a power-of-two remainder (0 or >= 16) covering head_dim."""
+    if head_dim < 16 or head_dim > 256 or head_dim % 8:
+        raise ValueError(f"head_dim must be a multiple of 8 in [16, 256]; got {head_dim}")
+    d0 = 1 << (head_dim.bit_length() - 1)
+    rest = head_dim - d0
+    d1 = 0 if rest == 0 else max(16, 1 << (rest - 1).bit_length())
+    return d0, d1
+
+
+def seq_bucket(max_seqlen: int) -> int:
+    """Coarse length class for the autotune key: a new image size never re-tunes, a new class may."""
+    return 0 if max_seqlen <= 256 else 1 if max_seqlen <= 1024 else 2 if max_seqlen <= 4096 else 3
+
+
+def _configs():
+    cfgs = []
+    for bm, bn, warps, stages in [
+        (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+        (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4),
+    ]:
+        cfgs.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages))
+    return cfgs
+
+
+def _prune(configs, named_args, **kwargs):
+    bucket = named_args["SEQ_BUCKET"]
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    keep = []
+    for c in configs:
+        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if bucket == 0 and bm > 128:
+            continue
+        if head_dim > 128 and bn > 64:  # register pressure: the 128x128 fp32 P tile plus a 256-wide accumulator
+            continue
+        keep.append(c)
+    return keep or configs[:1]
+
+
+_tuned_kernel = None
+
+
+def _get_tuned():
+    global _tuned_kernel
+    if _tuned_kernel is None:
+        _tuned_kernel = triton.autotune(
+            configs=_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE"], prune_configs_by={"early_config_prune": _prune},
+        )(_varlen_attn_fwd)
+    return _tuned_kernel
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
+                            seqlens=None, out=None, block_m=None, block_n=None):
+    """Triton forward. Returns `out` `(total_tokens, heads, head_dim)` in q's dtype.
+
+    `seqlens` is accepted for signature parity with the fallback and ignored. `block_m`/`block_n`
+    pin a tile shape instead of autotuning (the interpreter and tests use this).
+    """
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim; strides {t.stride()}")
+    total, heads, head_dim = q.shape
+    d0, d1 = head_dim_split(head_dim)
+    if out is None:
+        out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    rope = cos is not None
+    cos_t = cos if rope else q  # placeholders: never read when ROPE is off
+    sin_t = sin if rope else q
+    stride_c = cos.stride(0) if rope else 0
+    segments = cu_seqlens.numel() - 1
+    args = (q, k, v, out, cu_seqlens, cos_t, sin_t,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1), stride_c, scale * math.log2(math.e), seq_bucket(max_seqlen))
+    meta = dict(HEAD_DIM=head_dim, D0=d0, D1=d1, D1_ALLOC=max(d1, 16), ROPE=rope)
+    if block_m is not None or _interpreting():
+        bm, bn = block_m or 32, block_n or 16
+        grid = (triton.cdiv(max_seqlen, bm), heads, segments)
+        _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    else:
+        grid = lambda m: (triton.cdiv(max_seqlen, m["BLOCK_M"]), heads, segments)  # noqa: E731
+        _get_tuned()[grid](*args, **meta)
+    return out

@@ -1,0 +1,101 @@
+"""`qwen3vl-encoder`: `encode` files to a safetensors file, or `serve` the HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from .errors import EncoderError
+
+log = logging.getLogger("qwen3vl_encoder")
+
+
+def result_tensors(results, start: int = 0, pooled=None) -> dict[str, torch.Tensor]:
+    """The shared output layout of the CLI and the API: embeds.{i}, deepstack.{i}, grid_thw.{i}, pooled.{i}."""
+    out = {}
+    for i, r in enumerate(results, start):
+        out[f"embeds.{i}"] = r.embeds.contiguous()
+        out[f"deepstack.{i}"] = r.deepstack.contiguous()
+        out[f"grid_thw.{i}"] = torch.tensor(r.grid_thw, dtype=torch.int64)
+        if pooled is not None:
+            out[f"pooled.{i}"] = pooled[i - start].contiguous()
+    return out
+
+
+def encode_main(args) -> int:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from .encoder import Encoder, pack_by_budget
+
+    encoder = Encoder.load(args.model, args.device, args.dtype)
+    items = []
+    for path in tqdm(args.files, desc="preprocess", unit="img", disable=args.quiet):
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise EncoderError(f"{path}: cannot read ({e.strerror})") from e
+        try:
+            items.append(encoder.preprocess(data, args.min_pixels, args.max_pixels))
+        except EncoderError as e:
+            raise type(e)(f"{path}: {e}") from e
+    packs = pack_by_budget([it.num_patches for it in items], args.max_batch_patches, args.max_batch_items)
+    tensors: dict[str, torch.Tensor] = {}
+    for pack in tqdm(packs, desc="encode", unit="batch", disable=args.quiet):
+        results = encoder.encode([items[i] for i in pack])
+        for i, r in zip(pack, results):
+            tensors.update(result_tensors([r], start=i))
+    save_file(tensors, str(args.output), metadata={"model": args.model, "dtype": args.dtype})
+    log.info("wrote %d inputs to %s", len(items), args.output)
+    return 0
+
+
+def serve_main(args) -> int:
+    from .server import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    enc = sub.add_parser("encode", help="encode image files into a safetensors file")
+    enc.add_argument("--model", required=True, help="checkpoint directory or random:<preset>")
+    enc.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    enc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    enc.add_argument("--output", "-o", required=True, type=Path)
+    enc.add_argument("--min-pixels", type=int, default=None)
+    enc.add_argument("--max-pixels", type=int, default=None)
+    enc.add_argument("--max-batch-patches", type=int, default=32768, help="patch budget of one forward")
+    enc.add_argument("--max-batch-items", type=int, default=64)
+    enc.add_argument("--quiet", action="store_true", help="no progress bars")
+    enc.add_argument("files", nargs="+", type=Path)
+    enc.set_defaults(func=encode_main)
+
+    srv = sub.add_parser("serve", help="run the HTTP service (settings also from QWEN3VL_* env vars)")
+    srv.add_argument("--model", default=None, help="checkpoint directory or random:<preset>")
+    srv.add_argument("--host", default=None)
+    srv.add_argument("--port", type=int, default=None)
+    srv.add_argument("--device", default=None)
+    srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    srv.set_defaults(func=serve_main)
+    return parser
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EncoderError as e:
+        log.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Preprocessed items -> per-item embeddings, through packed forwards of the tower.
+
+No HTTP and no queueing here: the CLI and the batching engine both call `Encoder.encode`, which runs
+one packed forward and splits its outputs back per item. An item's result does not depend on what
+it was packed with (attention is block-diagonal per frame, every other op is per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .loader import load_tower
+from .preprocess import ImagePreprocessor, Preprocessed
+from .tower import VisionTower
+
+
+@dataclass
+class EncodeResult:
+    embeds: torch.Tensor  # [n_merged, out_hidden], on the CPU
+    deepstack: torch.Tensor  # [n_deepstack, n_merged, out_hidden]
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.embeds.shape[0]
+
+
+class Encoder:
+    def __init__(self, tower: VisionTower, preprocessor: ImagePreprocessor):
+        self.tower = tower
+        self.preprocessor = preprocessor
+        p = next(tower.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.config = tower.config
+
+    @classmethod
+    def load(cls, model: str, device="cpu", dtype="float32") -> "Encoder":
+        tower, pre_cfg = load_tower(model, device, dtype)
+        return cls(tower, ImagePreprocessor(pre_cfg))
+
+    @property
+    def backend(self) -> str:
+        return self.tower.backend
+
+    def preprocess(self, data, min_pixels: int | None = None, max_pixels: int | None = None) -> Preprocessed:
+        return self.preprocessor(data, min_pixels=min_pixels, max_pixels=max_pixels)
+
+    @torch.inference_mode()
+    def encode(self, items: list[Preprocessed], deepstack: bool = True) -> list[EncodeResult]:
+        """One packed forward over `items`; results in the same order, on the CPU."""
+        if not items:
+            return []
+        plan = self.tower.plan([it.grid_thw for it in items])
+        pixels = torch.from_numpy(np.concatenate([it.pixel_values for it in items]))
+        if self.device.type == "cuda":
+            pixels = pixels.pin_memory()
+        pixels = pixels.to(self.device, non_blocking=True)
+        merged, ds = self.tower(pixels, plan)
+        sizes = [it.num_patches // self.config.merge_unit for it in items]
+        merged = merged.cpu()
+        ds = ds.cpu() if deepstack else None
+        out, start = [], 0
+        for it, n in zip(items, sizes):
+            out.append(EncodeResult(
+                embeds=merged[start:start + n],
+                deepstack=ds[:, start:start + n] if ds is not None else merged.new_empty((0, n, merged.shape[1])),
+                grid_thw=it.grid_thw,
+            ))
+            start += n
+        return out
+
+
+def pack_by_budget(sizes: list[int], max_patches: int, max_items: int) -> list[list[int]]:
+    """Greedy in-order packing of item indices: each pack holds <= max_items items and <= max_patches
+    patches (an item larger than the budget travels alone)."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if current and (used + n > max_patches or len(current) >= max_items):
+            packs.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        packs.append(current)
+    return packs

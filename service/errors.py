@@ -1,0 +1,65 @@
+"""Typed errors. Only the API layer maps them to HTTP status codes (service/api.py)."""
+
+from __future__ import annotations
+
+
+class EncoderError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+    reason = "internal"
+
+
+class CheckpointError(EncoderError):
+    """The model directory or preset cannot be loaded; the message names the file and key."""
+
+    reason = "checkpoint"
+
+
+class InvalidInput(EncoderError):
+    """One input item is unusable. `index` is its position in the request, when known."""
+
+    reason = "invalid_input"
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.index = index
+
+    def at(self, index: int) -> "InvalidInput":
+        """The same error, attributed to item `index` of a request."""
+        err = type(self)(self.message, index)
+        err.__cause__ = self.__cause__
+        return err
+
+    def __str__(self) -> str:
+        return self.message if self.index is None else f"input {self.index}: {self.message}"
+
+
+class UnsupportedImage(InvalidInput):
+    """Bytes that are empty, corrupt, or not an image format we decode."""
+
+    reason = "unsupported_image"
+
+
+class ImageTooLarge(InvalidInput):
+    """An image over the pixel limit (including decompression bombs)."""
+
+    reason = "image_too_large"
+
+
+class Overloaded(EncoderError):
+    """The queue is full; retry after `retry_after` seconds."""
+
+    reason = "overloaded"
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(EncoderError):
+    reason = "deadline_exceeded"
+
+
+class ShuttingDown(EncoderError):
+    reason = "shutting_down"

@@ -1,0 +1,195 @@
+"""The Qwen3-VL vision tower, written for serving.
+
+Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load with a plain
+`load_state_dict`. What differs is how the forward is organised:
+- everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
+  interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
+  no per-image Python loop and no device->host reads;
+- attention runs through `kernels.varlen_attention`: one Triton launch per block on CUDA (RoPE fused
+  into the Q/K loads), one SDPA call per distinct segment length elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
+
+from .config import TowerConfig
+
+
+@dataclass
+class PackPlan:
+    """Per-forward metadata for a pack of grids `(t, h, w)` (in patches)."""
+
+    grids: tuple[tuple[int, int, int], ...]
+    seqlens: list[int]  # host copy of the attention segment lengths (one per frame)
+    cu_seqlens: torch.Tensor  # int32 [segments + 1]
+    max_seqlen: int
+    cos: torch.Tensor  # float32 [T, head_dim / 2]
+    sin: torch.Tensor
+    interp_index: torch.Tensor  # long [T, 4]: bilinear taps into the learned position grid
+    interp_weight: torch.Tensor  # float32 [T, 4]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t * h * w for t, h, w in self.grids)
+
+    @staticmethod
+    def build(grids, cfg: TowerConfig, device) -> "PackPlan":
+        grids = tuple(tuple(int(x) for x in g) for g in grids)
+        m = cfg.spatial_merge_size
+        for t, h, w in grids:
+            if t < 1 or h < m or w < m or h % m or w % m:
+                raise ValueError(f"grid {(t, h, w)} is not a positive multiple of the merge size {m}")
+        seqlens = [h * w for t, h, w in grids for _ in range(t)]
+        cu = torch.tensor([0] + seqlens, dtype=torch.int64).cumsum(0).to(torch.int32)
+        total = sum(seqlens)
+        cu_seqlens = cu.to(device, non_blocking=True)
+
+        g = torch.tensor(grids, dtype=torch.int64).to(device, non_blocking=True)  # [N, 3]
+        counts = g.prod(1)
+        heights = torch.repeat_interleave(g[:, 1], counts, output_size=total)
+        widths = torch.repeat_interleave(g[:, 2], counts, output_size=total)
+        starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=total)
+        within = (torch.arange(total, device=device) - starts) % (heights * widths)  # index inside a frame
+        # Tokens are laid out in merge-block order: (block_row, block_col, in_row, in_col).
+        block_col = (within // (m * m)) % (widths // m)
+        block_row = within // (m * m * (widths // m))
+        row = block_row * m + (within // m) % m
+        col = block_col * m + within % m
+
+        cos, sin = vision_rope_cos_sin(torch.stack([row, col], 1), vision_rope_inv_freq(
+            cfg.head_dim, cfg.rope_theta, device=device))
+        side = cfg.num_grid_per_side
+        r_taps, r_w = _bilinear_taps(row, heights, side)
+        c_taps, c_w = _bilinear_taps(col, widths, side)
+        index = (r_taps[:, :, None] * side + c_taps[:, None, :]).reshape(total, 4)
+        weight = (r_w[:, :, None] * c_w[:, None, :]).reshape(total, 4)
+        return PackPlan(grids, seqlens, cu_seqlens, max(seqlens), cos, sin, index, weight)
+
+
+def _bilinear_taps(index, size, side):
+    """Bilinear (align_corners=True) taps and weights of target positions `index` on an axis of `size`
+    into a learned axis of `side` entries: `F.interpolate`'s arithmetic, as transformers computes it."""
+    src = index.to(torch.float32) * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(2, device=index.device)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
+
+    def forward(self, x):
+        # A stride == kernel Conv3d over one patch is a matmul: [T, C*t*p*p] @ [C*t*p*p, hidden]
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x, plan: PackPlan, backend: str):
+        tokens = x.shape[0]
+        # [T, 3*H*D] -> 3 x [T, H, D] strided views; the kernel reads them in place
+        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
+        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, cos=plan.cos, sin=plan.sin,
+                               seqlens=plan.seqlens, backend=backend)
+        return self.proj(out.view(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act_fn = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x):
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, plan: PackPlan, backend: str):
+        x = x + self.attn(self.norm1(x), plan, backend)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """2x2 neighbouring tokens -> one: optional LayerNorm after the shuffle (DeepStack) or before."""
+
+    def __init__(self, cfg: TowerConfig, postshuffle_norm: bool):
+        super().__init__()
+        self.merged = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.merged if postshuffle_norm else cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged, self.merged)
+        self.act_fn = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.merged, cfg.out_hidden_size)
+
+    def forward(self, x):
+        x = self.norm(x.view(-1, self.merged)) if self.postshuffle_norm else self.norm(x).view(-1, self.merged)
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+class VisionTower(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.config = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, postshuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
+        )
+        self._backend: str | None = None
+
+    @property
+    def backend(self) -> str:
+        """The attention backend this tower runs on its current device ('triton' or 'sdpa')."""
+        if self._backend is None:
+            self._backend = resolve_backend(self.pos_embed.weight.device)
+        return self._backend
+
+    def plan(self, grids) -> PackPlan:
+        return PackPlan.build(grids, self.config, self.pos_embed.weight.device)
+
+    def forward(self, pixel_values: torch.Tensor, plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out]."""
+        if pixel_values.shape[0] != plan.num_tokens:
+            raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
+        x = self.patch_embed(pixel_values)
+        pos = (self.pos_embed(plan.interp_index) * plan.interp_weight[:, :, None]).sum(1)
+        x = x + pos.to(x.dtype)
+        taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
+        deepstack = []
+        for layer, block in enumerate(self.blocks):
+            x = block(x, plan, self.backend)
+            if layer in taps:
+                deepstack.append(self.deepstack_merger_list[taps[layer]](x))
+        merged = self.merger(x)
+        deepstack = torch.stack(deepstack) if deepstack else merged.new_empty((0, *merged.shape))
+        return merged, deepstack
