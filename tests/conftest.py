@@ -1,0 +1,125 @@
+"""Shared fixtures: small but genuine Qwen3-VL checkpoints written by transformers' own save_pretrained,
+and test images (real photographs from scikit-image plus awkward synthetic ones)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+# A tower that exercises everything of the real ones: several blocks, two DeepStack taps, a
+# non-square learned position grid resampled to non-square images, head_dim 16.
+TINY_VISION = dict(
+    depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=48,
+    num_position_embeddings=64, deepstack_visual_indexes=[0, 2],
+)
+TINY_TEXT = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+QWEN3VL_PREPROCESSOR = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor",
+}
+
+
+def _save_full(path: Path, max_shard_size=None, seed=0) -> Path:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(vision_config=TINY_VISION, text_config=TINY_TEXT))
+    _randomize_biases(model)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    (path / "preprocessor_config.json").write_text(json.dumps(QWEN3VL_PREPROCESSOR))
+    return path
+
+
+def _randomize_biases(model):
+    # transformers initialises biases and LayerNorms to 0/1; random values make the parity tests bite
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name and (name.endswith("bias") or "norm" in name):
+                p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="session")
+def full_checkpoint(tmp_path_factory) -> Path:
+    """A full Qwen3VLForConditionalGeneration checkpoint in one safetensors file."""
+    return _save_full(tmp_path_factory.mktemp("qwen3vl_full"))
+
+
+@pytest.fixture(scope="session")
+def sharded_checkpoint(tmp_path_factory) -> Path:
+    """The same architecture, sharded into many files with model.safetensors.index.json."""
+    path = _save_full(tmp_path_factory.mktemp("qwen3vl_sharded"), max_shard_size="50KB", seed=1)
+    assert (path / "model.safetensors.index.json").is_file()
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_model(full_checkpoint):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(full_checkpoint, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="session")
+def hf_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(**{k: v for k, v in QWEN3VL_PREPROCESSOR.items() if "type" not in k
+                                       and k != "processor_class"})
+
+
+def encode_bytes(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def photos() -> dict[str, Image.Image]:
+    """Real photographs shipped with scikit-image, and awkward images in every PIL mode we convert."""
+    import skimage.data as data
+
+    rng = np.random.default_rng(1234)
+    rgba = rng.integers(0, 256, (37, 53, 4), dtype=np.uint8)
+    rgba[..., 3] = np.linspace(0, 255, 53, dtype=np.uint8)[None, :]  # graded transparency
+    return {
+        "astronaut": Image.fromarray(data.astronaut()),
+        "coffee": Image.fromarray(data.coffee()),
+        "chelsea": Image.fromarray(data.chelsea()),
+        "camera_gray": Image.fromarray(data.camera()),  # mode L
+        "rgba": Image.fromarray(rgba, "RGBA"),
+        "tiny_3x2": Image.fromarray(rng.integers(0, 256, (2, 3, 3), dtype=np.uint8)),
+        "aspect_1x20": Image.fromarray(rng.integers(0, 256, (40, 800, 3), dtype=np.uint8)),
+    }
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def hf_tower_outputs(visual, pixel_values, grid_thw):
+    """(merged [T/4, out], [deepstack [T/4, out], ...]) from transformers' vision tower, whichever
+    output type this transformers release returns (a tuple in older ones, a dataclass in newer)."""
+    with torch.no_grad():
+        out = visual(pixel_values.to(visual.dtype), grid_thw=grid_thw)
+    if isinstance(out, tuple):
+        return out[0], list(out[1])
+    return out.pooler_output, list(out.deepstack_features)
