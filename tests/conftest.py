@@ -8,10 +8,17 @@ import json
 import logging
 from pathlib import Path
 
+import os
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+# Without a GPU the Triton kernels run in Triton's interpreter. The switch is read when a kernel is
+# decorated, so it must be set before anything imports `kernels`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A tower that exercises everything of the real ones: several blocks, two DeepStack taps, a
 # non-square learned position grid resampled to non-square images, head_dim 16.

@@ -1,0 +1,81 @@
+"""Shared benchmark plumbing: shapes from the real architectures, timing, and the results file."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from service.config import PRESETS
+
+RESULTS = Path(__file__).parent / "results"
+
+# Attention shapes: 16 heads and the head dims of the real towers (2B/4B: 64; 8B/32B/MoE: 72).
+HEAD_DIMS = {"qwen3-vl-2b": PRESETS["qwen3-vl-2b"].head_dim, "qwen3-vl-8b": PRESETS["qwen3-vl-8b"].head_dim}
+HEADS = PRESETS["qwen3-vl-2b"].num_heads
+ATTENTION_CASES = {
+    "1x1024": [1024],
+    "1x4096": [4096],
+    "1x16384": [16384],
+    "8x1024": [1024] * 8,
+    "64x256": [256] * 64,
+    "mixed8": [256, 784, 1024, 2304, 4096, 576, 1600, 3136],
+    "32x784": [784] * 32,
+}
+
+
+def bench(fn, warmup_ms=100, rep_ms=500) -> float:
+    """Median milliseconds over many runs, timed with CUDA events (triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def environment() -> dict:
+    import transformers
+    import triton
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        rev = ""
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if torch.cuda.is_available() else "",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "git_revision": os.environ.get("GIT_REVISION", rev),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:
+    out = Path(out_dir or os.environ.get("OUT") or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
+    return str(v)

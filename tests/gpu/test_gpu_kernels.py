@@ -1,0 +1,49 @@
+"""The Triton varlen attention kernel at full size on a CUDA GPU (run on the H100; skipped in CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_err
+from kernels.varlen_attention import reference_varlen_attention, sdpa_varlen_attention, triton_varlen_attention
+from test_varlen_attention import make_inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+LENGTHS = [[1], [7], [131], [1023], [4096], [1, 7, 131, 1023, 4096], [64] * 100, [3, 256, 784, 1, 1024, 2304, 17]]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: f"{len(l)}seg_max{max(l)}")
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (72, torch.bfloat16), (80, torch.bfloat16),
+                                            (128, torch.bfloat16), (72, torch.float16), (64, torch.float16)])
+@pytest.mark.parametrize("rope", [False, True])
+def test_kernel_vs_fp32_reference(lengths, head_dim, rope, dtype):
+    torch.manual_seed(sum(lengths) + head_dim)
+    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, dtype, rope, seed=head_dim, device="cuda")
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "unwritten output elements"
+    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
+    low = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin, upcast=False)
+    err, torch_err = rel_err(out, ref), rel_err(low, ref)
+    assert err <= 2 * torch_err, (err, torch_err)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72])
+def test_kernel_matches_sdpa_fallback(head_dim):
+    lengths = [784] * 5 + [256, 1]
+    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, True, device="cuda")
+    a = triton_varlen_attention(q, k, v, cu, 784, cos=cos, sin=sin)
+    b = sdpa_varlen_attention(q, k, v, cu, 784, cos=cos, sin=sin)
+    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
+    assert rel_err(a, b) <= 2 * max(rel_err(b, ref), rel_err(a, ref))
+    assert rel_err(a, ref) <= 1e-2
+
+
+def test_run_to_run_deterministic():
+    q, k, v, cu, cos, sin = make_inputs([1023, 4096, 5], 16, 72, torch.bfloat16, True, device="cuda")
+    a = triton_varlen_attention(q, k, v, cu, 4096, cos=cos, sin=sin)
+    b = triton_varlen_attention(q, k, v, cu, 4096, cos=cos, sin=sin)
+    assert torch.equal(a, b)

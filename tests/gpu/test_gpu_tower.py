@@ -1,0 +1,100 @@
+"""The tower in bfloat16 on a CUDA GPU against transformers, at the 2B and 8B presets' dimensions.
+
+Tolerance rule (../shared/STYLE.md): our error against a float32 reference may be at most 2x the
+error of transformers' own bfloat16 tower against the same reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import encode_bytes, hf_tower_outputs, photos, rel_err
+from service.config import preset
+from service.encoder import Encoder
+from service.loader import random_tower
+from service.preprocess import ImagePreprocessor, PreprocessConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def hf_tower(cfg, state, dtype):
+    from transformers import Qwen3VLVisionConfig, Qwen3VLVisionModel
+
+    hf_cfg = Qwen3VLVisionConfig(
+        depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size,
+        deepstack_visual_indexes=list(cfg.deepstack_visual_indexes),
+        num_position_embeddings=cfg.num_position_embeddings,
+    )
+    with torch.device("cuda"):
+        model = Qwen3VLVisionModel(hf_cfg)
+    model.load_state_dict(state)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3-vl-2b", "qwen3-vl-8b"])
+def towers(request):
+    cfg = preset(request.param)
+    ours32 = random_tower(cfg, "cuda", torch.float32, seed=1)
+    state = {k: v.clone() for k, v in ours32.state_dict().items()}
+    ours = random_tower(cfg, "cuda", torch.bfloat16, seed=1)
+    ref = hf_tower(cfg, state, torch.float32)
+    hf_bf16 = hf_tower(cfg, state, torch.bfloat16)
+    yield cfg, ours, ref, hf_bf16
+    del ours32, ours, ref, hf_bf16
+    torch.cuda.empty_cache()
+
+
+def _pack():
+    """Real photos at their native sizes, a tiny and a 1:20 image, packed together."""
+    pre = ImagePreprocessor(PreprocessConfig())
+    return [pre(encode_bytes(img)) for img in photos().values()]
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_tower_bf16_parity(towers, backend):
+    cfg, ours, ref, hf_bf16 = towers
+    items = _pack()
+    grids = torch.tensor([it.grid_thw for it in items], device="cuda")
+    pixels = torch.cat([torch.from_numpy(it.pixel_values) for it in items]).cuda()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref_m, ref_ds = hf_tower_outputs(ref, pixels, grids)
+    hf_m, hf_ds = hf_tower_outputs(hf_bf16, pixels, grids)
+    ours._backend = backend
+    with torch.inference_mode():
+        m, ds = ours(pixels, ours.plan([it.grid_thw for it in items]))
+    err, hf_err = rel_err(m, ref_m), rel_err(hf_m, ref_m)
+    print(f"{cfg.source} {backend}: merged rel err {err:.3e} (transformers bf16 {hf_err:.3e})")
+    assert err <= 2 * hf_err
+    for level in range(len(ref_ds)):
+        e, h = rel_err(ds[level], ref_ds[level]), rel_err(hf_ds[level], ref_ds[level])
+        print(f"  deepstack {level}: {e:.3e} (transformers bf16 {h:.3e})")
+        assert e <= 2 * h
+
+
+def test_video_grid_and_backends_agree(towers):
+    cfg, ours, ref, _ = towers
+    grids = [(8, 28, 28), (1, 32, 20)]
+    n = sum(t * h * w for t, h, w in grids)
+    pixels = torch.randn(n, cfg.patch_dim, device="cuda")
+    plan = ours.plan(grids)
+    outs = {}
+    with torch.inference_mode():
+        for backend in ("triton", "sdpa"):
+            ours._backend = backend
+            outs[backend] = ours(pixels, plan)
+    ref_m, _ = hf_tower_outputs(ref, pixels, torch.tensor(grids, device="cuda"))
+    e_t, e_s = rel_err(outs["triton"][0], ref_m), rel_err(outs["sdpa"][0], ref_m)
+    print(f"{cfg.source} video: triton {e_t:.3e}, sdpa {e_s:.3e}, between {rel_err(outs['triton'][0], outs['sdpa'][0]):.3e}")
+    assert e_t <= 2 * e_s and e_t < 2e-2
+
+
+def test_encoder_end_to_end_bf16(towers):
+    cfg, ours, _, _ = towers
+    enc = Encoder(ours, ImagePreprocessor(PreprocessConfig()))
+    items = _pack()
+    packed = enc.encode(items)
+    for it, r in zip(items, packed):
+        alone = enc.encode([it])[0]
+        assert rel_err(r.embeds.float(), alone.embeds.float()) < 1e-2
