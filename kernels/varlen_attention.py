@@ -10,8 +10,10 @@ Kernel design:
   covers any mix of lengths without host syncs or per-segment launches;
 - online softmax in base 2 with fp32 state; each K/V tile is loaded once per query tile and shared by
   all its rows; full tiles run unmasked, only a segment's last tile is masked;
-- the head dim is split into a power-of-two chunk D0 and a 16-wide remainder D1 (72 = 64 + 8/16,
-  80 = 64 + 16), so 72 and 80 cost 80 lanes, not 128;
+- the head dim is split into a power-of-two chunk D0 and remainder chunks made of the *last*
+  columns (for 72: QK^T over [0, 64) + [56, 72), PV over [0, 64) + [8, 72)); the overlap is zeroed in
+  Q's registers and not stored from the output, so no load needs a column mask. See head_dim_split
+  for why the PV remainder is 64 wide;
 - with `ROPE`, Q (once) and each K tile are rotated as they are loaded: the rotate-half partner
   columns are a second (cached) load, the float32 cos/sin table is indexed by global token.
 """
@@ -112,13 +114,12 @@ if triton is not None:
 
     @triton.jit
     def _load_tile(BASE, rows, cols, stride_t, row_mask, COS, SIN, stride_c, tok0,
-                   HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr,
-                   ROPE: tl.constexpr):
-        """A [rows, cols] tile of one head; with ROPE, rotated in float32 and rounded to the input dtype."""
+                   HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, ROPE: tl.constexpr):
+        """A [rows, cols] tile of one head (all cols < HEAD_DIM); with ROPE, rotated in float32 and
+        rounded to the input dtype. Only rows are ever masked, so column loads stay vectorised."""
         ptrs = BASE + rows[:, None] * stride_t + cols[None, :]
-        mask = (row_mask[:, None] | (not MASK_ROWS)) & ((cols < HEAD_DIM)[None, :] | (not MASK_COLS))
-        if MASK_ROWS or MASK_COLS:
-            x = tl.load(ptrs, mask=mask, other=0.0)
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
         else:
             x = tl.load(ptrs)
         if ROPE:
@@ -127,10 +128,10 @@ if triton is not None:
             partner = tl.where(lower, cols + HALF, cols - HALF)
             cs = (tok0 + rows)[:, None] * stride_c + tl.where(lower, cols, cols - HALF)[None, :]
             p_ptrs = BASE + rows[:, None] * stride_t + partner[None, :]
-            if MASK_ROWS or MASK_COLS:
-                xp = tl.load(p_ptrs, mask=mask, other=0.0)
-                c = tl.load(COS + cs, mask=mask, other=0.0)
-                s = tl.load(SIN + cs, mask=mask, other=0.0)
+            if MASK_ROWS:
+                xp = tl.load(p_ptrs, mask=row_mask[:, None], other=0.0)
+                c = tl.load(COS + cs, mask=row_mask[:, None], other=0.0)
+                s = tl.load(SIN + cs, mask=row_mask[:, None], other=0.0)
             else:
                 xp = tl.load(p_ptrs)
                 c = tl.load(COS + cs)
@@ -142,19 +143,18 @@ if triton is not None:
     @triton.jit
     def _attn_step(acc0, acc1, l_i, m_i, q0, q1, K_BASE, V_BASE, COS, SIN, start_n, seqlen, tok0,
                    stride_kt, stride_vt, stride_c, qk_scale,
-                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr, D1: tl.constexpr,
+                   DV1: tl.constexpr, BLOCK_N: tl.constexpr,
                    MASK_N: tl.constexpr, ROPE: tl.constexpr):
         rows = start_n + tl.arange(0, BLOCK_N)
         n_mask = rows < seqlen
         cols0 = tl.arange(0, D0)
-        k0 = _load_tile(K_BASE, rows, cols0, stride_kt, n_mask, COS, SIN, stride_c, tok0,
-                        HEAD_DIM, MASK_N, False, ROPE)
+        k0 = _load_tile(K_BASE, rows, cols0, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, ROPE)
         qk = tl.dot(q0, tl.trans(k0))
-        if D1 > 0:
-            cols1 = D0 + tl.arange(0, D1)
-            k1 = _load_tile(K_BASE, rows, cols1, stride_kt, n_mask, COS, SIN, stride_c, tok0,
-                            HEAD_DIM, MASK_N, D0 + D1 > HEAD_DIM, ROPE)
-            qk = tl.dot(q1, tl.trans(k1), qk)
+        if REM:
+            cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
+            k1 = _load_tile(K_BASE, rows, cols1, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, ROPE)
+            qk = tl.dot(q1, tl.trans(k1), qk)  # q1 is zero where cols1 overlaps chunk 0
         qk = qk * qk_scale
         if MASK_N:
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -162,13 +162,12 @@ if triton is not None:
         p = tl.math.exp2(qk - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v0 = _load_tile(V_BASE, rows, cols0, stride_vt, n_mask, COS, SIN, stride_c, tok0,
-                        HEAD_DIM, MASK_N, False, False)
+        v0 = _load_tile(V_BASE, rows, cols0, stride_vt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, False)
         p = p.to(v0.dtype)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None])
-        if D1 > 0:
-            v1 = _load_tile(V_BASE, rows, D0 + tl.arange(0, D1), stride_vt, n_mask, COS, SIN, stride_c,
-                            tok0, HEAD_DIM, MASK_N, D0 + D1 > HEAD_DIM, False)
+        if REM:
+            v1 = _load_tile(V_BASE, rows, (HEAD_DIM - DV1) + tl.arange(0, DV1), stride_vt, n_mask, COS, SIN,
+                            stride_c, tok0, HEAD_DIM, MASK_N, False)
             acc1 = tl.dot(p, v1, acc1 * alpha[:, None])
         return acc0, acc1, l_i, m_ij
 
@@ -177,7 +176,7 @@ if triton is not None:
         Q, K, V, O, CU_SEQLENS, COS, SIN,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_c,
         qk_scale, SEQ_BUCKET,
-        HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D1_ALLOC: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr, D1: tl.constexpr, DV1: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
     ):
         start_m = tl.program_id(0)
@@ -193,45 +192,57 @@ if triton is not None:
         k_base = K + tok0.to(tl.int64) * stride_kt + head * stride_kh
         v_base = V + tok0.to(tl.int64) * stride_vt + head * stride_vh
         cols0 = tl.arange(0, D0)
-        cols1 = D0 + tl.arange(0, D1_ALLOC)
-        q0 = _load_tile(q_base, rows_m, cols0, stride_qt, m_mask, COS, SIN, stride_c, tok0,
-                        HEAD_DIM, True, False, ROPE)
+        # The remainder chunks are the last D1 (for QK^T) and DV1 (for PV) columns; where it overlaps chunk 0 it is zeroed in
+        # Q (so QK^T counts each column once) and not stored from the output accumulator.
+        cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
+        cols1v = (HEAD_DIM - DV1) + tl.arange(0, DV1)
+        q0 = _load_tile(q_base, rows_m, cols0, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE)
         q1 = q0
-        if D1 > 0:
-            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0,
-                            HEAD_DIM, True, D0 + D1 > HEAD_DIM, ROPE)
+        if REM:
+            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE)
+            q1 = tl.where((cols1 >= D0)[None, :], q1, 0.0).to(q0.dtype)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, D1_ALLOC], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
         n_full = (seqlen // BLOCK_N) * BLOCK_N
         for start_n in range(0, n_full, BLOCK_N):
             acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
                                               start_n, seqlen, tok0, stride_kt, stride_vt, stride_c,
-                                              qk_scale, HEAD_DIM, D0, D1, BLOCK_N, False, ROPE)
+                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, False, ROPE)
         if n_full < seqlen:
             acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
                                               n_full, seqlen, tok0, stride_kt, stride_vt, stride_c,
-                                              qk_scale, HEAD_DIM, D0, D1, BLOCK_N, True, ROPE)
+                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, True, ROPE)
 
         inv_l = 1.0 / l_i
         o_base = O + tok0.to(tl.int64) * stride_ot + head * stride_oh
         o_rows = o_base + rows_m[:, None] * stride_ot
         tl.store(o_rows + cols0[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=m_mask[:, None])
-        if D1 > 0:
-            tl.store(o_rows + cols1[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
-                     mask=m_mask[:, None] & (cols1 < HEAD_DIM)[None, :])
+        if REM:
+            tl.store(o_rows + cols1v[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
+                     mask=m_mask[:, None] & (cols1v >= D0)[None, :])
 
 
-def head_dim_split(head_dim: int) -> tuple[int, int]:
-    """(D0, D1): a power-of-two chunk and a power-of-two remainder (0 or >= 16) covering head_dim."""
+def head_dim_split(head_dim: int) -> tuple[int, int, int]:
+    """(D0, D1, DV1): a power-of-two chunk D0 plus, for other head dims, the last D1 columns for QK^T
+    and the last DV1 columns for PV (0, 0 when head_dim is a power of two).
+
+    D1 is the smallest power of two >= 16 covering the remainder. DV1 is at least 64: Triton 3.6 on
+    sm90 miscompiles a second PV dot narrower than 64 columns (out-of-range shared-memory accesses,
+    seen on H100 for N = 16 and 32), so 72 costs 64 + 16 lanes in QK^T and 64 + 64 in PV.
+    """
     if head_dim < 16 or head_dim > 256 or head_dim % 8:
         raise ValueError(f"head_dim must be a multiple of 8 in [16, 256]; got {head_dim}")
     d0 = 1 << (head_dim.bit_length() - 1)
     rest = head_dim - d0
-    d1 = 0 if rest == 0 else max(16, 1 << (rest - 1).bit_length())
-    return d0, d1
+    if rest == 0:
+        return d0, 0, 0
+    if d0 < 64:
+        raise ValueError(f"head_dim {head_dim}: non-power-of-two head dims must be > 64")
+    d1 = max(16, 1 << (rest - 1).bit_length())
+    return d0, d1, max(d1, 64)
 
 
 def seq_bucket(max_seqlen: int) -> int:
@@ -297,7 +308,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a contiguous last dim; strides {t.stride()}")
     total, heads, head_dim = q.shape
-    d0, d1 = head_dim_split(head_dim)
+    d0, d1, dv1 = head_dim_split(head_dim)
     if out is None:
         out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -309,7 +320,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     args = (q, k, v, out, cu_seqlens, cos_t, sin_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), stride_c, scale * math.log2(math.e), seq_bucket(max_seqlen))
-    meta = dict(HEAD_DIM=head_dim, D0=d0, D1=d1, D1_ALLOC=max(d1, 16), ROPE=rope)
+    meta = dict(HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE=rope)
     if block_m is not None or _interpreting():
         bm, bn = block_m or 32, block_n or 16
         grid = (triton.cdiv(max_seqlen, bm), heads, segments)

@@ -94,10 +94,17 @@ def test_rope_reference_matches_transformers():
     assert torch.equal(apply_vision_rope(k, cos, sin), ref_k)
 
 
-@pytest.mark.parametrize("head_dim,split", [(64, (64, 0)), (72, (64, 16)), (80, (64, 16)), (128, (128, 0)),
-                                            (96, (64, 32)), (16, (16, 0)), (40, (32, 16))])
+@pytest.mark.parametrize("head_dim,split", [(64, (64, 0, 0)), (72, (64, 16, 64)), (80, (64, 16, 64)),
+                                            (128, (128, 0, 0)), (96, (64, 32, 64)), (16, (16, 0, 0)),
+                                            (136, (128, 16, 64)), (200, (128, 128, 128))])
 def test_head_dim_split(head_dim, split):
     assert head_dim_split(head_dim) == split
+
+
+@pytest.mark.parametrize("head_dim", [40, 12, 260, 66])
+def test_head_dim_refused(head_dim):
+    with pytest.raises(ValueError, match="head_dim"):
+        head_dim_split(head_dim)
 
 
 def test_input_validation():
