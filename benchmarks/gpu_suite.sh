@@ -9,9 +9,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in "${@:-all}"; do
   case $step in
-    tests|all) python -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tail -n 40 | tee "$OUT/gpu_tests.log" ;;&
-    kernel-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py 2>&1 | tail -n 30 | tee "$OUT/gpu_kernel_tests.log" ;;
-    tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tail -n 40 | tee "$OUT/gpu_tower_tests.log" ;;
+    tests|all) python -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
+    kernel-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
+    tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;
     attention|all) python -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" ;;&
     tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;
   esac

@@ -1,0 +1,172 @@
+"""Whole-tower throughput on the GPU: our tower against transformers' and against the GEMM floor.
+
+Workloads (448px -> 28x28 patches = 784 tokens): 8x448px, 32x448px, 1x1024px, 4x768px and one
+16-frame 448px video-shaped grid (8 temporal patches of 784 tokens). Baselines in the same run:
+- hf-eager: transformers' Qwen3VLVisionModel (sdpa) on the same weights;
+- hf-compile: the same under torch.compile (32x448px only: compiling is slow);
+- floor: the tower's GEMMs alone (cuBLAS, same shapes, every block and merger) plus batched cuDNN
+  attention: what a perfect fusion of everything else would leave.
+MFU uses the H100 SXM dense bf16 peak, 989 TFLOPS.
+
+Usage: python -m benchmarks.bench_tower [--presets qwen3-vl-2b qwen3-vl-8b] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.common import bench, environment, print_table, write_results
+from service.config import preset
+from service.loader import random_tower
+
+PEAK_TFLOPS = 989.0
+WORKLOADS = {
+    "8x448px": [(1, 28, 28)] * 8,
+    "32x448px": [(1, 28, 28)] * 32,
+    "1x1024px": [(1, 64, 64)],
+    "4x768px": [(1, 48, 48)] * 4,
+    "video16x448px": [(8, 28, 28)],
+}
+
+
+def tower_flops(cfg, grids) -> float:
+    tokens = sum(t * h * w for t, h, w in grids)
+    seg_sq = sum(t * (h * w) ** 2 for t, h, w in grids)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    merged = tokens // cfg.merge_unit
+    per_layer = 2 * tokens * (4 * h * h + 2 * h * inter) + 4 * seg_sq * h
+    mergers = (1 + len(cfg.deepstack_visual_indexes)) * 2 * merged * (16 * h * h + 4 * h * cfg.out_hidden_size)
+    return cfg.depth * per_layer + 2 * tokens * cfg.patch_dim * h + mergers
+
+
+def floor_fn(cfg, grids):
+    """GEMMs with the tower's exact shapes + batched cuDNN attention, nothing else."""
+    tokens = sum(t * h * w for t, h, w in grids)
+    h, inter, m = cfg.hidden_size, cfg.intermediate_size, cfg.merge_unit
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(tokens, h, device=dev, dtype=dt)
+    w = {n: torch.randn(o, i, device=dev, dtype=dt) * 0.02 for n, (o, i) in {
+        "qkv": (3 * h, h), "proj": (h, h), "fc1": (inter, h), "fc2": (h, inter),
+        "m1": (m * h, m * h), "m2": (cfg.out_hidden_size, m * h), "pe": (h, cfg.patch_dim)}.items()}
+    pix = torch.randn(tokens, cfg.patch_dim, device=dev, dtype=dt)
+    mid = torch.randn(tokens, inter, device=dev, dtype=dt)
+    xm = torch.randn(tokens // m, m * h, device=dev, dtype=dt)
+    segs = [(t, hh * ww) for t, hh, ww in grids]
+    qkv = {L: torch.randn(3, n, cfg.num_heads, L, cfg.head_dim, device=dev, dtype=dt)
+           for L, n in _group(segs).items()}
+
+    def fn():
+        F.linear(pix, w["pe"])
+        for _ in range(cfg.depth):
+            F.linear(x, w["qkv"])
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                for q, k, v in qkv.values():
+                    F.scaled_dot_product_attention(q, k, v)
+            F.linear(x, w["proj"])
+            F.linear(x, w["fc1"])
+            F.linear(mid, w["fc2"])
+        for _ in range(1 + len(cfg.deepstack_visual_indexes)):
+            F.linear(F.linear(xm, w["m1"]), w["m2"])
+    return fn
+
+
+def _group(segs):
+    out = {}
+    for t, n in segs:
+        out[n] = out.get(n, 0) + t
+    return out
+
+
+def hf_tower(cfg, state):
+    from transformers import Qwen3VLVisionConfig, Qwen3VLVisionModel
+
+    hf_cfg = Qwen3VLVisionConfig(
+        depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size,
+        deepstack_visual_indexes=list(cfg.deepstack_visual_indexes), num_position_embeddings=cfg.num_position_embeddings)
+    with torch.device("cuda"):
+        model = Qwen3VLVisionModel(hf_cfg)
+    model.load_state_dict(state)
+    return model.to(torch.bfloat16).eval()
+
+
+def run_preset(name, workloads, compile_hf):
+    cfg = preset(name)
+    ours = random_tower(cfg, "cuda", torch.bfloat16)
+    hf = hf_tower(cfg, ours.state_dict())
+    hf_compiled = torch.compile(hf) if compile_hf else None
+    rows = []
+    for wl in workloads:
+        grids = WORKLOADS[wl]
+        n_images = len(grids)
+        tokens = sum(t * h * w for t, h, w in grids)
+        pixels = torch.randn(tokens, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
+        grid_t = torch.tensor(grids, device="cuda")
+        flops = tower_flops(cfg, grids)
+
+        def ours_fn(backend):
+            def fn():
+                ours._backend = backend
+                return ours(pixels, ours.plan(grids))  # plan built inside: it is part of the forward
+            return fn
+
+        fns = {"ours-triton": ours_fn("triton"), "ours-sdpa": ours_fn("sdpa"),
+               "hf-eager": lambda: hf(pixels, grid_thw=grid_t), "floor": floor_fn(cfg, grids)}
+        if hf_compiled is not None and wl == "32x448px":
+            fns["hf-compile"] = lambda: hf_compiled(pixels, grid_thw=grid_t)
+        res = {}
+        with torch.inference_mode():
+            for key, fn in fns.items():
+                t0 = time.time()
+                fn()
+                torch.cuda.synchronize()
+                ms = bench(fn, warmup_ms=200, rep_ms=1000)
+                res[key] = {"ms": ms, "images_per_s": n_images * 1000 / ms, "tflops": flops / ms / 1e9,
+                            "mfu": flops / ms / 1e9 / PEAK_TFLOPS, "first_call_s": time.time() - t0}
+                print(f"{name} {wl} {key}: {ms:.2f} ms", flush=True)
+        row = {"preset": name, "workload": wl, "images": n_images, "tokens": tokens, "flops": flops, "results": res,
+               "speedup_vs_hf_eager": res["hf-eager"]["ms"] / res["ours-triton"]["ms"],
+               "fraction_of_floor": res["floor"]["ms"] / res["ours-triton"]["ms"]}
+        if "hf-compile" in res:
+            row["speedup_vs_hf_compile"] = res["hf-compile"]["ms"] / res["ours-triton"]["ms"]
+        rows.append(row)
+    del ours, hf, hf_compiled
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["qwen3-vl-2b", "qwen3-vl-8b"])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for p in args.presets:
+        rows += run_preset(p, args.workloads, compile_hf=not args.no_compile)
+    table = []
+    for r in rows:
+        res = r["results"]
+        table.append({"preset": r["preset"], "workload": r["workload"],
+                      **{f"{k} ms": v["ms"] for k, v in res.items()},
+                      "ours img/s": res["ours-triton"]["images_per_s"], "ours TFLOPS": res["ours-triton"]["tflops"],
+                      "MFU": res["ours-triton"]["mfu"], "x eager": r["speedup_vs_hf_eager"],
+                      "x compile": r.get("speedup_vs_hf_compile"), "floor/ours": r["fraction_of_floor"]})
+    cols = ["preset", "workload", "ours-triton ms", "ours-sdpa ms", "hf-eager ms", "hf-compile ms", "floor ms",
+            "ours img/s", "ours TFLOPS", "MFU", "x eager", "x compile", "floor/ours"]
+    print_table(table, cols)
+    write_results("tower", {"benchmark": "tower", "env": environment(), "rows": rows}, args.out)
+    print(json.dumps({"benchmark": "tower", "rows": [(r["preset"], r["workload"],
+                      round(r["results"]["ours-triton"]["images_per_s"], 1), round(r["speedup_vs_hf_eager"], 2))
+                      for r in rows]}))
+
+
+if __name__ == "__main__":
+    main()
