@@ -321,7 +321,8 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if block_m is not None or _interpreting():
         bm, bn = block_m or 32, block_n or 16
         grid = (triton.cdiv(max_seqlen, bm), heads, segments)
-        _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+        stages = 2 if head_dim > 64 else 3  # shared memory: K and V tiles of both chunks, per stage
+        _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=stages)
     else:
         grid = lambda m: (triton.cdiv(max_seqlen, m["BLOCK_M"]), heads, segments)  # noqa: E731
         _get_tuned()[grid](*args, **meta)
