@@ -5,8 +5,9 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
-- attention runs through `kernels.varlen_attention`: one Triton launch per block on CUDA (RoPE fused
-  into the Q/K loads), one SDPA call per distinct segment length elsewhere.
+- RoPE rotates Q and K in place in the fused QKV output (one Triton pass on CUDA), then attention runs
+  through `kernels.varlen_attention`: one Triton launch per block on CUDA, one SDPA call per distinct
+  segment length elsewhere.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
+from kernels.qkv_rope import qkv_rope_
 
 from .config import TowerConfig
 
@@ -106,10 +108,11 @@ class Attention(nn.Module):
 
     def forward(self, x, plan: PackPlan, backend: str):
         tokens = x.shape[0]
-        # [T, 3*H*D] -> 3 x [T, H, D] strided views; the kernel reads them in place
-        q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
-        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, cos=plan.cos, sin=plan.sin,
-                               seqlens=plan.seqlens, backend=backend)
+        qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
+        # One in-place rotation pass beats rotating K inside the attention kernel for every query tile.
+        qkv_rope_(qkv, plan.cos, plan.sin)
+        q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
+        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
         return self.proj(out.view(tokens, -1))
 
 
