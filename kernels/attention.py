@@ -60,12 +60,22 @@ def _resolve(device_type: str, device_index: int | None, forced: str | None) -> 
     return choice
 
 
-def resolve_backend(device: torch.device | str) -> str:
-    """'triton' or 'sdpa' for this device, honouring QWEN3VL_ATTN_BACKEND."""
+def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> str:
+    """'triton' or 'sdpa' for this device (and head dim), honouring QWEN3VL_ATTN_BACKEND.
+
+    Unforced, head dims that are not powers of two go to SDPA: with Triton 3.6 on sm90 our kernel
+    must run their PV remainder 64 columns wide and reaches 0.4x cuDNN there (docs/PERFORMANCE.md).
+    """
     device = torch.device(device)
     index = device.index if device.type != "cuda" else (device.index if device.index is not None else
                                                          torch.cuda.current_device())
-    return _resolve(device.type, index, _forced())
+    forced = _forced()
+    choice = _resolve(device.type, index, forced)
+    if choice == "triton" and forced is None and head_dim is not None and head_dim & (head_dim - 1):
+        log.info("attention backend for head_dim %d: sdpa (the Triton kernel is slower for non-power-of-two "
+                 "head dims on this Triton version)", head_dim)
+        return "sdpa"
+    return choice
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None, seqlens=None,

@@ -145,7 +145,7 @@ if triton is not None:
                    stride_kt, stride_vt, stride_c, qk_scale,
                    HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr, D1: tl.constexpr,
                    DV1: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_N: tl.constexpr, ROPE: tl.constexpr, VT: tl.constexpr):
+                   MASK_N: tl.constexpr, ROPE: tl.constexpr):
         rows = start_n + tl.arange(0, BLOCK_N)
         n_mask = rows < seqlen
         cols0 = tl.arange(0, D0)
@@ -166,20 +166,9 @@ if triton is not None:
         p = p.to(v0.dtype)
         acc0 = tl.dot(p, v0, acc0 * alpha[:, None])
         if REM:
-            cols_v = (HEAD_DIM - DV1) + tl.arange(0, DV1)
-            if VT:
-                # V's remainder loaded as a [DV1, BLOCK_N] tile and transposed in registers: a different
-                # shared-memory path for the narrow PV operand than the [BLOCK_N, DV1] load below.
-                vt_ptrs = V_BASE + rows[None, :] * stride_vt + cols_v[:, None]
-                if MASK_N:
-                    v1t = tl.load(vt_ptrs, mask=n_mask[None, :], other=0.0)
-                else:
-                    v1t = tl.load(vt_ptrs)
-                acc1 = tl.dot(p, tl.trans(v1t), acc1 * alpha[:, None])
-            else:
-                v1 = _load_tile(V_BASE, rows, cols_v, stride_vt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
-                                MASK_N, False)
-                acc1 = tl.dot(p, v1, acc1 * alpha[:, None])
+            v1 = _load_tile(V_BASE, rows, (HEAD_DIM - DV1) + tl.arange(0, DV1), stride_vt, n_mask, COS, SIN,
+                            stride_c, tok0, HEAD_DIM, MASK_N, False)
+            acc1 = tl.dot(p, v1, acc1 * alpha[:, None])
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -188,7 +177,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_c,
         qk_scale, SEQ_BUCKET,
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr, D1: tl.constexpr, DV1: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, VT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
     ):
         start_m = tl.program_id(0)
         head = tl.program_id(1)
@@ -221,11 +210,11 @@ if triton is not None:
         for start_n in range(0, n_full, BLOCK_N):
             acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
                                               start_n, seqlen, tok0, stride_kt, stride_vt, stride_c,
-                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, False, ROPE, VT)
+                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, False, ROPE)
         if n_full < seqlen:
             acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
                                               n_full, seqlen, tok0, stride_kt, stride_vt, stride_c,
-                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, True, ROPE, VT)
+                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, True, ROPE)
 
         inv_l = 1.0 / l_i
         o_base = O + tok0.to(tl.int64) * stride_ot + head * stride_oh
@@ -242,7 +231,8 @@ def head_dim_split(head_dim: int) -> tuple[int, int, int]:
 
     D1 is the smallest power of two >= 16 covering the remainder. DV1 is at least 64: Triton 3.6 on
     sm90 miscompiles a second PV dot narrower than 64 columns (out-of-range shared-memory accesses,
-    seen on H100 for N = 16 and 32), so 72 costs 64 + 16 lanes in QK^T and 64 + 64 in PV.
+    seen on H100 for N = 16 and 32, whether V's remainder is loaded row- or column-major), so 72 costs
+    64 + 16 lanes in QK^T and 64 + 64 in PV -- and loses to cuDNN; see kernels/attention.py.
     """
     if head_dim < 16 or head_dim > 256 or head_dim % 8:
         raise ValueError(f"head_dim must be a multiple of 8 in [16, 256]; got {head_dim}")
@@ -289,7 +279,7 @@ def _get_tuned():
     global _tuned_kernel
     if _tuned_kernel is None:
         _tuned_kernel = triton.autotune(
-            configs=_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE", "VT"], prune_configs_by={"early_config_prune": _prune},
+            configs=_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE"], prune_configs_by={"early_config_prune": _prune},
         )(_varlen_attn_fwd)
     return _tuned_kernel
 
@@ -301,7 +291,7 @@ def _interpreting() -> bool:
 
 
 def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
-                            seqlens=None, out=None, block_m=None, block_n=None, v_transposed=False):
+                            seqlens=None, out=None, block_m=None, block_n=None):
     """Triton forward. Returns `out` `(total_tokens, heads, head_dim)` in q's dtype.
 
     `seqlens` is accepted for signature parity with the fallback and ignored. `block_m`/`block_n`
@@ -328,8 +318,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     args = (q, k, v, out, cu_seqlens, cos_t, sin_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), stride_c, scale * math.log2(math.e), seq_bucket(max_seqlen))
-    dv1 = d1 if v_transposed else dv1
-    meta = dict(HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE=rope, VT=v_transposed)
+    meta = dict(HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE=rope)
     if block_m is not None or _interpreting():
         bm, bn = block_m or 32, block_n or 16
         grid = (triton.cdiv(max_seqlen, bm), heads, segments)
