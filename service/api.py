@@ -1,0 +1,465 @@
+"""HTTP API: FastAPI app factory. The only module that knows about HTTP status codes and Prometheus.
+
+Routes: POST /embed, POST /v1/embeddings (OpenAI-compatible), GET /health, /ready, /info, /metrics.
+Typed errors from the engine and the preprocessor are mapped to status codes in `_STATUS`, in one
+place; every error body is `{"error": {"type", "message", "index"?}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.torch import save as safetensors_save
+from starlette.datastructures import UploadFile
+
+from . import __version__
+from .cli import result_tensors
+from .encoder import EncodeResult, Encoder
+from .engine import BatchStats, Engine
+from .errors import (
+    CheckpointError,
+    DeadlineExceeded,
+    EncoderError,
+    ImageTooLarge,
+    InvalidInput,
+    Overloaded,
+    ShuttingDown,
+    UnsupportedImage,
+)
+from .metrics import Metrics
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    ImageTooLarge: 413, UnsupportedImage: 422, InvalidInput: 422, Overloaded: 429,
+    DeadlineExceeded: 503, ShuttingDown: 503, CheckpointError: 500,
+}
+
+
+class HTTPError(Exception):
+    """An error decided by the API layer itself (content type, size, auth, malformed JSON)."""
+
+    def __init__(self, status: int, reason: str, message: str, index: int | None = None, headers=None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.index, self.headers = status, reason, message, index, headers
+
+
+class EmbedOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: str = Field("json", pattern="^(json|safetensors)$")
+    encoding: str = Field("float", pattern="^(float|base64)$")
+    dtype: str | None = Field(None, pattern="^(float32|float16|bfloat16)$")
+    deepstack: bool | None = None  # default: false for JSON, true for safetensors (the CLI's layout)
+    pooling: str = Field("none", pattern="^(none|mean)$")
+    normalize: bool = False
+    min_pixels: int | None = Field(None, ge=1)
+    max_pixels: int | None = Field(None, ge=1)
+
+
+class JSONInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    image: str
+
+
+class EmbedJSON(EmbedOptions):
+    inputs: list[JSONInput]
+
+
+class OpenAIEmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    input: str | list[str]
+    model: str | None = None
+    encoding_format: str = Field("float", pattern="^(float|base64)$")
+
+
+def _orjson(content: Any, status: int = 200, headers=None) -> Response:
+    body = orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def decode_base64_image(s: str, index: int) -> bytes:
+    if s.startswith("data:"):
+        head, sep, s = s.partition(",")
+        if not sep or ";base64" not in head:
+            raise HTTPError(422, "invalid_base64", "data: URI must be of the form data:<type>;base64,<data>", index)
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise HTTPError(422, "invalid_base64", f"invalid base64 image data ({e})", index) from e
+
+
+def _encode_array(t: torch.Tensor, encoding: str, dtype: str | None):
+    """float -> numpy (serialised by orjson without Python floats); base64 -> little-endian bytes."""
+    dtype = dtype or "float32"
+    if encoding == "float":
+        return np.ascontiguousarray(t.float().numpy())
+    tt = t.to(getattr(torch, dtype)).contiguous()
+    raw = (tt.view(torch.int16) if dtype == "bfloat16" else tt).numpy().tobytes()
+    return base64.b64encode(raw).decode("ascii")
+
+
+def pooled(results: list[EncodeResult], normalize: bool) -> list[torch.Tensor]:
+    out = []
+    for r in results:
+        v = r.embeds.float().mean(0)
+        out.append(torch.nn.functional.normalize(v, dim=0) if normalize else v)
+    return out
+
+
+def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
+    metrics = Metrics()
+    state: dict[str, Any] = {"ready": False, "engine": None, "encoder": encoder}
+
+    def on_batch(stats: BatchStats):
+        metrics.forward_time.observe(stats.forward_s)
+        metrics.batch_items.observe(stats.items)
+        metrics.batch_patches.observe(stats.patches)
+        metrics.batch_fill.observe(min(1.0, stats.patches / settings.max_batch_patches))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        enc = state["encoder"]
+        if enc is None:
+            if settings.model.startswith("random:"):
+                log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
+                            "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
+            enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
+                                          settings.resolved_dtype())
+            state["encoder"] = enc
+        pre = enc.preprocessor.config
+        from dataclasses import replace
+
+        enc.preprocessor = type(enc.preprocessor)(replace(pre, max_image_pixels=settings.max_image_pixels))
+        engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
+                        max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
+                        preprocess_workers=settings.preprocess_workers, on_batch=on_batch)
+        state["engine"] = engine
+        metrics.model_info.info({"model": settings.model, "dtype": str(enc.dtype).removeprefix("torch."),
+                                 "device": str(enc.device), "attention_backend": enc.backend,
+                                 "random_weights": str(settings.model.startswith("random:")).lower()})
+        if settings.warmup:
+            await asyncio.to_thread(warmup, enc, settings)
+        await engine.start()
+        state["ready"] = True
+        log.info("ready: %s on %s (%s), attention backend %s", settings.model, enc.device, enc.dtype, enc.backend)
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            await engine.stop()
+
+    app = FastAPI(title="Qwen3-VL vision encoder", version=__version__, lifespan=lifespan)
+
+    # -- errors, in one place ------------------------------------------------------------------------
+
+    def error_response(status: int, reason: str, message: str, index=None, headers=None) -> JSONResponse:
+        metrics.errors.labels(reason).inc()
+        err = {"type": reason, "message": message}
+        if index is not None:
+            err["index"] = index
+        return JSONResponse({"error": err}, status_code=status, headers=headers)
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, e: HTTPError):
+        return error_response(e.status, e.reason, e.message, e.index, e.headers)
+
+    @app.exception_handler(EncoderError)
+    async def _encoder_error(request: Request, e: EncoderError):
+        status = next((s for cls, s in _STATUS.items() if isinstance(e, cls)), 500)
+        headers = {"Retry-After": str(int(np.ceil(e.retry_after)))} if isinstance(e, Overloaded) else None
+        index = getattr(e, "index", None)
+        message = getattr(e, "message", str(e))
+        if status >= 500 and not isinstance(e, (DeadlineExceeded, ShuttingDown)):
+            log.error("request failed: %s", e)
+        return error_response(status, e.reason, message, index, headers)
+
+    @app.middleware("http")
+    async def _observe(request: Request, call_next):
+        start = time.perf_counter()
+        route = request.url.path
+        metrics.in_flight.inc()
+        try:
+            response = await call_next(request)
+        finally:
+            metrics.in_flight.dec()
+        elapsed = time.perf_counter() - start
+        if route in ("/embed", "/v1/embeddings", "/health", "/ready", "/info"):
+            metrics.requests.labels(route, str(response.status_code)).inc()
+            metrics.request_latency.labels(route, str(response.status_code)).observe(elapsed)
+        response.headers["X-Total-Time-Ms"] = f"{elapsed * 1000:.2f}"
+        return response
+
+    def check_auth(request: Request):
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        if header != f"Bearer {settings.api_key.get_secret_value()}":
+            raise HTTPError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+    def engine() -> Engine:
+        if not state["ready"]:
+            raise HTTPError(503, "not_ready", "the model is still loading or warming up")
+        return state["engine"]
+
+    # -- request parsing ----------------------------------------------------------------------------------
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > settings.max_body_bytes:
+            raise HTTPError(413, "body_too_large", f"request body of {declared} bytes exceeds the limit of "
+                                                   f"{settings.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise HTTPError(413, "body_too_large", f"request body exceeds the limit of {settings.max_body_bytes} "
+                                                       "bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        request._body = body  # starlette re-reads the cached body for form parsing
+        return body
+
+    def check_count(n: int):
+        if n == 0:
+            raise HTTPError(422, "no_inputs", "the request has no images")
+        if n > settings.max_inputs_per_request:
+            raise HTTPError(413, "too_many_inputs", f"{n} images in one request; the limit is "
+                                                    f"{settings.max_inputs_per_request}")
+
+    def parse_options(raw: dict) -> EmbedOptions:
+        try:
+            return EmbedOptions(**raw)
+        except ValidationError as e:
+            raise HTTPError(422, "invalid_options", _validation_message(e)) from e
+
+    async def parse_embed(request: Request) -> tuple[list[bytes], EmbedOptions]:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        query = dict(request.query_params)
+        body = await read_body(request)
+        if ctype == "multipart/form-data":
+            try:
+                form = await request.form(max_files=settings.max_inputs_per_request + 1,
+                                          max_fields=settings.max_inputs_per_request + 32)
+            except Exception as e:  # noqa: BLE001 - starlette raises several types for a bad form
+                raise HTTPError(422, "invalid_multipart", f"malformed multipart body ({e})") from e
+            files = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
+            bad = [k for k, v in form.multi_items() if k != "file"]
+            if bad:
+                raise HTTPError(422, "invalid_multipart", f"unexpected form field(s) {sorted(set(bad))}; send images "
+                                                          "as 'file' parts and options as query parameters")
+            check_count(len(files))
+            return [await f.read() for f in files], parse_options(query)
+        if ctype.startswith("image/"):
+            check_count(1 if body else 0)
+            return [body], parse_options(query)
+        if ctype == "application/json":
+            try:
+                raw = orjson.loads(body)
+            except orjson.JSONDecodeError as e:
+                raise HTTPError(422, "invalid_json", f"request body is not valid JSON ({e})") from e
+            if not isinstance(raw, dict) or not isinstance(raw.get("inputs"), list):
+                raise HTTPError(422, "invalid_json", 'expected {"inputs": [{"image": "<base64 or data URI>"}, ...]}')
+            check_count(len(raw["inputs"]))
+            try:
+                req = EmbedJSON(**{**query, **raw})
+            except ValidationError as e:
+                raise HTTPError(422, "invalid_json", _validation_message(e)) from e
+            images = [decode_base64_image(inp.image, i) for i, inp in enumerate(req.inputs)]
+            return images, EmbedOptions(**req.model_dump(exclude={"inputs"}))
+        raise HTTPError(415, "unsupported_media_type",
+                        f"content type {ctype or '(none)'!r}: send multipart/form-data 'file' parts, an image/* body, "
+                        "or application/json")
+
+    async def encode_all(request: Request, images: list[bytes], opts: EmbedOptions):
+        eng = engine()
+        limit = settings.max_pixels_limit or eng.encoder.preprocessor.config.max_pixels
+        for name, v in (("min_pixels", opts.min_pixels), ("max_pixels", opts.max_pixels)):
+            if v is not None and not settings.min_pixels_limit <= v <= limit:
+                raise HTTPError(422, "invalid_options", f"{name}={v} outside the server's limits "
+                                                        f"[{settings.min_pixels_limit}, {limit}]")
+        if opts.min_pixels and opts.max_pixels and opts.min_pixels > opts.max_pixels:
+            raise HTTPError(422, "invalid_options", "min_pixels > max_pixels")
+        t0 = time.perf_counter()
+        arrival = t0
+
+        async def one(i, data):
+            start = time.perf_counter()
+            try:
+                item = await eng.preprocess(data, opts.min_pixels, opts.max_pixels)
+            except InvalidInput as e:
+                raise e.at(i) from e.__cause__
+            metrics.preprocess_time.observe(time.perf_counter() - start)
+            return item
+
+        items = await asyncio.gather(*(one(i, d) for i, d in enumerate(images)))
+        disconnected = asyncio.Event()
+
+        async def watch():
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    disconnected.set()
+                    return
+
+        watcher = asyncio.create_task(watch())
+        try:
+            remaining = settings.request_timeout_s - (time.perf_counter() - arrival)
+            metrics.queue_depth.set(eng.queue_depth + len(items))
+            results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected.is_set)
+        finally:
+            watcher.cancel()
+            metrics.queue_depth.set(eng.queue_depth)
+        metrics.queue_time.observe(timing.queue_s)
+        for r in results:
+            frames = r.grid_thw[0] * eng.encoder.config.temporal_patch_size
+            (metrics.images.inc() if r.grid_thw[0] == 1 else metrics.video_frames.inc(frames))
+            metrics.output_tokens.inc(r.num_tokens)
+        if torch.cuda.is_available() and eng.encoder.device.type == "cuda":
+            metrics.gpu_allocated.set(torch.cuda.memory_allocated(eng.encoder.device))
+            metrics.gpu_reserved.set(torch.cuda.memory_reserved(eng.encoder.device))
+        headers = {"X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
+                   "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
+        return results, headers
+
+    # -- routes -----------------------------------------------------------------------------------------------
+
+    @app.post("/embed", summary="Encode images into merged visual tokens, DeepStack features and pooled vectors",
+              openapi_extra={"requestBody": {"content": {
+                  "multipart/form-data": {"schema": {"type": "object", "properties": {
+                      "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
+                  "image/*": {"schema": {"type": "string", "format": "binary"}},
+                  "application/json": {"schema": EmbedJSON.model_json_schema()}}}})
+    async def embed(request: Request):
+        check_auth(request)
+        images, opts = await parse_embed(request)
+        results, headers = await encode_all(request, images, opts)
+        pools = pooled(results, opts.normalize) if opts.pooling == "mean" else None
+        if opts.format == "safetensors":
+            tensors = result_tensors(results, pooled=pools)
+            if not (opts.deepstack if opts.deepstack is not None else True):
+                tensors = {k: v for k, v in tensors.items() if not k.startswith("deepstack.")}
+            if opts.dtype:
+                tensors = {k: v.to(getattr(torch, opts.dtype)) if v.is_floating_point() else v
+                           for k, v in tensors.items()}
+            return Response(safetensors_save(tensors), media_type="application/octet-stream", headers=headers)
+        data = []
+        for i, r in enumerate(results):
+            entry: dict[str, Any] = {"index": i, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens,
+                                     "shape": list(r.embeds.shape),
+                                     "embeddings": _encode_array(r.embeds, opts.encoding, opts.dtype)}
+            if opts.deepstack:
+                entry["deepstack"] = _encode_array(r.deepstack, opts.encoding, opts.dtype)
+                entry["deepstack_shape"] = list(r.deepstack.shape)
+            if pools is not None:
+                entry["pooled"] = _encode_array(pools[i], opts.encoding, opts.dtype)
+            data.append(entry)
+        enc = state["encoder"]
+        body = {"model": settings.model, "encoding": opts.encoding,
+                "dtype": (opts.dtype or "float32") if opts.encoding == "base64" else "float32", "data": data,
+                "usage": {"images": len(results), "tokens": sum(r.num_tokens for r in results)},
+                "out_hidden_size": enc.config.out_hidden_size}
+        return _orjson(body, headers=headers)
+
+    @app.post("/v1/embeddings", summary="OpenAI-compatible: mean-pooled, L2-normalised image embeddings")
+    async def openai_embeddings(request: Request):
+        check_auth(request)
+        body = await read_body(request)
+        try:
+            req = OpenAIEmbeddingRequest(**orjson.loads(body))
+        except orjson.JSONDecodeError as e:
+            raise HTTPError(422, "invalid_json", f"request body is not valid JSON ({e})") from e
+        except (ValidationError, TypeError) as e:
+            raise HTTPError(422, "invalid_json", _validation_message(e) if isinstance(e, ValidationError) else str(e))
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        check_count(len(inputs))
+        images = [decode_base64_image(s, i) for i, s in enumerate(inputs)]
+        results, headers = await encode_all(request, images, EmbedOptions())
+        vecs = pooled(results, normalize=True)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _encode_array(v, req.encoding_format, "float32")} for i, v in enumerate(vecs)]
+        tokens = sum(r.num_tokens for r in results)
+        return _orjson({"object": "list", "data": data, "model": req.model or settings.model,
+                        "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
+
+    @app.get("/health", summary="Liveness: the process is up")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="Readiness: model loaded and kernels warmed up")
+    async def ready():
+        if not state["ready"]:
+            return JSONResponse({"ready": False}, status_code=503)
+        return {"ready": True}
+
+    @app.get("/info", summary="Model, dimensions, device, attention backend, limits, version")
+    async def info():
+        enc = state["encoder"]
+        eng = state["engine"]
+        body: dict[str, Any] = {"version": __version__, "model": settings.model,
+                                "random_weights": settings.model.startswith("random:"), "ready": state["ready"]}
+        if settings.model.startswith("random:"):
+            body["warning"] = "random weights: embeddings are meaningless"
+        if enc is not None:
+            pre = enc.preprocessor.config
+            body.update({
+                "architecture": enc.config.to_dict(), "dtype": str(enc.dtype).removeprefix("torch."),
+                "device": str(enc.device), "attention_backend": enc.backend,
+                "preprocessing": {"patch_size": pre.patch_size, "merge_size": pre.merge_size,
+                                  "temporal_patch_size": pre.temporal_patch_size, "min_pixels": pre.min_pixels,
+                                  "max_pixels": pre.max_pixels, "image_mean": pre.image_mean,
+                                  "image_std": pre.image_std}})
+        body["limits"] = {k: getattr(settings, k) for k in (
+            "max_body_bytes", "max_inputs_per_request", "request_timeout_s", "max_image_pixels", "min_pixels_limit",
+            "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items")}
+        body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
+            enc.preprocessor.config.max_pixels if enc else None)
+        if eng is not None:
+            body["engine"] = {"queue_depth": eng.queue_depth, "in_flight": eng.in_flight, "forwards": eng.forwards}
+        return body
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.metrics = metrics
+    app.state.service = state
+    return app
+
+
+def warmup(enc: Encoder, settings: Settings):
+    """Run representative packs once so kernels compile and autotune before traffic: one per attention
+    length class (<=256, <=1024, <=4096, longer), within the batch budget."""
+    m = enc.config.spatial_merge_size
+    sides = [16, 32, 64, 96] if enc.device.type == "cuda" else [8]
+    for side in sides:
+        side = max(m, side - side % m)
+        if side * side > settings.max_batch_patches:
+            break
+        pixels = np.random.default_rng(0).standard_normal((side * side, enc.config.patch_dim)).astype(np.float32)
+        from .preprocess import Preprocessed
+
+        enc.encode([Preprocessed(pixels, (1, side, side))])
+    log.info("warm-up done")
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts)

@@ -1,0 +1,211 @@
+"""The batching engine: plain asyncio plus one GPU worker thread. Knows nothing of HTTP.
+
+- `preprocess` decodes and patchifies in a thread pool, overlapping the GPU.
+- `submit(items)` queues a request's items and awaits their results. Items of many requests are
+  packed into one forward by a patch budget (`max_batch_patches`), an item cap and a maximum wait
+  (`max_wait_ms`). The queue is bounded in items: past it, `Overloaded` (the API answers 429).
+- Items whose request is abandoned (client gone, deadline passed) are dropped before compute.
+- A forward that fails is split in halves and retried, so an out-of-memory batch still serves what
+  fits and a failing item fails alone.
+- `stop()` refuses new work, finishes everything queued or running, then returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .encoder import EncodeResult, Encoder
+from .errors import DeadlineExceeded, EncoderError, Overloaded, ShuttingDown
+from .preprocess import Preprocessed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchStats:
+    items: int
+    patches: int
+    forward_s: float
+    ok: bool
+
+
+@dataclass
+class _Work:
+    item: Preprocessed
+    future: asyncio.Future
+    abandoned: Callable[[], bool]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Timing:
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+
+class Engine:
+    def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
+                 max_queue_items: int, preprocess_workers: int = 4,
+                 on_batch: Callable[[BatchStats], None] | None = None):
+        self.encoder = encoder
+        self.max_batch_patches = max_batch_patches
+        self.max_batch_items = max_batch_items
+        self.max_wait = max_wait_ms / 1000
+        self.max_queue_items = max_queue_items
+        self.on_batch = on_batch
+        self._queue: collections.deque[_Work] = collections.deque()
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._pre_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
+        self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        self._accepting = False
+        self._in_flight = 0  # items handed to the GPU worker and not yet answered
+        self.forwards = 0  # forward passes run, for tests and /info
+        self._lock = threading.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self):
+        self._wakeup = asyncio.Event()
+        self._accepting = True
+        self._task = asyncio.create_task(self._batcher(), name="batcher")
+
+    async def stop(self):
+        """Refuse new work, answer everything already accepted, then stop the workers."""
+        self._accepting = False
+        if self._task is not None:
+            while self._queue or self._in_flight:
+                self._wakeup.set()
+                await asyncio.sleep(0.01)
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._gpu.shutdown(wait=True)
+        self._pre_pool.shutdown(wait=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # -- API -----------------------------------------------------------------------------------------
+
+    async def preprocess(self, data, min_pixels=None, max_pixels=None) -> Preprocessed:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pre_pool, self.encoder.preprocess, data, min_pixels, max_pixels)
+
+    async def submit(self, items: list[Preprocessed], *, timeout_s: float,
+                     abandoned: Callable[[], bool] = lambda: False) -> tuple[list[EncodeResult], Timing]:
+        if not self._accepting:
+            raise ShuttingDown("the service is shutting down")
+        if len(self._queue) + len(items) > self.max_queue_items:
+            raise Overloaded(f"queue full: {len(self._queue)} images queued, limit {self.max_queue_items}",
+                             retry_after=max(1.0, self.max_wait * 4))
+        loop = asyncio.get_running_loop()
+        gone = False
+
+        def is_abandoned() -> bool:
+            return gone or abandoned()
+
+        works = [_Work(it, loop.create_future(), is_abandoned) for it in items]
+        self._queue.extend(works)
+        self._wakeup.set()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(w.future for w in works)), timeout_s)
+        except asyncio.TimeoutError:
+            gone = True
+            raise DeadlineExceeded(f"request not served within {timeout_s:.1f} s") from None
+        except BaseException:
+            gone = True  # cancelled (client gone) or failed: the rest of its items are not computed
+            raise
+        timing = Timing(queue_s=max(r[1] for r in results), inference_s=max(r[2] for r in results))
+        return [r[0] for r in results], timing
+
+    # -- batching --------------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[_Work]:
+        batch, patches = [], 0
+        while self._queue and len(batch) < self.max_batch_items:
+            w = self._queue[0]
+            if w.future.done() or w.abandoned():
+                self._queue.popleft()
+                if not w.future.done():
+                    w.future.cancel()
+                continue
+            n = w.item.num_patches
+            if batch and patches + n > self.max_batch_patches:
+                break
+            batch.append(self._queue.popleft())
+            patches += n
+        return batch
+
+    def _queued_patches(self) -> int:
+        return sum(w.item.num_patches for w in self._queue)
+
+    async def _batcher(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._queue:
+                continue
+            # let a forward fill up: until the budget is met or the oldest item has waited max_wait
+            deadline = self._queue[0].enqueued + self.max_wait
+            while (self._accepting and len(self._queue) < self.max_batch_items
+                   and self._queued_patches() < self.max_batch_patches and time.perf_counter() < deadline):
+                await asyncio.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
+            batch = self._take_batch()
+            if self._queue:
+                self._wakeup.set()
+            if not batch:
+                continue
+            self._in_flight += len(batch)
+            try:
+                await self._run(loop, batch)
+            finally:
+                self._in_flight -= len(batch)
+
+    async def _run(self, loop, batch: list[_Work]):
+        start = time.perf_counter()
+        try:
+            results = await loop.run_in_executor(self._gpu, self.encoder.encode, [w.item for w in batch])
+        except Exception as e:  # noqa: BLE001 - one bad batch must not take the service down
+            ok = False
+            self._report(batch, start, ok)
+            if len(batch) > 1:
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                log.warning("forward of %d items failed (%s); retrying in halves", len(batch), e)
+                half = len(batch) // 2
+                await self._run(loop, batch[:half])
+                await self._run(loop, batch[half:])
+                return
+            err = e if isinstance(e, EncoderError) else EncoderError(f"inference failed: {type(e).__name__}: {e}")
+            if not batch[0].future.done():
+                batch[0].future.set_exception(err)
+            return
+        end = time.perf_counter()
+        self._report(batch, start, True)
+        for w, r in zip(batch, results):
+            if not w.future.done():
+                w.future.set_result((r, start - w.enqueued, end - start))
+
+    def _report(self, batch, start, ok):
+        self.forwards += 1
+        if self.on_batch is not None:
+            self.on_batch(BatchStats(len(batch), sum(w.item.num_patches for w in batch),
+                                     time.perf_counter() - start, ok))

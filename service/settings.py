@@ -1,0 +1,68 @@
+"""The one settings object of the service: CLI flags over `QWEN3VL_*` environment variables over
+defaults, validated at start-up with messages that say what to change."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "random:qwen3-vl-2b"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="QWEN3VL_", extra="ignore")
+
+    # model
+    model: str = Field(DEFAULT_MODEL, description="checkpoint directory or random:<preset>")
+    device: str = Field("auto", description="auto (cuda when available), cpu, cuda, cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    warmup: bool = Field(True, description="compile and tune kernels before /ready turns true")
+
+    # HTTP
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: SecretStr | None = Field(None, description="if set, /embed and /v1/embeddings need 'Bearer <key>'")
+    max_body_bytes: int = Field(64 * 2**20, ge=1024)
+    max_inputs_per_request: int = Field(64, ge=1)
+    request_timeout_s: float = Field(60.0, gt=0, description="deadline from arrival to response")
+    graceful_shutdown_s: float = Field(30.0, ge=0)
+
+    # images
+    max_image_pixels: int = Field(40_000_000, ge=1, description="decoded width*height limit (bombs)")
+    max_pixels_limit: int | None = Field(None, description="upper bound of a request's max_pixels; default: "
+                                                            "the checkpoint's max_pixels")
+    min_pixels_limit: int = Field(256, ge=1, description="lower bound of a request's min_pixels")
+
+    # batching
+    max_batch_patches: int = Field(32768, ge=64, description="patch budget of one forward")
+    max_batch_items: int = Field(64, ge=1)
+    max_wait_ms: float = Field(5.0, ge=0, description="how long a forward waits to fill up")
+    max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
+    preprocess_workers: int = Field(4, ge=1)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v != "auto" and not (v == "cpu" or v == "cuda" or v.startswith("cuda:")):
+            raise ValueError(f"device {v!r}: use auto, cpu, cuda or cuda:N")
+        return v
+
+    @model_validator(mode="after")
+    def _limits(self):
+        if self.max_pixels_limit is not None and self.max_pixels_limit < self.min_pixels_limit:
+            raise ValueError("max_pixels_limit must be >= min_pixels_limit")
+        return self
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device().startswith("cuda") else "float32"
