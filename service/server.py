@@ -6,7 +6,9 @@ in flight; the app's shutdown then drains the engine, so no accepted request is 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 
 from pydantic import ValidationError
 
@@ -14,6 +16,24 @@ from .errors import CheckpointError
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the captured signal after its graceful shutdown, so the process would
+            # die "by SIGTERM"; a drained, clean shutdown exits 0 instead
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def settings_from_args(args) -> Settings:
@@ -37,10 +57,10 @@ def run(args) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.graceful_shutdown_s, access_log=False)
-    server = uvicorn.Server(config)
+    server = _server_class()(config)
     try:
         server.run()
     except CheckpointError as e:
         log.error("%s", e)
         return 2
-    return 0 if server.started or not server.should_exit else 1
+    return 0 if server.started else 1  # not started: the lifespan (model load) failed and was logged

@@ -1,0 +1,146 @@
+"""Bad input gets a clear 4xx naming the problem and the item, and never harms other requests."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import zlib
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from conftest import encode_bytes, rel_err
+from servers import serve
+
+GOOD = encode_bytes(Image.new("RGB", (64, 48), (10, 200, 30)))
+
+
+def _bomb_png(width=100_000, height=100_000) -> bytes:
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serve(max_body_bytes=200_000, max_inputs_per_request=4, max_image_pixels=1_000_000, max_wait_ms=50,
+               api_key="sekret") as (url, app):
+        yield url, app
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def _files(*blobs):
+    return [("file", (f"f{i}.png", b, "image/png")) for i, b in enumerate(blobs)]
+
+
+def _err(r, status, reason, index=None, match=None):
+    """Assert an error response; a string in the `index` position is a message fragment."""
+    if isinstance(index, str):
+        index, match = None, index
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["type"] == reason, err
+    if index is not None:
+        assert err["index"] == index, err
+    if match is not None:
+        assert match in err["message"], err
+    return err
+
+
+def test_corrupt_empty_and_unsupported_name_the_item(server):
+    url, _ = server
+    _err(httpx.post(f"{url}/embed", files=_files(GOOD, b"not an image"), headers=AUTH), 422, "unsupported_image", 1,
+         "not a supported image")
+    _err(httpx.post(f"{url}/embed", files=_files(GOOD, GOOD, b""), headers=AUTH), 422, "unsupported_image", 2,
+         "empty image")
+    _err(httpx.post(f"{url}/embed", files=_files(GOOD[: len(GOOD) // 2]), headers=AUTH), 422, "unsupported_image", 0,
+         "corrupt or truncated")
+
+
+def test_size_limits(server):
+    url, _ = server
+    _err(httpx.post(f"{url}/embed", content=b"x" * 300_000, headers={**AUTH, "content-type": "image/png"}), 413,
+         "body_too_large", match="200000")
+    _err(httpx.post(f"{url}/embed", files=_files(*[GOOD] * 5), headers=AUTH), 413, "too_many_inputs",
+         match="limit is 4")
+    _err(httpx.post(f"{url}/embed", files=_files(GOOD, _bomb_png()), headers=AUTH), 413, "image_too_large", 1)
+    big = encode_bytes(Image.new("RGB", (1500, 1000)))
+    _err(httpx.post(f"{url}/embed", files=_files(big), headers=AUTH), 413, "image_too_large", 0,
+         "1500x1000 = 1500000 pixels exceeds the limit of 1000000")
+
+
+def test_json_and_base64_errors(server):
+    url, _ = server
+    _err(httpx.post(f"{url}/embed", content=b"{not json", headers={**AUTH, "content-type": "application/json"}), 422,
+         "invalid_json")
+    _err(httpx.post(f"{url}/embed", json={"images": []}, headers=AUTH), 422, "invalid_json", match="inputs")
+    good = base64.b64encode(GOOD).decode()
+    _err(httpx.post(f"{url}/embed", json={"inputs": [{"image": good}, {"image": "%%%not-base64"}]}, headers=AUTH), 422,
+         "invalid_base64", 1)
+    _err(httpx.post(f"{url}/embed", json={"inputs": [{"image": "data:image/png,abc"}]}, headers=AUTH), 422,
+         "invalid_base64", 0, "data:")
+    _err(httpx.post(f"{url}/embed", json={"inputs": []}, headers=AUTH), 422, "no_inputs")
+    _err(httpx.post(f"{url}/v1/embeddings", json={"input": ["@@@"]}, headers=AUTH), 422, "invalid_base64", 0)
+
+
+def test_content_type_and_options(server):
+    url, _ = server
+    _err(httpx.post(f"{url}/embed", content=GOOD, headers={**AUTH, "content-type": "text/plain"}), 415,
+         "unsupported_media_type")
+    _err(httpx.post(f"{url}/embed", params={"format": "xml"}, files=_files(GOOD), headers=AUTH), 422, "invalid_options",
+         "format")
+    _err(httpx.post(f"{url}/embed", params={"bogus": "1"}, files=_files(GOOD), headers=AUTH), 422, "invalid_options",
+         "bogus")
+    _err(httpx.post(f"{url}/embed", params={"max_pixels": 10**12}, files=_files(GOOD), headers=AUTH), 422,
+         "invalid_options", "outside the server's limits")
+    _err(httpx.post(f"{url}/embed", files=[("image", ("a.png", GOOD, "image/png"))], headers=AUTH), 422,
+         "invalid_multipart", "'image'")
+
+
+def test_api_key(server):
+    url, _ = server
+    _err(httpx.post(f"{url}/embed", files=_files(GOOD)), 401, "unauthorized")
+    _err(httpx.post(f"{url}/embed", files=_files(GOOD), headers={"Authorization": "Bearer wrong"}), 401, "unauthorized")
+    _err(httpx.post(f"{url}/v1/embeddings", json={"input": "x"}), 401, "unauthorized")
+    for route in ("/health", "/ready", "/metrics", "/info"):
+        assert httpx.get(f"{url}{route}").status_code == 200, route
+    assert httpx.post(f"{url}/embed", files=_files(GOOD), headers=AUTH).status_code == 200
+
+
+def test_bad_request_does_not_break_good_ones_in_the_same_window(server):
+    """Good and bad requests arrive inside one batching window (max_wait_ms=50): each gets its own answer."""
+    url, app = server
+    engine = app.state.service["engine"]
+    before = engine.forwards
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as c:
+            return await asyncio.gather(
+                c.post(f"{url}/embed", files=_files(GOOD)),
+                c.post(f"{url}/embed", files=_files(GOOD, b"garbage")),
+                c.post(f"{url}/embed", files=_files(GOOD, GOOD)),
+                c.post(f"{url}/embed", files=_files(_bomb_png())),
+                c.post(f"{url}/embed", json={"inputs": [{"image": "!!"}]}),
+            )
+
+    ok1, bad1, ok2, bad2, bad3 = asyncio.run(go())
+    assert ok1.status_code == 200 and ok2.status_code == 200 and len(ok2.json()["data"]) == 2
+    a, b = (torch.tensor(r.json()["data"][-1]["embeddings"]) for r in (ok1, ok2))
+    assert rel_err(a, b) <= 1e-5  # same image, packed differently
+    assert (bad1.status_code, bad2.status_code, bad3.status_code) == (422, 413, 422)
+    assert engine.forwards - before <= 2  # the good items shared forwards
+
+
+def test_errors_are_counted_in_metrics(server):
+    url, _ = server
+    httpx.post(f"{url}/embed", content=GOOD, headers={**AUTH, "content-type": "text/plain"})
+    text = httpx.get(f"{url}/metrics").text
+    assert 'qwen3vl_errors_total{reason="unsupported_media_type"}' in text
+    assert 'qwen3vl_requests_total{route="/embed",status="415"}' in text

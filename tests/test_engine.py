@@ -1,0 +1,212 @@
+"""Batching, overload, deadlines, dropped clients, failure isolation and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import encode_bytes, rel_err
+from servers import free_port, serve
+from service.encoder import Encoder
+from service.engine import Engine
+from service.errors import DeadlineExceeded, EncoderError, Overloaded
+
+
+class RecordingEncoder:
+    """Wraps a real encoder: records each forward's size, optionally slows it down or fails it."""
+
+    def __init__(self, inner: Encoder, delay_s=0.0, fail=None):
+        self.inner, self.delay_s, self.fail = inner, delay_s, fail
+        self.batches: list[int] = []
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, items, deepstack=True):
+        with self.lock:
+            self.batches.append(len(items))
+        if self.fail is not None:
+            self.fail(items)
+        time.sleep(self.delay_s)
+        return self.inner.encode(items, deepstack)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Encoder.load("random:tiny")
+
+
+def _images(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [encode_bytes(Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 90)), int(rng.integers(20, 90)), 3),
+                                                      dtype=np.uint8))) for _ in range(n)]
+
+
+def test_concurrent_requests_are_batched_and_exact(tiny):
+    enc = RecordingEncoder(tiny, delay_s=0.02)
+    images = _images(32)
+    with serve(enc, max_wait_ms=30) as (url, app):
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(*(c.post(f"{url}/embed", content=img, headers={"content-type": "image/png"})
+                                              for img in images))
+
+        responses = asyncio.run(go())
+    warm = enc.batches[:1]  # the start-up warm-up forward
+    served = enc.batches[len(warm):]
+    assert all(r.status_code == 200 for r in responses)
+    assert len(served) < 32 and max(served) > 1, served  # batching happened
+    for img, r in zip(images, responses):
+        ref = tiny.encode([tiny.preprocess(img)])[0]
+        assert rel_err(torch.tensor(r.json()["data"][0]["embeddings"]), ref.embeds) <= 1e-5
+
+
+def test_overload_answers_429_and_serves_every_accepted_request(tiny):
+    enc = RecordingEncoder(tiny, delay_s=0.05)
+    images = _images(60, seed=1)
+    with serve(enc, max_wait_ms=1, max_queue_items=4, max_batch_items=2) as (url, _):
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(*(c.post(f"{url}/embed", content=img, headers={"content-type": "image/png"})
+                                              for img in images))
+
+        responses = asyncio.run(go())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, codes
+    assert codes.count(429) > 0 and codes.count(200) >= 4
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "overloaded"
+        else:
+            assert r.json()["data"][0]["num_tokens"] > 0
+
+
+def test_request_deadline_gives_503(tiny):
+    enc = RecordingEncoder(tiny, delay_s=1.0)
+    with serve(enc, request_timeout_s=0.3, warmup=False) as (url, _):
+        r = httpx.post(f"{url}/embed", content=_images(1)[0], headers={"content-type": "image/png"}, timeout=30)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "deadline_exceeded"
+
+
+def _engine(enc, **kw):
+    args = dict(max_batch_patches=4096, max_batch_items=64, max_wait_ms=20, max_queue_items=64)
+    args.update(kw)
+    return Engine(enc, **args)
+
+
+def test_abandoned_items_are_dropped_before_compute(tiny):
+    enc = RecordingEncoder(tiny)
+    items = [tiny.preprocess(img) for img in _images(3, seed=2)]
+
+    async def go():
+        eng = _engine(enc)
+        await eng.start()
+        gone = asyncio.create_task(eng.submit(items[:2], timeout_s=10, abandoned=lambda: True))
+        kept = await eng.submit(items[2:], timeout_s=10)
+        gone.cancel()
+        await eng.stop()
+        return kept
+
+    (results, _), = [asyncio.run(go())]
+    assert len(results) == 1 and enc.batches == [1]  # the abandoned request's 2 items never reached a forward
+
+
+def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny):
+    items = [tiny.preprocess(img) for img in _images(6, seed=3)]
+    poison = items[4]
+
+    def fail(batch):
+        if len(batch) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        if any(it is poison for it in batch):
+            raise RuntimeError("kernel exploded")
+
+    enc = RecordingEncoder(tiny, fail=fail)
+
+    async def go():
+        eng = _engine(enc)
+        await eng.start()
+        outs = await asyncio.gather(*(eng.submit([it], timeout_s=10) for it in items), return_exceptions=True)
+        await eng.stop()
+        return outs
+
+    outs = asyncio.run(go())
+    for it, out in zip(items, outs):
+        if it is poison:
+            assert isinstance(out, EncoderError) and "kernel exploded" in str(out)
+        else:
+            results, _ = out
+            assert rel_err(results[0].embeds, tiny.encode([it])[0].embeds) <= 1e-5
+    assert max(enc.batches) == 6 and 1 in enc.batches  # tried whole, then split down
+
+
+def test_engine_overload_and_deadline(tiny):
+    enc = RecordingEncoder(tiny, delay_s=0.5)
+    items = [tiny.preprocess(img) for img in _images(4, seed=4)]
+
+    async def go():
+        eng = _engine(enc, max_queue_items=2, max_wait_ms=0)
+        await eng.start()
+        first = asyncio.create_task(eng.submit(items[:2], timeout_s=10))
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):
+            await eng.submit(items[2:], timeout_s=10)
+        await first
+        with pytest.raises(DeadlineExceeded):
+            await eng.submit(items[:1], timeout_s=0.05)
+        await eng.stop()
+
+    asyncio.run(go())
+
+
+def test_sigterm_during_load_loses_no_accepted_request(tmp_path):
+    port = free_port()
+    env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICE": "cpu", "QWEN3VL_PORT": str(port),
+           "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_MAX_BATCH_ITEMS": "2", "QWEN3VL_MAX_WAIT_MS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, "server did not become ready"
+            time.sleep(0.1)
+        big = [encode_bytes(Image.fromarray(np.random.default_rng(i).integers(0, 256, (700, 900, 3), dtype=np.uint8)))
+               for i in range(24)]
+
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as c:
+                tasks = [asyncio.create_task(c.post(f"{url}/embed", content=b, headers={"content-type": "image/png"}))
+                         for b in big]
+                await asyncio.sleep(0.3)  # requests are queued and in flight
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+        outs = asyncio.run(go())
+        accepted = [o for o in outs if isinstance(o, httpx.Response)]
+        refused = [o for o in outs if not isinstance(o, httpx.Response)]
+        assert all(isinstance(e, httpx.ConnectError) for e in refused), refused  # refused before acceptance only
+        assert accepted and all(r.status_code == 200 for r in accepted), [r.status_code for r in accepted]
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.stdout.read()
+    assert "Traceback" not in out, out[-3000:]
