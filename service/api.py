@@ -444,17 +444,18 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
 def warmup(enc: Encoder, settings: Settings):
     """Run representative packs once so kernels compile and autotune before traffic: one per attention
     length class (<=256, <=1024, <=4096, longer), within the batch budget."""
-    m = enc.config.spatial_merge_size
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    factor = enc.preprocessor.config.factor
     sides = [16, 32, 64, 96] if enc.device.type == "cuda" else [8]
     for side in sides:
-        side = max(m, side - side % m)
         if side * side > settings.max_batch_patches:
             break
-        pixels = np.random.default_rng(0).standard_normal((side * side, enc.config.patch_dim)).astype(np.float32)
-        from .preprocess import Preprocessed
-
-        enc.encode([Preprocessed(pixels, (1, side, side))])
-    log.info("warm-up done")
+        px = side * enc.preprocessor.config.patch_size
+        img = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
+        enc.encode([enc.preprocess(img, min_pixels=px * px, max_pixels=px * px)])
+    log.info("warm-up done (multiples of %d px)", factor)
 
 
 def _validation_message(e: ValidationError) -> str:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .loader import load_tower
-from .preprocess import ImagePreprocessor, Preprocessed
+from .preprocess import ImagePreprocessor, Preprocessed, patchify
 from .tower import VisionTower
 
 
@@ -35,6 +34,7 @@ class Encoder:
         p = next(tower.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.config = tower.config
+        self._luts: dict[bytes, torch.Tensor] = {}  # preprocessing LUTs, on the device
 
     @classmethod
     def load(cls, model: str, device="cpu", dtype="float32") -> "Encoder":
@@ -48,17 +48,40 @@ class Encoder:
     def preprocess(self, data, min_pixels: int | None = None, max_pixels: int | None = None) -> Preprocessed:
         return self.preprocessor(data, min_pixels=min_pixels, max_pixels=max_pixels)
 
+    def pixels(self, items: list[Preprocessed]) -> torch.Tensor:
+        """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over in one copy,
+        then each item is normalised and patchified there."""
+        sizes = [it.frames.size for it in items]
+        staging = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        offset = 0
+        for it, n in zip(items, sizes):
+            staging[offset:offset + n].copy_(torch.from_numpy(it.frames.reshape(-1)))
+            offset += n
+        frames = staging.to(self.device, non_blocking=True)
+        out = torch.empty((sum(it.num_patches for it in items), self.config.patch_dim), dtype=self.dtype,
+                          device=self.device)
+        offset, row = 0, 0
+        for it, n in zip(items, sizes):
+            patchify(frames[offset:offset + n].view(it.frames.shape), self._lut(it), it.config,
+                     out[row:row + it.num_patches])
+            offset += n
+            row += it.num_patches
+        return out
+
+    def _lut(self, item: Preprocessed) -> torch.Tensor:
+        key = item.lut.tobytes()
+        lut = self._luts.get(key)
+        if lut is None:
+            lut = self._luts[key] = torch.from_numpy(item.lut).to(self.device)
+        return lut
+
     @torch.inference_mode()
     def encode(self, items: list[Preprocessed], deepstack: bool = True) -> list[EncodeResult]:
         """One packed forward over `items`; results in the same order, on the CPU."""
         if not items:
             return []
         plan = self.tower.plan([it.grid_thw for it in items])
-        pixels = torch.from_numpy(np.concatenate([it.pixel_values for it in items]))
-        if self.device.type == "cuda":
-            pixels = pixels.pin_memory()
-        pixels = pixels.to(self.device, non_blocking=True)
-        merged, ds = self.tower(pixels, plan)
+        merged, ds = self.tower(self.pixels(items), plan)
         sizes = [it.num_patches // self.config.merge_unit for it in items]
         merged = merged.cpu()
         ds = ds.cpu() if deepstack else None
