@@ -202,6 +202,6 @@ class ImagePreprocessor:
         orig_w, orig_h = img.size
         height, width = self.target_size(orig_h, orig_w, min_pixels, max_pixels)
         img = img.resize((width, height), resample=c.resample)
-        frames = np.asarray(img)[None]  # [1, H, W, 3] uint8
+        frames = np.array(img)[None]  # [1, H, W, 3] uint8, writable (torch.from_numpy needs that)
         grid = (1, height // c.patch_size, width // c.patch_size)
         return Preprocessed(frames, grid, self._lut, c, {"width": orig_w, "height": orig_h})

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
+from kernels.add_layernorm import add_layernorm
 from kernels.qkv_rope import qkv_rope_
 
 from .config import TowerConfig
@@ -76,6 +77,16 @@ class PackPlan:
         return PackPlan(grids, seqlens, cu_seqlens, max(seqlens), cos, sin, index, weight)
 
 
+def _fused(backend: str) -> bool | None:
+    """Triton for the small fused kernels: always with the Triton backend (also when forced under the
+    interpreter), otherwise whenever the tensors are on a GPU."""
+    return True if backend == "triton" else None
+
+
+def _add_norm(x, y, norm: nn.LayerNorm, backend: str):
+    return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend))
+
+
 def _bilinear_taps(index, size, side):
     """Bilinear (align_corners=True) taps and weights of target positions `index` on an axis of `size`
     into a learned axis of `side` entries: `F.interpolate`'s arithmetic, as transformers computes it."""
@@ -110,7 +121,7 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
         # One in-place rotation pass beats rotating K inside the attention kernel for every query tile.
-        qkv_rope_(qkv, plan.cos, plan.sin)
+        qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend))
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
         out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
         return self.proj(out.view(tokens, -1))
@@ -154,16 +165,15 @@ def gelu_epilogue_ok(device) -> bool:
 
 
 class Block(nn.Module):
+    """x + attn(norm1(x)), then + mlp(norm2(.)). The tower runs the residual adds fused with the
+    LayerNorm that follows each of them (`add_layernorm`), across block boundaries."""
+
     def __init__(self, cfg: TowerConfig):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg)
-
-    def forward(self, x, plan: PackPlan, backend: str):
-        x = x + self.attn(self.norm1(x), plan, backend)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Module):
@@ -215,8 +225,15 @@ class VisionTower(nn.Module):
         x = x + pos.to(x.dtype)
         taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
         deepstack = []
-        for layer, block in enumerate(self.blocks):
-            x = block(x, plan, self.backend)
+        blocks = self.blocks
+        h = blocks[0].norm1(x)
+        for layer, block in enumerate(blocks):
+            x, h = _add_norm(x, block.attn(h, plan, self.backend), block.norm2, self.backend)
+            m = block.mlp(h)
+            if layer + 1 < len(blocks):
+                x, h = _add_norm(x, m, blocks[layer + 1].norm1, self.backend)  # residual + next block's norm
+            else:
+                x = x + m
             if layer in taps:
                 deepstack.append(self.deepstack_merger_list[taps[layer]](x))
         merged = self.merger(x)

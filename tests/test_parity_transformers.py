@@ -93,3 +93,17 @@ def test_video_shaped_grid_matches_transformers(full_checkpoint, hf_model):
     assert rel_err(merged, ref_merged) <= TOL
     for level, feats in enumerate(ref_ds):
         assert rel_err(ds[level], feats) <= TOL
+
+
+def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model):
+    """The whole Triton path (QKV RoPE, varlen attention, add+LayerNorm) in the interpreter, fp32."""
+    enc = Encoder.load(str(full_checkpoint))
+    enc.tower._backend = "triton"
+    grids = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_dim)
+    with torch.no_grad():
+        merged, ds = enc.tower(pixels, enc.tower.plan(grids))
+    ref_merged, ref_ds = hf_tower_outputs(hf_model.model.visual, pixels, torch.tensor(grids))
+    assert rel_err(merged, ref_merged) <= TOL
+    for level, feats in enumerate(ref_ds):
+        assert rel_err(ds[level], feats) <= TOL

@@ -1,0 +1,183 @@
+"""Service throughput vs the tower's own, on the same images, in one run.
+
+1. Tower: the same 448px JPEGs, preprocessed once, encoded through `Encoder.encode` in packs of the
+   server's patch budget: images/s of the model path alone (H2D, patchify, forward, D2H).
+2. Service: `qwen3vl-encoder serve` in its own process; N concurrent clients (spread over several
+   load-generator processes so the clients do not share the server's GIL) POST raw JPEGs to /embed for
+   a fixed time after a warm-up. Reports sustained images/s, p50/p99 latency and the ratio.
+
+Usage: python -m benchmarks.bench_service [--clients 64] [--seconds 20] [--model random:qwen3-vl-2b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from benchmarks.common import environment, write_results
+
+
+def jpegs(n: int, side: int = 448) -> list[bytes]:
+    from PIL import Image
+
+    try:
+        import skimage.data as data
+
+        base = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    except ImportError:
+        base = [np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)]
+    out = []
+    for i in range(n):
+        img = Image.fromarray(base[i % len(base)]).resize((side, side))
+        buf = io.BytesIO()
+        img.rotate(i % 360).save(buf, "JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def tower_throughput(model, images, budget, seconds, device="cuda", dtype="bfloat16"):
+    import torch
+
+    from service.encoder import Encoder, pack_by_budget
+
+    enc = Encoder.load(model, device, dtype)
+    items = [enc.preprocess(b) for b in images]
+    packs = pack_by_budget([it.num_patches for it in items], budget, 64)
+    for pack in packs[:2]:
+        enc.encode([items[i] for i in pack], deepstack=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for pack in packs:
+            enc.encode([items[i] for i in pack], deepstack=False)
+            n += len(pack)
+    elapsed = time.perf_counter() - start
+    del enc
+    torch.cuda.empty_cache()
+    return {"images_per_s": n / elapsed, "pack_images": len(packs[0])}
+
+
+def _client_proc(url, images, clients, warmup_s, seconds, params, conn):
+    import httpx
+
+    async def run():
+        lat, errors, done = [], {}, 0
+        t_start = time.perf_counter()
+        t_measure, t_end = t_start + warmup_s, t_start + warmup_s + seconds
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients)) as c:
+            async def loop(k):
+                nonlocal done
+                i = k
+                while time.perf_counter() < t_end:
+                    t0 = time.perf_counter()
+                    r = await c.post(f"{url}/embed", params=params, content=images[i % len(images)],
+                                     headers={"content-type": "image/jpeg"})
+                    t1 = time.perf_counter()
+                    i += clients
+                    if t0 >= t_measure and t1 <= t_end:
+                        if r.status_code == 200:
+                            lat.append(t1 - t0)
+                            done += 1
+                        else:
+                            errors[r.status_code] = errors.get(r.status_code, 0) + 1
+            await asyncio.gather(*(loop(k) for k in range(clients)))
+        return {"latencies": lat, "done": done, "errors": errors}
+
+    conn.send(asyncio.run(run()))
+
+
+def service_throughput(model, images, clients, procs, warmup_s, seconds, params, env_extra, device="cuda",
+                       dtype="bfloat16"):
+    port = 18777
+    env = {**os.environ, "QWEN3VL_MODEL": model, "QWEN3VL_PORT": str(port), "QWEN3VL_HOST": "127.0.0.1",
+           "QWEN3VL_DEVICE": device, "QWEN3VL_DTYPE": dtype, **env_extra}
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.time() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline or server.poll() is not None:
+                raise RuntimeError("server did not become ready")
+            time.sleep(0.5)
+        ctx = mp.get_context("spawn")
+        pipes, workers = [], []
+        for p in range(procs):
+            a, b = ctx.Pipe()
+            w = ctx.Process(target=_client_proc, args=(url, images[p::procs], clients // procs, warmup_s, seconds,
+                                                       params, b))
+            w.start()
+            pipes.append(a)
+            workers.append(w)
+        outs = [a.recv() for a in pipes]
+        for w in workers:
+            w.join()
+        info = httpx.get(f"{url}/info").json()
+    finally:
+        server.terminate()
+        server.wait(60)
+    lat = np.array(sum((o["latencies"] for o in outs), []))
+    errors: dict = {}
+    for o in outs:
+        for k, v in o["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    done = sum(o["done"] for o in outs)
+    return {"images_per_s": done / seconds, "requests": done, "errors": errors,
+            "p50_ms": float(np.percentile(lat, 50) * 1000), "p99_ms": float(np.percentile(lat, 99) * 1000),
+            "mean_ms": float(lat.mean() * 1000), "forwards": info.get("engine", {}).get("forwards"),
+            "attention_backend": info.get("attention_backend")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-vl-2b")
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--warmup", type=float, default=5)
+    ap.add_argument("--images", type=int, default=256)
+    ap.add_argument("--format", default="safetensors")
+    ap.add_argument("--budget", type=int, default=32768)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    images = jpegs(args.images)
+    tower = tower_throughput(args.model, images, args.budget, min(args.seconds, 10), args.device, dtype)
+    print(f"tower: {tower['images_per_s']:.1f} images/s", flush=True)
+    params = {"format": args.format, "deepstack": "false"}
+    env_extra = {"QWEN3VL_MAX_BATCH_PATCHES": str(args.budget), "QWEN3VL_MAX_QUEUE_ITEMS": "4096",
+                 "QWEN3VL_PREPROCESS_WORKERS": str(max(4, (os.cpu_count() or 8) - args.procs - 2)),
+                 "QWEN3VL_MAX_WAIT_MS": "5"}
+    svc = service_throughput(args.model, images, args.clients, args.procs, args.warmup, args.seconds, params, env_extra,
+                             args.device, dtype)
+    ratio = svc["images_per_s"] / tower["images_per_s"]
+    print(f"service: {svc['images_per_s']:.1f} images/s ({ratio:.1%} of the tower), p50 {svc['p50_ms']:.1f} ms, "
+          f"p99 {svc['p99_ms']:.1f} ms, errors {svc['errors']}, forwards {svc['forwards']}")
+    payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": args.clients,
+               "image": "448x448 JPEG", "params": params, "server_env": env_extra, "tower": tower, "service": svc,
+               "ratio": ratio}
+    write_results("service", payload, args.out)
+    print(json.dumps({"benchmark": "service", "tower_images_per_s": round(tower["images_per_s"], 1),
+                      "service_images_per_s": round(svc["images_per_s"], 1), "ratio": round(ratio, 3),
+                      "p50_ms": round(svc["p50_ms"], 1), "p99_ms": round(svc["p99_ms"], 1)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The tower's smaller fused kernels (in-place QKV RoPE, residual add + LayerNorm), run by Triton's
+interpreter on CPU against their PyTorch references; the GPU tower tests cover them at full size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.add_layernorm import add_layernorm, reference_add_layernorm
+from kernels.qkv_rope import qkv_rope_
+from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 2, 64), (131, 3, 72), (70, 2, 80), (65, 1, 16)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_qkv_rope_in_place(tokens, heads, head_dim, dtype):
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, 3, heads, head_dim, generator=g).to(dtype)
+    pos = torch.randint(0, 50, (tokens, 2), generator=g)
+    cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim))
+    out = qkv.clone()
+    assert qkv_rope_(out, cos, sin, use_triton=True) is out
+    assert torch.equal(out[:, 0], apply_vision_rope(qkv[:, 0], cos, sin))
+    assert torch.equal(out[:, 1], apply_vision_rope(qkv[:, 1], cos, sin))
+    assert torch.equal(out[:, 2], qkv[:, 2])  # V untouched
+    ref = qkv.clone()
+    qkv_rope_(ref, cos, sin, use_triton=False)
+    assert torch.equal(out, ref)
+
+
+def test_qkv_rope_validates():
+    qkv = torch.randn(5, 3, 2, 16)
+    cos, sin = vision_rope_cos_sin(torch.zeros(5, 2), vision_rope_inv_freq(16))
+    with pytest.raises(ValueError, match="cos/sin"):
+        qkv_rope_(qkv, cos[:, :4], sin)
+    with pytest.raises(ValueError, match="qkv must be"):
+        qkv_rope_(qkv[:, :2], cos, sin)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1024), (131, 1152), (9, 72)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_add_layernorm(rows, cols, dtype):
+    g = torch.Generator().manual_seed(rows * cols)
+    x, y = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(2))
+    w, b = 1 + 0.1 * torch.randn(cols, generator=g), 0.1 * torch.randn(cols, generator=g)
+    s, out = add_layernorm(x, y, w.to(dtype), b.to(dtype), 1e-6, use_triton=True)
+    rs, rout = reference_add_layernorm(x, y, w.to(dtype), b.to(dtype), 1e-6)
+    assert torch.equal(s, rs)
+    exact = F.layer_norm(rs.double(), (cols,), w.double(), b.double(), 1e-6)
+    err = (out.double() - exact).norm() / exact.norm()
+    torch_err = (rout.double() - exact).norm() / exact.norm()
+    assert err <= 2 * torch_err + 1e-7, (err, torch_err)
