@@ -146,7 +146,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
         enc.preprocessor = type(enc.preprocessor)(replace(pre, max_image_pixels=settings.max_image_pixels))
         engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
                         max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
-                        preprocess_workers=settings.preprocess_workers, on_batch=on_batch)
+                        preprocess_workers=settings.preprocess_workers,
+                        preprocess_processes=settings.preprocess_processes, on_batch=on_batch)
         state["engine"] = engine
         metrics.model_info.info({"model": settings.model, "dtype": str(enc.dtype).removeprefix("torch."),
                                  "device": str(enc.device), "attention_backend": enc.backend,

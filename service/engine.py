@@ -1,6 +1,8 @@
 """The batching engine: plain asyncio plus one GPU worker thread. Knows nothing of HTTP.
 
-- `preprocess` decodes and patchifies in a thread pool, overlapping the GPU.
+- `preprocess` decodes and resizes in a pool (processes in the server, so the GIL stays free for the
+  thread that dispatches GPU work), overlapping the GPU; normalising and patchifying happen on the
+  device inside the forward.
 - `submit(items)` queues a request's items and awaits their results. Items of many requests are
   packed into one forward by a patch budget (`max_batch_patches`), an item cap and a maximum wait
   (`max_wait_ms`). The queue is bounded in items: past it, `Overloaded` (the API answers 429).
@@ -15,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import threading
+import multiprocessing
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,7 +27,7 @@ import torch
 
 from .encoder import EncodeResult, Encoder
 from .errors import DeadlineExceeded, EncoderError, Overloaded, ShuttingDown
-from .preprocess import Preprocessed
+from .preprocess import Preprocessed, decode_in_worker, init_worker
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class Timing:
 
 class Engine:
     def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
-                 max_queue_items: int, preprocess_workers: int = 4,
+                 max_queue_items: int, preprocess_workers: int = 4, preprocess_processes: bool = False,
                  on_batch: Callable[[BatchStats], None] | None = None):
         self.encoder = encoder
         self.max_batch_patches = max_batch_patches
@@ -65,12 +67,17 @@ class Engine:
         self._queue: collections.deque[_Work] = collections.deque()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._pre_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
+        if preprocess_processes:
+            # spawn, not fork: this process already runs CUDA and threads
+            self._pre_pool = ProcessPoolExecutor(preprocess_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=init_worker, initargs=(encoder.preprocessor.config,))
+        else:
+            self._pre_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
+        self._processes = preprocess_processes
         self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward")
         self._accepting = False
         self._in_flight = 0  # items handed to the GPU worker and not yet answered
         self.forwards = 0  # forward passes run, for tests and /info
-        self._lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -106,7 +113,11 @@ class Engine:
 
     async def preprocess(self, data, min_pixels=None, max_pixels=None) -> Preprocessed:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pre_pool, self.encoder.preprocess, data, min_pixels, max_pixels)
+        if not self._processes:
+            return await loop.run_in_executor(self._pre_pool, self.encoder.preprocess, data, min_pixels, max_pixels)
+        frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, data, min_pixels, max_pixels)
+        pre = self.encoder.preprocessor
+        return Preprocessed(frames, grid, pre._lut, pre.config, meta)
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float,
                      abandoned: Callable[[], bool] = lambda: False) -> tuple[list[EncodeResult], Timing]:

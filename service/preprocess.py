@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import ImageTooLarge, InvalidInput, UnsupportedImage
@@ -93,6 +92,8 @@ class Preprocessed:
     @property
     def pixel_values(self) -> np.ndarray:
         """The float32 rows `[t*h*w, C*T*P*P]` transformers' processor returns for this item."""
+        import torch  # lazily: decoding worker processes never need torch
+
         out = torch.empty((self.num_patches, patch_dim(self.config, self.frames.shape[-1])), dtype=torch.float32)
         patchify(torch.from_numpy(self.frames), torch.from_numpy(self.lut), self.config, out)
         return out.numpy()
@@ -102,12 +103,14 @@ def patch_dim(config: "PreprocessConfig", channels: int = 3) -> int:
     return channels * config.temporal_patch_size * config.patch_size**2
 
 
-def patchify(frames: torch.Tensor, lut: torch.Tensor, config: "PreprocessConfig", out: torch.Tensor) -> torch.Tensor:
+def patchify(frames, lut, config: "PreprocessConfig", out):
     """uint8 `[F, H, W, C]` -> `out` `[t*h*w, C*T*P*P]`: normalised through `lut`, merge-block order.
 
     A trailing odd frame is repeated to fill the temporal patch (a single image becomes two equal
     frames), as transformers does. Runs on whatever device the tensors are on.
     """
+    import torch
+
     tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
     n_frames, height, width, channels = frames.shape
     offsets = torch.arange(channels, device=frames.device) * 256
@@ -205,3 +208,20 @@ class ImagePreprocessor:
         frames = np.array(img)[None]  # [1, H, W, 3] uint8, writable (torch.from_numpy needs that)
         grid = (1, height // c.patch_size, width // c.patch_size)
         return Preprocessed(frames, grid, self._lut, c, {"width": orig_w, "height": orig_h})
+
+
+# -- worker processes --------------------------------------------------------------------------------
+# Decoding and resizing run in separate processes in the server, so they never compete for the GIL
+# with the thread that dispatches GPU work. Only the uint8 frames and the grid come back.
+
+_WORKER: ImagePreprocessor | None = None
+
+
+def init_worker(config: PreprocessConfig) -> None:
+    global _WORKER
+    _WORKER = ImagePreprocessor(config)
+
+
+def decode_in_worker(data: bytes, min_pixels: int | None, max_pixels: int | None):
+    item = _WORKER(data, min_pixels, max_pixels)
+    return item.frames, item.grid_thw, item.meta
