@@ -125,7 +125,15 @@ def service_throughput(model, images, clients, procs, warmup_s, seconds, params,
             w.start()
             pipes.append(a)
             workers.append(w)
+        profiler = None
+        if os.environ.get("PROFILE_SERVER"):
+            time.sleep(warmup_s + 2)
+            profiler = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-d", "8", "-r", "250", "-f", "raw",
+                                         "--threads", "--nonblocking", "-o", os.environ["PROFILE_SERVER"]],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         outs = [a.recv() for a in pipes]
+        if profiler is not None:
+            profiler.wait(60)
         for w in workers:
             w.join()
         info = httpx.get(f"{url}/info").json()
