@@ -45,6 +45,7 @@ class _Work:
     item: Preprocessed
     future: asyncio.Future
     abandoned: Callable[[], bool]
+    deepstack: bool = True
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -119,8 +120,10 @@ class Engine:
         pre = self.encoder.preprocessor
         return Preprocessed(frames, grid, pre._lut, pre.config, meta)
 
-    async def submit(self, items: list[Preprocessed], *, timeout_s: float,
-                     abandoned: Callable[[], bool] = lambda: False) -> tuple[list[EncodeResult], Timing]:
+    async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: Callable[[], bool] = lambda: False,
+                     deepstack: bool = True) -> tuple[list[EncodeResult], Timing]:
+        """Encode `items` in whatever packs the batcher forms; `deepstack=False` lets a pack skip copying
+        the DeepStack features back when none of its requests wants them."""
         if not self._accepting:
             raise ShuttingDown("the service is shutting down")
         if len(self._queue) + len(items) > self.max_queue_items:
@@ -132,7 +135,7 @@ class Engine:
         def is_abandoned() -> bool:
             return gone or abandoned()
 
-        works = [_Work(it, loop.create_future(), is_abandoned) for it in items]
+        works = [_Work(it, loop.create_future(), is_abandoned, deepstack) for it in items]
         self._queue.extend(works)
         self._wakeup.set()
         try:
@@ -193,7 +196,8 @@ class Engine:
     async def _run(self, loop, batch: list[_Work]):
         start = time.perf_counter()
         try:
-            results = await loop.run_in_executor(self._gpu, self.encoder.encode, [w.item for w in batch])
+            results = await loop.run_in_executor(self._gpu, self.encoder.encode, [w.item for w in batch],
+                                                 any(w.deepstack for w in batch))
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the service down
             ok = False
             self._report(batch, start, ok)
