@@ -1,0 +1,183 @@
+"""The deployment files agree with each other and with the service: ports, paths, environment variable
+names, the health route, the datasource and the dashboard; and a real Prometheus, scraping a real
+server with the repository's scrape config, answers every query of the dashboard with data."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from PIL import Image
+
+from conftest import encode_bytes
+from servers import free_port, serve
+from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+PROM = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+DATASOURCES = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+DASH_PROVIDERS = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/dashboards.yml").read_text())
+DASHBOARD_FILE = ROOT / "deploy/grafana/dashboards/qwen3vl-encoder.json"
+DASHBOARD = json.loads(DASHBOARD_FILE.read_text())
+
+
+def _default(value: str) -> str:
+    """`${VAR:-default}` -> default; plain values unchanged."""
+    m = re.fullmatch(r"\$\{\w+:-(.*)\}", str(value))
+    return m.group(1) if m else str(value)
+
+
+def _volumes(service: str) -> dict[str, str]:
+    """container path -> host path"""
+    out = {}
+    for v in COMPOSE["services"][service].get("volumes", []):
+        v = re.sub(r":(ro|rw)$", "", v)
+        host, container = v.rsplit(":", 1)  # the host side may be ${VAR:-default}
+        out[container] = _default(host)
+    return out
+
+
+def test_ports_agree():
+    port = Settings().port
+    assert f"EXPOSE {port}" in DOCKERFILE and f"QWEN3VL_PORT={port}" in DOCKERFILE
+    assert f"{port}:{port}" in COMPOSE["services"]["encoder"]["ports"]
+    (target,) = PROM["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert target == f"encoder:{port}" and "encoder" in COMPOSE["services"]
+    assert PROM["scrape_configs"][0]["metrics_path"] == "/metrics"
+    prom_port = DATASOURCES["datasources"][0]["url"].rsplit(":", 1)[1]
+    assert f"{prom_port}:{prom_port}" in COMPOSE["services"]["prometheus"]["ports"]
+
+
+def test_environment_names_are_settings():
+    fields = {f"QWEN3VL_{name.upper()}" for name in Settings.model_fields}
+    env = COMPOSE["services"]["encoder"]["environment"]
+    assert set(env) <= fields, set(env) - fields
+    docker_env = set(re.findall(r"(QWEN3VL_\w+)=", DOCKERFILE))
+    assert docker_env <= fields, docker_env - fields
+    assert Settings(**{k.removeprefix("QWEN3VL_").lower(): _default(v) for k, v in env.items() if _default(v)})
+
+
+def test_model_volume_matches_model_setting():
+    model = _default(COMPOSE["services"]["encoder"]["environment"]["QWEN3VL_MODEL"])
+    assert model in _volumes("encoder")
+    assert f"QWEN3VL_MODEL={model}" in DOCKERFILE and "VOLUME /models" in DOCKERFILE
+    assert model.startswith("/models/")
+
+
+def test_gpu_reservation_and_grace_period():
+    devices = COMPOSE["services"]["encoder"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    grace = int(COMPOSE["services"]["encoder"]["stop_grace_period"].rstrip("s"))
+    assert grace > float(_default(COMPOSE["services"]["encoder"]["environment"]["QWEN3VL_GRACEFUL_SHUTDOWN_S"]))
+
+
+def test_healthcheck_uses_the_health_route():
+    from service.api import create_app
+
+    health = re.search(r"HEALTHCHECK.*?CMD (.*)", DOCKERFILE, re.S).group(1)
+    assert f"127.0.0.1:{Settings().port}/health" in health
+    routes = {r.path for r in create_app(Settings(model="random:tiny")).routes}
+    assert {"/health", "/ready", "/metrics", "/embed", "/v1/embeddings", "/info"} <= routes
+
+
+def test_install_step_is_the_one_ci_runs():
+    (step,) = re.findall(r"^RUN (pip install .*)$", DOCKERFILE, re.M)
+    assert step in (ROOT / ".ci/run").read_text()
+    assert step in (ROOT / "README.md").read_text()
+
+
+def test_grafana_provisioning():
+    (ds,) = DATASOURCES["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and "prometheus" in COMPOSE["services"]
+    uids = {p["datasource"]["uid"] for p in DASHBOARD["panels"]} | {
+        t["datasource"]["uid"] for p in DASHBOARD["panels"] for t in p["targets"]}
+    assert uids == {ds["uid"]}
+    grafana = _volumes("grafana")
+    (provider,) = DASH_PROVIDERS["providers"]
+    dash_dir = provider["options"]["path"]
+    assert (ROOT / grafana[dash_dir] / DASHBOARD_FILE.name).is_file()
+    assert (ROOT / grafana["/etc/grafana/provisioning"] / "datasources/prometheus.yml").is_file()
+    home = COMPOSE["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{dash_dir}/{DASHBOARD_FILE.name}"
+    assert _volumes("prometheus")["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus/prometheus.yml"
+
+
+def test_dashboard_is_generated_from_make_dashboard():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_dashboard", ROOT / "deploy/make_dashboard.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.build() == DASHBOARD, "run: python deploy/make_dashboard.py"
+
+
+# --- a real Prometheus against a real server ------------------------------------------------------
+
+def _exprs():
+    return [t["expr"] for p in DASHBOARD["panels"] for t in p["targets"]]
+
+
+def _metric_names(expr: str) -> set[str]:
+    return {m for m in re.findall(r"\b(qwen3vl_[a-z_]+)", expr)}
+
+
+@pytest.fixture(scope="module")
+def prometheus_binary():
+    binary = shutil.which("prometheus")
+    if binary is None:
+        if os.environ.get("REQUIRE_PROMETHEUS") == "1":
+            pytest.fail("prometheus is not installed (apt-get install -y prometheus)")
+        pytest.skip("prometheus is not installed (apt-get install -y prometheus)")
+    return binary
+
+
+def test_every_dashboard_query_returns_data(prometheus_binary, tmp_path):
+    with serve(max_wait_ms=5, max_image_pixels=2_000_000) as (url, _):
+        host = url.removeprefix("http://")
+        config = json.loads(json.dumps(PROM))
+        config["global"]["scrape_interval"] = "1s"
+        config["scrape_configs"][0]["static_configs"][0]["targets"] = [host]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        prom_port = free_port()
+        prom = subprocess.Popen([prometheus_binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        api = f"http://127.0.0.1:{prom_port}/api/v1"
+        try:
+            good = encode_bytes(Image.new("RGB", (96, 64), (1, 2, 3)))
+            deadline = time.time() + 40
+            exprs = [e.replace("$__rate_interval", "30s") for e in _exprs()]
+            missing = exprs
+            while missing and time.time() < deadline:
+                for _ in range(3):  # traffic: successes and an error, through both endpoints
+                    httpx.post(f"{url}/embed", files=[("file", ("a.png", good, "image/png"))] * 2, timeout=30)
+                    httpx.post(f"{url}/embed", content=b"junk", headers={"content-type": "image/png"}, timeout=30)
+                    httpx.get(f"{url}/health")
+                time.sleep(1)
+                try:
+                    missing = [e for e in exprs if not _has_data(api, e)]
+                except httpx.TransportError:
+                    continue
+            assert not missing, f"queries without data: {missing}"
+            names = set(httpx.get(f"{api}/label/__name__/values").json()["data"])
+            used = set().union(*(_metric_names(e) for e in _exprs()))
+            assert used and used <= names, used - names
+        finally:
+            prom.terminate()
+            prom.wait(30)
+
+
+def _has_data(api: str, expr: str) -> bool:
+    r = httpx.get(f"{api}/query", params={"query": expr}, timeout=10).json()
+    assert r["status"] == "success", (expr, r)
+    return bool(r["data"]["result"])
