@@ -76,17 +76,30 @@ class Encoder:
         return lut
 
     @torch.inference_mode()
-    def encode(self, items: list[Preprocessed], deepstack: bool = True) -> list[EncodeResult]:
-        """One packed forward over `items`; results in the same order, on the CPU."""
-        if not items:
-            return []
+    def launch(self, items: list[Preprocessed], deepstack: bool = True) -> "Pending":
+        """Dispatch one packed forward and the copies of its outputs to pinned host memory, without
+        waiting for the GPU. `finish` waits and splits the outputs per item."""
         plan = self.tower.plan([it.grid_thw for it in items])
         merged, ds = self.tower(self.pixels(items), plan)
-        sizes = [it.num_patches // self.config.merge_unit for it in items]
-        merged = merged.cpu()
-        ds = ds.cpu() if deepstack else None
+        if self.device.type != "cuda":
+            return Pending(items, merged, ds if deepstack else None, None)
+        merged_host = torch.empty(merged.shape, dtype=merged.dtype, pin_memory=True)
+        merged_host.copy_(merged, non_blocking=True)
+        ds_host = None
+        if deepstack:
+            ds_host = torch.empty(ds.shape, dtype=ds.dtype, pin_memory=True)
+            ds_host.copy_(ds, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Pending(items, merged_host, ds_host, done)
+
+    def finish(self, pending: "Pending") -> list[EncodeResult]:
+        if pending.done is not None:
+            pending.done.synchronize()  # releases the GIL while the GPU finishes
+        merged, ds = pending.merged, pending.deepstack
         out, start = [], 0
-        for it, n in zip(items, sizes):
+        for it in pending.items:
+            n = it.num_patches // self.config.merge_unit
             out.append(EncodeResult(
                 embeds=merged[start:start + n],
                 deepstack=ds[:, start:start + n] if ds is not None else merged.new_empty((0, n, merged.shape[1])),
@@ -94,6 +107,23 @@ class Encoder:
             ))
             start += n
         return out
+
+    def encode(self, items: list[Preprocessed], deepstack: bool = True) -> list[EncodeResult]:
+        """One packed forward over `items`; results in the same order, on the CPU."""
+        if not items:
+            return []
+        return self.finish(self.launch(items, deepstack))
+
+
+@dataclass
+class Pending:
+    """A dispatched forward: its items, host buffers that will hold its outputs, and the event after
+    which they do (None on the CPU, where everything is done already)."""
+
+    items: list[Preprocessed]
+    merged: torch.Tensor
+    deepstack: torch.Tensor | None
+    done: "torch.cuda.Event | None"
 
 
 def pack_by_budget(sizes: list[int], max_patches: int, max_items: int) -> list[list[int]]:

@@ -75,7 +75,8 @@ class Engine:
         else:
             self._pre_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
         self._processes = preprocess_processes
-        self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward")  # dispatches, in order
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish")  # waits for outputs
         self._accepting = False
         self._in_flight = 0  # items handed to the GPU worker and not yet answered
         self.forwards = 0  # forward passes run, for tests and /info
@@ -100,6 +101,7 @@ class Engine:
             except asyncio.CancelledError:
                 pass
         self._gpu.shutdown(wait=True)
+        self._finisher.shutdown(wait=True)
         self._pre_pool.shutdown(wait=True)
 
     @property
@@ -171,48 +173,76 @@ class Engine:
         return sum(w.item.num_patches for w in self._queue)
 
     async def _batcher(self):
+        """Forms packs and keeps up to two forwards in flight: while pack k's outputs are still being
+        computed and copied back, pack k+1 is already dispatched, so Python dispatch overlaps GPU work."""
         loop = asyncio.get_running_loop()
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            if not self._queue:
-                continue
-            # let a forward fill up: until the budget is met or the oldest item has waited max_wait
-            deadline = self._queue[0].enqueued + self.max_wait
-            while (self._accepting and len(self._queue) < self.max_batch_items
-                   and self._queued_patches() < self.max_batch_patches and time.perf_counter() < deadline):
-                await asyncio.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
-            batch = self._take_batch()
-            if self._queue:
-                self._wakeup.set()
-            if not batch:
-                continue
-            self._in_flight += len(batch)
-            try:
-                await self._run(loop, batch)
-            finally:
-                self._in_flight -= len(batch)
+        finishing: collections.deque[asyncio.Task] = collections.deque()
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                if not self._queue:
+                    continue
+                # let a forward fill up: until the budget is met or the oldest item has waited max_wait
+                deadline = self._queue[0].enqueued + self.max_wait
+                while (self._accepting and len(self._queue) < self.max_batch_items
+                       and self._queued_patches() < self.max_batch_patches and time.perf_counter() < deadline):
+                    await asyncio.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
+                batch = self._take_batch()
+                if self._queue:
+                    self._wakeup.set()
+                if not batch:
+                    continue
+                while len(finishing) >= 2:
+                    await finishing.popleft()
+                self._in_flight += len(batch)
+                launched = await self._launch(loop, batch)
+                if launched is None:
+                    self._in_flight -= len(batch)
+                    continue
+                finishing.append(asyncio.create_task(self._finish(loop, batch, launched)))
+        finally:
+            for task in finishing:
+                await task
 
-    async def _run(self, loop, batch: list[_Work]):
+    async def _launch(self, loop, batch: list[_Work]):
+        """Dispatch a forward. On failure the pack is split and its halves run to completion, so an
+        out-of-memory pack still serves what fits and a failing item fails alone; then None."""
         start = time.perf_counter()
         try:
-            results = await loop.run_in_executor(self._gpu, self.encoder.encode, [w.item for w in batch],
+            pending = await loop.run_in_executor(self._gpu, self.encoder.launch, [w.item for w in batch],
                                                  any(w.deepstack for w in batch))
-        except Exception as e:  # noqa: BLE001 - one bad batch must not take the service down
-            ok = False
-            self._report(batch, start, ok)
+            return start, pending
+        except Exception as e:  # noqa: BLE001 - one bad pack must not take the service down
+            self._report(batch, start, False)
             if len(batch) > 1:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
                 log.warning("forward of %d items failed (%s); retrying in halves", len(batch), e)
                 half = len(batch) // 2
-                await self._run(loop, batch[:half])
-                await self._run(loop, batch[half:])
-                return
+                for part in (batch[:half], batch[half:]):
+                    launched = await self._launch(loop, part)
+                    if launched is not None:
+                        await self._finish(loop, part, launched, count=False)
+                return None
             err = e if isinstance(e, EncoderError) else EncoderError(f"inference failed: {type(e).__name__}: {e}")
             if not batch[0].future.done():
                 batch[0].future.set_exception(err)
+            return None
+
+    async def _finish(self, loop, batch: list[_Work], launched, count: bool = True):
+        start, pending = launched
+        try:
+            results = await loop.run_in_executor(self._finisher, self.encoder.finish, pending)
+        except Exception as e:  # noqa: BLE001
+            err = EncoderError(f"inference failed: {type(e).__name__}: {e}")
+            for w in batch:
+                if not w.future.done():
+                    w.future.set_exception(err)
             return
+        finally:
+            if count:
+                self._in_flight -= len(batch)
         end = time.perf_counter()
         self._report(batch, start, True)
         for w, r in zip(batch, results):
