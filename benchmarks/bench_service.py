@@ -163,6 +163,7 @@ def main():
     ap.add_argument("--format", default="safetensors")
     ap.add_argument("--budget", type=int, default=32768)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--server-env", nargs="*", default=[], help="extra KEY=VALUE settings for the server")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -172,7 +173,7 @@ def main():
     params = {"format": args.format, "deepstack": "false"}
     env_extra = {"QWEN3VL_MAX_BATCH_PATCHES": str(args.budget), "QWEN3VL_MAX_QUEUE_ITEMS": "4096",
                  "QWEN3VL_PREPROCESS_WORKERS": str(max(4, (os.cpu_count() or 8) - args.procs - 2)),
-                 "QWEN3VL_MAX_WAIT_MS": "5"}
+                 "QWEN3VL_MAX_WAIT_MS": "5", **dict(kv.split("=", 1) for kv in args.server_env)}
     svc = service_throughput(args.model, images, args.clients, args.procs, args.warmup, args.seconds, params, env_extra,
                              args.device, dtype)
     ratio = svc["images_per_s"] / tower["images_per_s"]
