@@ -213,3 +213,20 @@ def test_sigterm_during_load_loses_no_accepted_request(tmp_path):
             proc.kill()
         out = proc.stdout.read()
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_decoding_in_worker_processes(tiny):
+    """QWEN3VL_PREPROCESS_PROCESSES=true: same results, and a bad image's typed error crosses the
+    process boundary with its message and index intact."""
+    images = _images(3, seed=5)
+    with serve(tiny, preprocess_processes=True, preprocess_workers=2) as (url, _):
+        ok = httpx.post(f"{url}/embed", files=[("file", (f"{i}.png", b, "image/png")) for i, b in enumerate(images)],
+                        timeout=60)
+        bad = httpx.post(f"{url}/embed", files=[("file", ("a.png", images[0], "image/png")),
+                                                ("file", ("b.png", b"\x89PNG broken", "image/png"))], timeout=60)
+    assert ok.status_code == 200
+    for img, d in zip(images, ok.json()["data"]):
+        ref = tiny.encode([tiny.preprocess(img)])[0]
+        assert rel_err(torch.tensor(d["embeddings"]), ref.embeds) <= 1e-5
+    assert bad.status_code == 422 and bad.json()["error"]["index"] == 1
+    assert "not a supported image" in bad.json()["error"]["message"]
