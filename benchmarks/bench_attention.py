@@ -82,7 +82,7 @@ def run_case(lengths, head_dim, flex=True):
         from torch.nn.attention.varlen import varlen_attn
 
         qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-        fns["varlen_attn"] = lambda: varlen_attn(qc, kc, vc, cu, cu, maxlen, maxlen, is_causal=False)
+        fns["varlen_attn"] = lambda: varlen_attn(qc, kc, vc, cu, cu, maxlen, maxlen)  # non-causal by default
     except ImportError:
         pass
     if flex:
