@@ -138,8 +138,6 @@ def run_preset(name, workloads, compile_hf):
         if "hf-compile" in res:
             row["speedup_vs_hf_compile"] = res["hf-compile"]["ms"] / res["ours"]["ms"]
         rows.append(row)
-    del ours, hf, hf_compiled
-    torch.cuda.empty_cache()
     return rows
 
 
@@ -153,6 +151,7 @@ def main():
     rows = []
     for p in args.presets:
         rows += run_preset(p, args.workloads, compile_hf=not args.no_compile)
+        torch.cuda.empty_cache()  # the preset's towers are gone with run_preset's frame
     table = []
     for r in rows:
         res = r["results"]

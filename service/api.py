@@ -13,6 +13,7 @@ import binascii
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from .errors import (
     UnsupportedImage,
 )
 from .metrics import Metrics
+from .preprocess import ImagePreprocessor
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -178,10 +180,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
             enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
                                           settings.resolved_dtype())
             state["encoder"] = enc
-        pre = enc.preprocessor.config
-        from dataclasses import replace
-
-        enc.preprocessor = type(enc.preprocessor)(replace(pre, max_image_pixels=settings.max_image_pixels))
+        # the server's decoded-size limit replaces the checkpoint preprocessor's default
+        enc.preprocessor = ImagePreprocessor(replace(enc.preprocessor.config, max_image_pixels=settings.max_image_pixels))
         engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
                         max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
                         preprocess_workers=settings.preprocess_workers,
@@ -474,7 +474,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
 def warmup(enc: Encoder, settings: Settings):
     """Run representative packs once so kernels compile and autotune before traffic: one per attention
     length class (<=256, <=1024, <=4096, longer), within the batch budget."""
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
     rng = np.random.default_rng(0)
     factor = enc.preprocessor.config.factor

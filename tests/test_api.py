@@ -4,7 +4,6 @@ the CLI and the OpenAI client."""
 from __future__ import annotations
 
 import base64
-import io
 
 import httpx
 import numpy as np
