@@ -282,7 +282,12 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
                                           max_fields=settings.max_inputs_per_request + 32)
             except Exception as e:  # noqa: BLE001 - starlette raises several types for a bad form
                 raise HTTPError(422, "invalid_multipart", f"malformed multipart body ({e})") from e
-            files = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
+            parts = form.getlist("file")
+            not_files = [i for i, f in enumerate(parts) if not isinstance(f, UploadFile)]
+            if not_files:
+                raise HTTPError(422, "invalid_multipart", "form field 'file' must be a file part (with a filename), "
+                                                          "not text", not_files[0])
+            files = parts
             bad = [k for k, v in form.multi_items() if k != "file"]
             if bad:
                 raise HTTPError(422, "invalid_multipart", f"unexpected form field(s) {sorted(set(bad))}; send images "

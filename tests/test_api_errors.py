@@ -102,6 +102,9 @@ def test_content_type_and_options(server):
          "invalid_options", "outside the server's limits")
     _err(httpx.post(f"{url}/embed", files=[("image", ("a.png", GOOD, "image/png"))], headers=AUTH), 422,
          "invalid_multipart", "'image'")
+    # httpx writes text fields before file parts: the text 'file' is part 0
+    _err(httpx.post(f"{url}/embed", files=[("file", ("a.png", GOOD, "image/png"))], data={"file": "oops"},
+                    headers=AUTH), 422, "invalid_multipart", 0, "must be a file part")
 
 
 def test_api_key(server):
