@@ -1,8 +1,9 @@
 """Preprocessed items -> per-item embeddings, through packed forwards of the tower.
 
-No HTTP and no queueing here: the CLI and the batching engine both call `Encoder.encode`, which runs
-one packed forward and splits its outputs back per item. An item's result does not depend on what
-it was packed with (attention is block-diagonal per frame, every other op is per token).
+No HTTP and no queueing here. `encode` runs one packed forward and splits its outputs back per item;
+the batching engine uses its two halves, `launch` (dispatch, asynchronous on the GPU) and `finish`
+(wait, split), to keep two forwards in flight. An item's result does not depend on what it was
+packed with (attention is block-diagonal per frame, every other op is per token).
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ class Engine:
         self.max_queue_items = max_queue_items
         self.on_batch = on_batch
         self._queue: collections.deque[_Work] = collections.deque()
+        self._queued_patch_count = 0  # patches of the items in _queue
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         if preprocess_processes:
@@ -139,6 +140,7 @@ class Engine:
 
         works = [_Work(it, loop.create_future(), is_abandoned, deepstack) for it in items]
         self._queue.extend(works)
+        self._queued_patch_count += sum(it.num_patches for it in items)
         self._wakeup.set()
         try:
             results = await asyncio.wait_for(asyncio.gather(*(w.future for w in works)), timeout_s)
@@ -157,20 +159,19 @@ class Engine:
         batch, patches = [], 0
         while self._queue and len(batch) < self.max_batch_items:
             w = self._queue[0]
+            n = w.item.num_patches
             if w.future.done() or w.abandoned():
                 self._queue.popleft()
+                self._queued_patch_count -= n
                 if not w.future.done():
                     w.future.cancel()
                 continue
-            n = w.item.num_patches
             if batch and patches + n > self.max_batch_patches:
                 break
             batch.append(self._queue.popleft())
+            self._queued_patch_count -= n
             patches += n
         return batch
-
-    def _queued_patches(self) -> int:
-        return sum(w.item.num_patches for w in self._queue)
 
     async def _batcher(self):
         """Forms packs and keeps up to two forwards in flight: while pack k's outputs are still being
@@ -186,7 +187,7 @@ class Engine:
                 # let a forward fill up: until the budget is met or the oldest item has waited max_wait
                 deadline = self._queue[0].enqueued + self.max_wait
                 while (self._accepting and len(self._queue) < self.max_batch_items
-                       and self._queued_patches() < self.max_batch_patches and time.perf_counter() < deadline):
+                       and self._queued_patch_count < self.max_batch_patches and time.perf_counter() < deadline):
                     await asyncio.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
                 batch = self._take_batch()
                 if self._queue:
