@@ -27,8 +27,7 @@ from safetensors.torch import save as safetensors_save
 from starlette.datastructures import UploadFile
 
 from . import __version__
-from .cli import result_tensors
-from .encoder import EncodeResult, Encoder
+from .encoder import EncodeResult, Encoder, result_tensors
 from .engine import BatchStats, Engine
 from .errors import (
     CheckpointError,

@@ -14,23 +14,11 @@ from .errors import EncoderError
 log = logging.getLogger("qwen3vl_encoder")
 
 
-def result_tensors(results, start: int = 0, pooled=None) -> dict[str, torch.Tensor]:
-    """The shared output layout of the CLI and the API: embeds.{i}, deepstack.{i}, grid_thw.{i}, pooled.{i}."""
-    out = {}
-    for i, r in enumerate(results, start):
-        out[f"embeds.{i}"] = r.embeds.contiguous()
-        out[f"deepstack.{i}"] = r.deepstack.contiguous()
-        out[f"grid_thw.{i}"] = torch.tensor(r.grid_thw, dtype=torch.int64)
-        if pooled is not None:
-            out[f"pooled.{i}"] = pooled[i - start].contiguous()
-    return out
-
-
 def encode_main(args) -> int:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from .encoder import Encoder, pack_by_budget
+    from .encoder import Encoder, pack_by_budget, result_tensors
 
     encoder = Encoder.load(args.model, args.device, args.dtype)
     items = []

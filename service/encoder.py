@@ -127,6 +127,18 @@ class Pending:
     done: "torch.cuda.Event | None"
 
 
+def result_tensors(results, start: int = 0, pooled=None) -> dict[str, torch.Tensor]:
+    """The shared output layout of the CLI and the API: embeds.{i}, deepstack.{i}, grid_thw.{i}, pooled.{i}."""
+    out = {}
+    for i, r in enumerate(results, start):
+        out[f"embeds.{i}"] = r.embeds.contiguous()
+        out[f"deepstack.{i}"] = r.deepstack.contiguous()
+        out[f"grid_thw.{i}"] = torch.tensor(r.grid_thw, dtype=torch.int64)
+        if pooled is not None:
+            out[f"pooled.{i}"] = pooled[i - start].contiguous()
+    return out
+
+
 def pack_by_budget(sizes: list[int], max_patches: int, max_items: int) -> list[list[int]]:
     """Greedy in-order packing of item indices: each pack holds <= max_items items and <= max_patches
     patches (an item larger than the budget travels alone)."""

@@ -120,8 +120,7 @@ class Engine:
         if not self._processes:
             return await loop.run_in_executor(self._pre_pool, self.encoder.preprocess, data, min_pixels, max_pixels)
         frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, data, min_pixels, max_pixels)
-        pre = self.encoder.preprocessor
-        return Preprocessed(frames, grid, pre._lut, pre.config, meta)
+        return self.encoder.preprocessor.item(frames, grid, meta)
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: Callable[[], bool] = lambda: False,
                      deepstack: bool = True) -> tuple[list[EncodeResult], Timing]:

@@ -193,7 +193,7 @@ class ImagePreprocessor:
         scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
         mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]
         std = np.asarray(config.image_std, dtype=np.float32)[:, None]
-        self._lut = ((scaled[None, :] - mean) / std).astype(np.float32)  # [C, 256]
+        self.lut = ((scaled[None, :] - mean) / std).astype(np.float32)  # [C, 256]
 
     def target_size(self, height: int, width: int, min_pixels: int | None = None, max_pixels: int | None = None):
         c = self.config
@@ -207,7 +207,11 @@ class ImagePreprocessor:
         img = img.resize((width, height), resample=c.resample)
         frames = np.array(img)[None]  # [1, H, W, 3] uint8, writable (torch.from_numpy needs that)
         grid = (1, height // c.patch_size, width // c.patch_size)
-        return Preprocessed(frames, grid, self._lut, c, {"width": orig_w, "height": orig_h})
+        return self.item(frames, grid, {"width": orig_w, "height": orig_h})
+
+    def item(self, frames: np.ndarray, grid: tuple[int, int, int], meta: dict) -> Preprocessed:
+        """Wrap resized uint8 frames (e.g. decoded in a worker process) as an item of this preprocessor."""
+        return Preprocessed(frames, grid, self.lut, self.config, meta)
 
 
 # -- worker processes --------------------------------------------------------------------------------
