@@ -28,23 +28,21 @@ if triton is not None:
     @triton.jit
     def _add_layernorm_kernel(X, Y, W, B, S, OUT, n_rows, n_cols, eps,
                               BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
-        row0 = tl.program_id(0) * ROWS
+        # ROWS rows per program as one 2-D tile: all their loads are in flight at once
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < n_cols
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-        for r in range(ROWS):
-            row = row0 + r
-            if row < n_rows:
-                offs = row.to(tl.int64) * n_cols + cols
-                s = (tl.load(X + offs, mask=col_mask, other=0.0) + tl.load(Y + offs, mask=col_mask, other=0.0))
-                tl.store(S + offs, s, mask=col_mask)
-                sf = s.to(tl.float32)
-                mean = tl.sum(sf, 0) / n_cols
-                diff = tl.where(col_mask, sf - mean, 0.0)
-                var = tl.sum(diff * diff, 0) / n_cols
-                y = diff * tl.math.rsqrt(var + eps) * w + b
-                tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=col_mask)
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        s = tl.load(X + offs, mask=mask, other=0.0) + tl.load(Y + offs, mask=mask, other=0.0)
+        tl.store(S + offs, s, mask=mask)
+        sf = s.to(tl.float32)
+        mean = tl.sum(sf, 1) / n_cols
+        diff = tl.where(mask, sf - mean[:, None], 0.0)
+        var = tl.sum(diff * diff, 1) / n_cols
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        y = diff * tl.math.rsqrt(var + eps)[:, None] * w[None, :] + b[None, :]
+        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -60,8 +58,8 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
     x, y = x.contiguous(), y.contiguous()
     rows, cols = x.shape
     s, out = torch.empty_like(x), torch.empty_like(x)
-    rows_per_prog = 4
+    block_n = triton.next_power_of_2(cols)
+    rows_per_prog = max(1, min(8, 8192 // block_n))  # ~16 KB of each input in flight per program
     _add_layernorm_kernel[(triton.cdiv(rows, rows_per_prog),)](
-        x, y, weight, bias, s, out, rows, cols, eps, BLOCK_N=triton.next_power_of_2(cols), ROWS=rows_per_prog,
-        num_warps=4 if cols <= 2048 else 8)
+        x, y, weight, bias, s, out, rows, cols, eps, BLOCK_N=block_n, ROWS=rows_per_prog, num_warps=8)
     return s, out

@@ -21,6 +21,7 @@ Kernel design:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,10 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton without host tensor descriptors
+    TensorDescriptor = None
 
 
 def _check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin):
@@ -225,6 +230,83 @@ if triton is not None:
                      mask=m_mask[:, None] & (cols1v >= D0)[None, :])
 
 
+    @triton.jit
+    def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1, row, col, start_n, seqlen,
+                  qk_scale, HEAD_DIM: tl.constexpr, D1: tl.constexpr, DV1: tl.constexpr, BLOCK_N: tl.constexpr,
+                  REM_QK: tl.constexpr, REM_V: tl.constexpr, MASK_N: tl.constexpr):
+        qk = tl.dot(q0, tl.trans(k_desc0.load([row, col])))
+        if REM_QK:
+            qk = tl.dot(q1, tl.trans(k_desc1.load([row, col + HEAD_DIM - D1])), qk)
+        qk = qk * qk_scale
+        if MASK_N:  # the rows past the segment's end are the next segment's keys (or TMA's zero fill)
+            qk = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen)[None, :], qk, float("-inf"))
+        m_ij = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v0 = v_desc0.load([row, col])
+        p = p.to(v0.dtype)
+        acc0 = tl.dot(p, v0, acc0 * alpha[:, None])
+        if REM_V:
+            acc1 = tl.dot(p, v_desc1.load([row, col + HEAD_DIM - DV1]), acc1 * alpha[:, None])
+        return acc0, acc1, l_i, m_ij
+
+    @triton.jit
+    def _varlen_attn_fwd_tma(
+        Q, k_desc0, k_desc1, v_desc0, v_desc1, O, CU_SEQLENS, COS, SIN,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale, SEQ_BUCKET,
+        HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
+    ):
+        """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
+        K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
+        going through registers. Q is loaded once per program by pointers, optionally rotated (ROPE_Q).
+        PV may run on one chunk wider than the head (DV0 > HEAD_DIM: the extra columns are the next
+        head's values or TMA's zero fill, computed and never stored)."""
+        start_m = tl.program_id(0)
+        head = tl.program_id(1)
+        seg = tl.program_id(2)
+        tok0 = tl.load(CU_SEQLENS + seg)
+        seqlen = tl.load(CU_SEQLENS + seg + 1) - tok0
+        if start_m * BLOCK_M >= seqlen:
+            return
+        REM_QK: tl.constexpr = D0 < HEAD_DIM
+        REM_V: tl.constexpr = DV0 < HEAD_DIM
+        rows_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = rows_m < seqlen
+        q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
+        q0 = _load_tile(q_base, rows_m, tl.arange(0, D0), stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
+                        True, ROPE_Q)
+        q1 = q0
+        if REM_QK:
+            cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
+            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE_Q)
+            q1 = tl.where((cols1 >= D0)[None, :], q1, 0.0).to(q0.dtype)
+        col = head * HEAD_DIM
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, DV0], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
+        n_full = (seqlen // BLOCK_N) * BLOCK_N
+        for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
+            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1,
+                                             tok0 + start_n, col, start_n, seqlen, qk_scale, HEAD_DIM, D1, DV1,
+                                             BLOCK_N, REM_QK, REM_V, False)
+        if n_full < seqlen:
+            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1,
+                                             tok0 + n_full, col, n_full, seqlen, qk_scale, HEAD_DIM, D1, DV1,
+                                             BLOCK_N, REM_QK, REM_V, True)
+        inv_l = 1.0 / l_i
+        o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
+        cols0v = tl.arange(0, DV0)
+        tl.store(o_rows + cols0v[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty),
+                 mask=m_mask[:, None] & (cols0v < HEAD_DIM)[None, :])
+        if REM_V:
+            cols1v = (HEAD_DIM - DV1) + tl.arange(0, DV1)
+            tl.store(o_rows + cols1v[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
+                     mask=m_mask[:, None] & (cols1v >= DV0)[None, :])
+
+
 def head_dim_split(head_dim: int) -> tuple[int, int, int]:
     """(D0, D1, DV1): a power-of-two chunk D0 plus, for other head dims, the last D1 columns for QK^T
     and the last DV1 columns for PV (0, 0 when head_dim is a power of two).
@@ -251,6 +333,21 @@ def seq_bucket(max_seqlen: int) -> int:
     return 0 if max_seqlen <= 256 else 1 if max_seqlen <= 1024 else 2 if max_seqlen <= 4096 else 3
 
 
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration. `tma` picks the Hopper kernel (K/V by tensor descriptors); `dv` is
+    its PV layout for head dims that are not powers of two: "wide" (one chunk of the next power of two),
+    "split64" (64 + last 64 columns) or "split16" (64 + last 16)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    tma: bool = False
+    ws: bool = False
+    dv: str = "wide"
+
+
 def _configs():
     # Candidates that compile correctly on sm90 with Triton 3.6 for every head dim we serve (see
     # head_dim_split); the prune step drops what a length class cannot use.
@@ -272,16 +369,31 @@ def _prune(configs, named_args, **kwargs):
     return keep or configs[:1]
 
 
-_tuned_kernel = None
+def _tma_block_shapes(nargs):
+    """Autotune pre-hook: the descriptors' boxes follow the config's tile sizes."""
+    bn = nargs["BLOCK_N"]
+    nargs["k_desc0"].block_shape = [bn, nargs["D0"]]
+    nargs["k_desc1"].block_shape = [bn, nargs["D1"]]
+    nargs["v_desc0"].block_shape = [bn, nargs["DV0"]]
+    nargs["v_desc1"].block_shape = [bn, nargs["DV1"]]
 
 
-def _get_tuned():
-    global _tuned_kernel
-    if _tuned_kernel is None:
-        _tuned_kernel = triton.autotune(
-            configs=_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE"], prune_configs_by={"early_config_prune": _prune},
-        )(_varlen_attn_fwd)
-    return _tuned_kernel
+def _tma_configs():
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=w, num_stages=s,
+                          pre_hook=_tma_block_shapes)
+            for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]]
+
+
+_tuned: dict[str, object] = {}
+
+
+def _get_tuned(tma: bool):
+    name = "tma" if tma else "ptr"
+    if name not in _tuned:
+        kernel, configs = (_varlen_attn_fwd_tma, _tma_configs()) if tma else (_varlen_attn_fwd, _configs())
+        _tuned[name] = triton.autotune(configs=configs, key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q" if tma else "ROPE"],
+                                       prune_configs_by={"early_config_prune": _prune})(kernel)
+    return _tuned[name]
 
 
 def _interpreting() -> bool:
@@ -290,12 +402,43 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def tma_layout_ok(q, k, v) -> bool:
+    """Whether k and v can be read through tensor descriptors: heads packed side by side in each token
+    row (the fused QKV layout), 16-byte aligned rows and bases, half-precision data."""
+    if TensorDescriptor is None or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    head_dim = q.shape[-1]
+    for t in (k, v):
+        if t.stride(2) != 1 or t.stride(1) != head_dim or (t.stride(0) * t.element_size()) % 16 \
+                or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _tma_default(q) -> bool:
+    if _interpreting() or not q.is_cuda:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+def _dv_split(head_dim: int, d0: int, mode: str) -> tuple[int, int]:
+    if d0 == head_dim:
+        return d0, 16
+    if mode == "wide":
+        return 1 << (head_dim - 1).bit_length(), 16
+    return d0, int(mode.removeprefix("split"))
+
+
 def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
-                            seqlens=None, out=None, block_m=None, block_n=None):
+                            seqlens=None, out=None, rotate_k=True, block_m=None, block_n=None,
+                            config: TileConfig | None = None):
     """Triton forward. Returns `out` `(total_tokens, heads, head_dim)` in q's dtype.
 
-    `seqlens` is accepted for signature parity with the fallback and ignored. `block_m`/`block_n`
-    pin a tile shape instead of autotuning (the interpreter and tests use this).
+    With `cos`/`sin`, Q is rotated in the kernel, and K too unless `rotate_k=False` (the caller
+    rotated K already). On Hopper, with K/V in the fused QKV layout and K not rotated here, the TMA
+    kernel runs; otherwise the pointer kernel. `seqlens` is accepted for signature parity with the
+    fallback and ignored. `block_m`/`block_n` pin the pointer kernel's tiles, `config` pins everything
+    (tests, the interpreter and the tile sweep use these).
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
@@ -309,22 +452,57 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     d0, d1, dv1 = head_dim_split(head_dim)
     if out is None:
         out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
-    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * math.log2(math.e)
     rope = cos is not None
     cos_t = cos if rope else q  # placeholders: never read when ROPE is off
     sin_t = sin if rope else q
     stride_c = cos.stride(0) if rope else 0
     segments = cu_seqlens.numel() - 1
+    bucket = seq_bucket(max_seqlen)
+    k_rope = rope and rotate_k
+    if config is not None:
+        use_tma = config.tma
+    else:
+        use_tma = block_m is None and not k_rope and _tma_default(q)
+    if use_tma and (k_rope or not tma_layout_ok(q, k, v)):
+        raise ValueError("the TMA kernel needs K/V in the fused QKV layout and K rotated by the caller")
+
+    if use_tma:
+        dv0, dv1 = _dv_split(head_dim, d0, config.dv if config else "wide")
+        d1 = max(d1, 16)
+        bn = config.block_n if config else 64  # autotune's pre-hook resets the boxes per config
+        descs = []
+        for t, widths in ((k, (d0, d1)), (v, (dv0, dv1))):
+            flat = [total, heads * head_dim]
+            descs += [TensorDescriptor(t, flat, [t.stride(0), 1], [bn, w]) for w in widths]
+        args = (q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                stride_c, scale, bucket)
+        meta = dict(HEAD_DIM=head_dim, D0=d0, D1=d1, DV0=dv0, DV1=dv1, ROPE_Q=rope)
+        if config is not None:
+            grid = (triton.cdiv(max_seqlen, config.block_m), heads, segments)
+            _varlen_attn_fwd_tma[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n, WS=config.ws,
+                                       num_warps=config.num_warps, num_stages=config.num_stages)
+        else:
+            grid = lambda m: (triton.cdiv(max_seqlen, m["BLOCK_M"]), heads, segments)  # noqa: E731
+            _get_tuned(True)[grid](*args, **meta)
+        return out
+
+    if rope and not rotate_k:
+        raise ValueError("rotate_k=False needs the TMA kernel (Hopper, fused QKV layout)")
     args = (q, k, v, out, cu_seqlens, cos_t, sin_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), stride_c, scale * math.log2(math.e), seq_bucket(max_seqlen))
+            out.stride(0), out.stride(1), stride_c, scale, bucket)
     meta = dict(HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE=rope)
-    if block_m is not None or _interpreting():
+    if config is not None:
+        grid = (triton.cdiv(max_seqlen, config.block_m), heads, segments)
+        _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                               num_warps=config.num_warps, num_stages=config.num_stages)
+    elif block_m is not None or _interpreting():
         bm, bn = block_m or 32, block_n or 16
         grid = (triton.cdiv(max_seqlen, bm), heads, segments)
         stages = 2 if head_dim > 64 else 3  # shared memory: K and V tiles of both chunks, per stage
         _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=stages)
     else:
         grid = lambda m: (triton.cdiv(max_seqlen, m["BLOCK_M"]), heads, segments)  # noqa: E731
-        _get_tuned()[grid](*args, **meta)
+        _get_tuned(False)[grid](*args, **meta)
     return out

@@ -1,0 +1,109 @@
+"""Tile-configuration sweep for the varlen attention kernels, against the best PyTorch path.
+
+For each case of the attention benchmark and each kernel variant (pointer or TMA kernel, tile sizes,
+warps, pipeline depth, warp specialisation, PV layout for non-power-of-two head dims) it checks the
+output against batched SDPA on the same data and times it (median, CUDA events). One JSON object per
+(variant, case) is appended to the output file as it is measured, so a variant that crashes the
+process (a miscompile) loses only itself: run risky groups in their own process.
+
+Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
+Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
+tma-ws (warp-specialised TMA), tma-split16 (d72 with a 16-wide PV remainder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.common import ATTENTION_CASES, HEADS, bench
+from kernels.varlen_attention import TileConfig, sdpa_varlen_attention, triton_varlen_attention
+
+
+def variants(group: str, head_dim: int):
+    pow2 = head_dim & (head_dim - 1) == 0
+    if group == "ptr":
+        return [None]
+    if group == "tma":
+        out = []
+        for dv in (["wide"] if pow2 else ["wide", "split64"]):
+            for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
+                if bm == 64 and w == 8:
+                    continue
+                out.append(TileConfig(bm, bn, w, s, tma=True, dv=dv))
+        return out
+    if group == "tma-ws":
+        return [TileConfig(bm, bn, w, s, tma=True, ws=True, dv="wide")
+                for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]
+    if group == "tma-split16":
+        return [] if pow2 else [TileConfig(bm, bn, w, s, tma=True, dv="split16")
+                                for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]]
+    raise ValueError(group)
+
+
+def baselines(q, k, v, lengths):
+    heads, head_dim = q.shape[1:]
+    segs = [tuple(t[s:s + n].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+            for s, n in zip([0, *itertools.accumulate(lengths)][:-1], lengths)]
+    fns = {}
+    for name, backend in (("loop-flash", SDPBackend.FLASH_ATTENTION), ("loop-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def loop(backend=backend):
+            with sdpa_kernel(backend):
+                return [F.scaled_dot_product_attention(*s) for s in segs]
+        fns[name] = loop
+    if len(set(lengths)) == 1:
+        qb, kb, vb = (t.view(len(lengths), lengths[0], heads, head_dim).transpose(1, 2).contiguous() for t in (q, k, v))
+        for name, backend in (("batched-flash", SDPBackend.FLASH_ATTENTION), ("batched-cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def batched(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qb, kb, vb)
+            fns[name] = batched
+    return fns
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--group", required=True)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
+    ap.add_argument("--cases", nargs="+", default=list(ATTENTION_CASES))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    with open(args.out, "a") as out:
+        for head_dim in args.head_dims:
+            for case in args.cases:
+                lengths = ATTENTION_CASES[case]
+                total = sum(lengths)
+                flops = 4 * sum(n * n for n in lengths) * HEADS * head_dim
+                gen = torch.Generator(device="cuda").manual_seed(0)
+                qkv = torch.randn(total, 3, HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                q, k, v = qkv.unbind(1)
+                cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+                ref = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths).float()
+                if args.group == "baseline":
+                    fns = {name: (fn, None) for name, fn in baselines(q, k, v, lengths).items()}
+                else:
+                    fns = {repr(c): (lambda c=c: triton_varlen_attention(q, k, v, cu, max(lengths), config=c), c)
+                           for c in variants(args.group, head_dim)}
+                for name, (fn, cfg) in fns.items():
+                    row = {"group": args.group, "variant": name, "case": case, "head_dim": head_dim}
+                    try:
+                        res = fn()
+                        torch.cuda.synchronize()
+                        if cfg is not None or args.group == "ptr":
+                            row["rel_err"] = ((res.float() - ref).norm() / ref.norm()).item()
+                        ms = bench(fn, warmup_ms=25, rep_ms=150)
+                        row.update(ms=ms, tflops=flops / ms / 1e9)
+                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
