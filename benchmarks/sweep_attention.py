@@ -8,7 +8,8 @@ process (a miscompile) loses only itself: run risky groups in their own process.
 
 Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
 Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
-tma-ws (warp-specialised TMA), tma-split16 (d72 with a 16-wide PV remainder).
+tma-ws (warp-specialised TMA), tma-split16 (d72 with a 16-wide PV remainder), spec:<config> (one
+TMA configuration, see parse_spec).
 """
 
 from __future__ import annotations
@@ -25,18 +26,26 @@ from benchmarks.common import ATTENTION_CASES, HEADS, bench
 from kernels.varlen_attention import TileConfig, sdpa_varlen_attention, triton_varlen_attention
 
 
+def parse_spec(spec: str) -> TileConfig:
+    """'bm/bn/warps/stages[/ws][/tail][/dv=MODE]', e.g. 128/64/4/2/tail/dv=split16 (TMA kernel)."""
+    parts = spec.split("/")
+    bm, bn, w, s = (int(x) for x in parts[:4])
+    flags = parts[4:]
+    dv = next((f.split("=")[1] for f in flags if f.startswith("dv=")), "wide")
+    return TileConfig(bm, bn, w, s, tma=True, ws="ws" in flags, dv=dv, tail_in_loop="tail" in flags)
+
+
 def variants(group: str, head_dim: int):
     pow2 = head_dim & (head_dim - 1) == 0
+    if group.startswith("spec:"):
+        cfg = parse_spec(group[5:])
+        return [cfg]
     if group == "ptr":
         return [None]
     if group == "tma":
-        out = []
-        for dv in (["wide"] if pow2 else ["wide", "split64"]):
-            for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3)):
-                if bm == 64 and w == 8:
-                    continue
-                out.append(TileConfig(bm, bn, w, s, tma=True, dv=dv))
-        return out
+        tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
+                 (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3), (256, 128, 8, 2)]
+        return [TileConfig(bm, bn, w, s, tma=True, dv="wide") for bm, bn, w, s in tiles]
     if group == "tma-ws":
         return [TileConfig(bm, bn, w, s, tma=True, ws=True, dv="wide")
                 for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]
@@ -68,7 +77,7 @@ def baselines(q, k, v, lengths):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--group", required=True)
+    ap.add_argument("--group", required=True, help="a group name, or spec:<config> (see parse_spec)")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--cases", nargs="+", default=list(ATTENTION_CASES))
     ap.add_argument("--out", required=True)
@@ -96,7 +105,7 @@ def main():
                         torch.cuda.synchronize()
                         if cfg is not None or args.group == "ptr":
                             row["rel_err"] = ((res.float() - ref).norm() / ref.norm()).item()
-                        ms = bench(fn, warmup_ms=25, rep_ms=150)
+                        ms = bench(fn, warmup_ms=100, rep_ms=200)
                         row.update(ms=ms, tflops=flops / ms / 1e9)
                     except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

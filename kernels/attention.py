@@ -79,15 +79,17 @@ def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> 
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None, seqlens=None,
-                     backend: str | None = None):
+                     rotate_k: bool = True, backend: str | None = None):
     """Block-diagonal attention over packed segments, with optional fused 2D vision RoPE on q and k.
 
     q, k, v: `(total_tokens, heads, head_dim)`, last dim contiguous, any token/head strides.
     cu_seqlens: int32 `(segments + 1,)` on q's device. max_seqlen: Python int, the longest segment.
-    cos, sin: optional float32 `(total_tokens, head_dim // 2)` rotary tables (see kernels.rope).
+    cos, sin: optional float32 `(total_tokens, head_dim // 2)` rotary tables (see kernels.rope); they
+    rotate q, and k too unless `rotate_k=False` (k already rotated by the caller).
     seqlens: optional host list of segment lengths; the SDPA path uses it to avoid a device read.
     Returns `(total_tokens, heads, head_dim)` in q's dtype.
     """
     backend = backend or resolve_backend(q.device)
     fn = triton_varlen_attention if backend == "triton" else sdpa_varlen_attention
-    return fn(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale, seqlens=seqlens)
+    return fn(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale, seqlens=seqlens,
+              rotate_k=rotate_k)

@@ -24,10 +24,10 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(QKV, COS, SIN, n_tokens, stride_t, stride_s, stride_h, stride_c,
-                         HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_T: tl.constexpr):
+                         HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_T: tl.constexpr, FIRST: tl.constexpr):
         pid_t = tl.program_id(0)
         head = tl.program_id(1)
-        which = tl.program_id(2)  # 0: Q, 1: K
+        which = tl.program_id(2) + FIRST  # 0: Q, 1: K
         rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         cols = tl.arange(0, HALF_P2)
         mask = (rows < n_tokens)[:, None] & (cols < HALF)[None, :]
@@ -42,8 +42,10 @@ if triton is not None:
         tl.store(base + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
 
 
-def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
-    """Rotate Q and K of `qkv` `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv."""
+def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None,
+              k_only: bool = False) -> torch.Tensor:
+    """Rotate Q and K (only K with `k_only`: the attention kernel rotates Q as it loads it) of `qkv`
+    `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv."""
     if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be (T, 3, H, D) with a contiguous last dim; got {tuple(qkv.shape)} "
                          f"strides {qkv.stride()}")
@@ -54,11 +56,12 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
     if use_triton is None:
         use_triton = triton is not None and qkv.is_cuda
     if not use_triton:
-        for i in (0, 1):
+        for i in (1,) if k_only else (0, 1):
             qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
     block_t = 64
-    grid = (triton.cdiv(tokens, block_t), heads, 2)
+    grid = (triton.cdiv(tokens, block_t), heads, 1 if k_only else 2)
     _qkv_rope_kernel[grid](qkv, cos, sin, tokens, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
-                           HALF=half, HALF_P2=triton.next_power_of_2(half), BLOCK_T=block_t, num_warps=4)
+                           HALF=half, HALF_P2=triton.next_power_of_2(half), BLOCK_T=block_t, FIRST=int(k_only),
+                           num_warps=4)
     return qkv

@@ -14,8 +14,12 @@ Kernel design:
   columns (for 72: QK^T over [0, 64) + [56, 72), PV over [0, 64) + [8, 72)); the overlap is zeroed in
   Q's registers and not stored from the output, so no load needs a column mask. See head_dim_split
   for why the PV remainder is 64 wide;
-- with `ROPE`, Q (once) and each K tile are rotated as they are loaded: the rotate-half partner
-  columns are a second (cached) load, the float32 cos/sin table is indexed by global token.
+- with `cos`/`sin`, Q (once per program) and, unless the caller rotated K already (`rotate_k=False`),
+  each K tile are rotated as they are loaded: the rotate-half partner columns are a second (cached)
+  load, the float32 cos/sin table is indexed by global token;
+- on Hopper a second kernel reads K and V through TMA tensor descriptors over the packed token rows
+  (K/V in the fused QKV layout, K not rotated in the kernel), so tiles land in shared memory already
+  swizzled for wgmma; the pointer kernel serves every other case.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, cos=None
 
 
 def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
-                          seqlens=None):
+                          seqlens=None, rotate_k=True):
     """The fallback: one batched SDPA call per distinct segment length, not one per segment.
 
     Segments of equal length are gathered into one `(B, H, L, D)` batch, which SDPA runs with its
@@ -91,7 +95,8 @@ def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None
     """
     _check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
     if cos is not None:
-        q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
+        q = apply_vision_rope(q, cos, sin)
+        k = apply_vision_rope(k, cos, sin) if rotate_k else k
     if seqlens is None:
         bounds = cu_seqlens.tolist()
         seqlens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
@@ -150,31 +155,36 @@ if triton is not None:
                    stride_kt, stride_vt, stride_c, qk_scale,
                    HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr, D1: tl.constexpr,
                    DV1: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MASK_N: tl.constexpr, ROPE: tl.constexpr):
+                   MASK_N: tl.constexpr, ROPE_K: tl.constexpr):
         rows = start_n + tl.arange(0, BLOCK_N)
         n_mask = rows < seqlen
         cols0 = tl.arange(0, D0)
-        k0 = _load_tile(K_BASE, rows, cols0, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, ROPE)
+        k0 = _load_tile(K_BASE, rows, cols0, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, ROPE_K)
         qk = tl.dot(q0, tl.trans(k0))
         if REM:
             cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
-            k1 = _load_tile(K_BASE, rows, cols1, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, ROPE)
+            k1 = _load_tile(K_BASE, rows, cols1, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, ROPE_K)
             qk = tl.dot(q1, tl.trans(k1), qk)  # q1 is zero where cols1 overlaps chunk 0
-        qk = qk * qk_scale
         if MASK_N:
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
         v0 = _load_tile(V_BASE, rows, cols0, stride_vt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, MASK_N, False)
-        p = p.to(v0.dtype)
-        acc0 = tl.dot(p, v0, acc0 * alpha[:, None])
+        acc0 = tl.dot(p.to(v0.dtype), v0, acc0)
         if REM:
             v1 = _load_tile(V_BASE, rows, (HEAD_DIM - DV1) + tl.arange(0, DV1), stride_vt, n_mask, COS, SIN,
                             stride_c, tok0, HEAD_DIM, MASK_N, False)
-            acc1 = tl.dot(p, v1, acc1 * alpha[:, None])
+            acc1 = tl.dot(p.to(v1.dtype), v1, acc1)
         return acc0, acc1, l_i, m_ij
+
+    @triton.jit
+    def _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i):
+        """Online-softmax step on raw scores: the running max is kept in scaled base-2 units, so each
+        score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32)."""
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        return acc0 * alpha[:, None], acc1 * alpha[:, None], l_i, m_ij, p
 
     @triton.jit
     def _varlen_attn_fwd(
@@ -182,7 +192,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_c,
         qk_scale, SEQ_BUCKET,
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr, D1: tl.constexpr, DV1: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, ROPE_K: tl.constexpr,
     ):
         start_m = tl.program_id(0)
         head = tl.program_id(1)
@@ -201,10 +211,10 @@ if triton is not None:
         # Q (so QK^T counts each column once) and not stored from the output accumulator.
         cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
         cols1v = (HEAD_DIM - DV1) + tl.arange(0, DV1)
-        q0 = _load_tile(q_base, rows_m, cols0, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE)
+        q0 = _load_tile(q_base, rows_m, cols0, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE_Q)
         q1 = q0
         if REM:
-            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE)
+            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE_Q)
             q1 = tl.where((cols1 >= D0)[None, :], q1, 0.0).to(q0.dtype)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -215,11 +225,11 @@ if triton is not None:
         for start_n in range(0, n_full, BLOCK_N):
             acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
                                               start_n, seqlen, tok0, stride_kt, stride_vt, stride_c,
-                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, False, ROPE)
+                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, False, ROPE_K)
         if n_full < seqlen:
             acc0, acc1, l_i, m_i = _attn_step(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, COS, SIN,
                                               n_full, seqlen, tok0, stride_kt, stride_vt, stride_c,
-                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, True, ROPE)
+                                              qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, True, ROPE_K)
 
         inv_l = 1.0 / l_i
         o_base = O + tok0.to(tl.int64) * stride_ot + head * stride_oh
@@ -237,18 +247,14 @@ if triton is not None:
         qk = tl.dot(q0, tl.trans(k_desc0.load([row, col])))
         if REM_QK:
             qk = tl.dot(q1, tl.trans(k_desc1.load([row, col + HEAD_DIM - D1])), qk)
-        qk = qk * qk_scale
         if MASK_N:  # the rows past the segment's end are the next segment's keys (or TMA's zero fill)
             qk = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen)[None, :], qk, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
         v0 = v_desc0.load([row, col])
         p = p.to(v0.dtype)
-        acc0 = tl.dot(p, v0, acc0 * alpha[:, None])
+        acc0 = tl.dot(p, v0, acc0)
         if REM_V:
-            acc1 = tl.dot(p, v_desc1.load([row, col + HEAD_DIM - DV1]), acc1 * alpha[:, None])
+            acc1 = tl.dot(p, v_desc1.load([row, col + HEAD_DIM - DV1]), acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -257,6 +263,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale, SEQ_BUCKET,
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
+        TAIL_IN_LOOP: tl.constexpr = False,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -287,11 +294,12 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, DV0], tl.float32)
         acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
-        n_full = (seqlen // BLOCK_N) * BLOCK_N
+        # TAIL_IN_LOOP: every step masked, one code path (no separate peeled tail step)
+        n_full = tl.cdiv(seqlen, BLOCK_N) * BLOCK_N if TAIL_IN_LOOP else (seqlen // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1,
                                              tok0 + start_n, col, start_n, seqlen, qk_scale, HEAD_DIM, D1, DV1,
-                                             BLOCK_N, REM_QK, REM_V, False)
+                                             BLOCK_N, REM_QK, REM_V, TAIL_IN_LOOP)
         if n_full < seqlen:
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1,
                                              tok0 + n_full, col, n_full, seqlen, qk_scale, HEAD_DIM, D1, DV1,
@@ -346,6 +354,7 @@ class TileConfig:
     tma: bool = False
     ws: bool = False
     dv: str = "wide"
+    tail_in_loop: bool = False
 
 
 def _configs():
@@ -378,10 +387,20 @@ def _tma_block_shapes(nargs):
     nargs["v_desc1"].block_shape = [bn, nargs["DV1"]]
 
 
+# The TMA kernel's autotune candidates (block_m, block_n, warps, stages) and its PV layout for head
+# dims that are not powers of two; chosen by benchmarks/sweep_attention.py on H100.
+TMA_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3)]
+TMA_DV = "wide"
+
+
+def tma_candidates() -> list[TileConfig]:
+    """Every configuration the autotuned TMA path may pick (the GPU tests run each one)."""
+    return [TileConfig(bm, bn, w, s, tma=True, dv=TMA_DV) for bm, bn, w, s in TMA_TILES]
+
+
 def _tma_configs():
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=w, num_stages=s,
-                          pre_hook=_tma_block_shapes)
-            for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]]
+    return [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "WS": c.ws}, num_warps=c.num_warps,
+                          num_stages=c.num_stages, pre_hook=_tma_block_shapes) for c in tma_candidates()]
 
 
 _tuned: dict[str, object] = {}
@@ -391,7 +410,7 @@ def _get_tuned(tma: bool):
     name = "tma" if tma else "ptr"
     if name not in _tuned:
         kernel, configs = (_varlen_attn_fwd_tma, _tma_configs()) if tma else (_varlen_attn_fwd, _configs())
-        _tuned[name] = triton.autotune(configs=configs, key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q" if tma else "ROPE"],
+        _tuned[name] = triton.autotune(configs=configs, key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q"] + ([] if tma else ["ROPE_K"]),
                                        prune_configs_by={"early_config_prune": _prune})(kernel)
     return _tuned[name]
 
@@ -463,12 +482,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if config is not None:
         use_tma = config.tma
     else:
-        use_tma = block_m is None and not k_rope and _tma_default(q)
+        use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v)
     if use_tma and (k_rope or not tma_layout_ok(q, k, v)):
         raise ValueError("the TMA kernel needs K/V in the fused QKV layout and K rotated by the caller")
 
     if use_tma:
-        dv0, dv1 = _dv_split(head_dim, d0, config.dv if config else "wide")
+        dv0, dv1 = _dv_split(head_dim, d0, config.dv if config else TMA_DV)
         d1 = max(d1, 16)
         bn = config.block_n if config else 64  # autotune's pre-hook resets the boxes per config
         descs = []
@@ -481,18 +500,16 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if config is not None:
             grid = (triton.cdiv(max_seqlen, config.block_m), heads, segments)
             _varlen_attn_fwd_tma[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n, WS=config.ws,
-                                       num_warps=config.num_warps, num_stages=config.num_stages)
+                                       TAIL_IN_LOOP=config.tail_in_loop, num_warps=config.num_warps, num_stages=config.num_stages)
         else:
             grid = lambda m: (triton.cdiv(max_seqlen, m["BLOCK_M"]), heads, segments)  # noqa: E731
             _get_tuned(True)[grid](*args, **meta)
         return out
 
-    if rope and not rotate_k:
-        raise ValueError("rotate_k=False needs the TMA kernel (Hopper, fused QKV layout)")
     args = (q, k, v, out, cu_seqlens, cos_t, sin_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), stride_c, scale, bucket)
-    meta = dict(HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE=rope)
+    meta = dict(HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=rope, ROPE_K=k_rope)
     if config is not None:
         grid = (triton.cdiv(max_seqlen, config.block_m), heads, segments)
         _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,

@@ -5,13 +5,15 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
-- RoPE rotates Q and K in place in the fused QKV output (one Triton pass on CUDA), then attention runs
-  through `kernels.varlen_attention`: one Triton launch per block on CUDA, one SDPA call per distinct
-  segment length elsewhere.
+- on the Triton backend one pass rotates K in place in the fused QKV output and the attention kernel
+  rotates Q as it loads it (one Triton launch per block); elsewhere Q and K are rotated in place and
+  SDPA runs once per distinct segment length;
+- the position embeddings are interpolated and added in one pass (`kernels.pos_embed`).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,7 @@ from transformers.activations import ACT2FN
 
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.add_layernorm import add_layernorm
+from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import qkv_rope_
 
 from .config import TowerConfig
@@ -51,11 +54,17 @@ class PackPlan:
             if t < 1 or h < m or w < m or h % m or w % m:
                 raise ValueError(f"grid {(t, h, w)} is not a positive multiple of the merge size {m}")
         seqlens = [h * w for t, h, w in grids for _ in range(t)]
-        cu = torch.tensor([0] + seqlens, dtype=torch.int64).cumsum(0).to(torch.int32)
         total = sum(seqlens)
-        cu_seqlens = cu.to(device, non_blocking=True)
-
-        g = torch.tensor(grids, dtype=torch.int64).to(device, non_blocking=True)  # [N, 3]
+        # One host->device copy, from pinned memory: a copy from pageable memory would wait for the
+        # stream to drain, stalling the GPU between back-to-back forwards.
+        host = torch.tensor([0, *itertools.accumulate(seqlens), *itertools.chain.from_iterable(grids)],
+                            dtype=torch.int64)
+        device = torch.device(device)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        meta = host.to(device, non_blocking=True)
+        cu_seqlens = meta[:len(seqlens) + 1].to(torch.int32)
+        g = meta[len(seqlens) + 1:].view(-1, 3)  # [N, 3]
         counts = g.prod(1)
         heights = torch.repeat_interleave(g[:, 1], counts, output_size=total)
         widths = torch.repeat_interleave(g[:, 2], counts, output_size=total)
@@ -120,10 +129,16 @@ class Attention(nn.Module):
     def forward(self, x, plan: PackPlan, backend: str):
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
-        # One in-place rotation pass beats rotating K inside the attention kernel for every query tile.
-        qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend))
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
-        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
+        if backend == "triton":
+            # K is rotated in place by one pass (rotating each K tile inside the kernel, once per query
+            # tile, costs far more); Q is rotated by the attention kernel as it loads it, once.
+            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=True, k_only=True)
+            out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, cos=plan.cos, sin=plan.sin,
+                                   rotate_k=False, seqlens=plan.seqlens, backend=backend)
+        else:
+            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend))
+            out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
         return self.proj(out.view(tokens, -1))
 
 
@@ -221,8 +236,7 @@ class VisionTower(nn.Module):
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
         x = self.patch_embed(pixel_values)
-        pos = (self.pos_embed(plan.interp_index) * plan.interp_weight[:, :, None]).sum(1)
-        x = x + pos.to(x.dtype)
+        pos_embed_add_(x, self.pos_embed.weight, plan.interp_index, plan.interp_weight, use_triton=_fused(self.backend))
         taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
         deepstack = []
         blocks = self.blocks

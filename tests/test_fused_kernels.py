@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.add_layernorm import add_layernorm, reference_add_layernorm
+from kernels.pos_embed import pos_embed_add_, reference_pos_embed
 from kernels.qkv_rope import qkv_rope_
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 
@@ -27,6 +28,11 @@ def test_qkv_rope_in_place(tokens, heads, head_dim, dtype):
     ref = qkv.clone()
     qkv_rope_(ref, cos, sin, use_triton=False)
     assert torch.equal(out, ref)
+    # K only: Q and V untouched
+    k_only = qkv.clone()
+    qkv_rope_(k_only, cos, sin, use_triton=True, k_only=True)
+    assert torch.equal(k_only[:, 1], out[:, 1])
+    assert torch.equal(k_only[:, 0], qkv[:, 0]) and torch.equal(k_only[:, 2], qkv[:, 2])
 
 
 def test_qkv_rope_validates():
@@ -51,3 +57,24 @@ def test_add_layernorm(rows, cols, dtype):
     err = (out.double() - exact).norm() / exact.norm()
     torch_err = (rout.double() - exact).norm() / exact.norm()
     assert err <= 2 * torch_err + 1e-7, (err, torch_err)
+
+
+@pytest.mark.parametrize("tokens,hidden,side", [(1, 64, 4), (131, 96, 7), (300, 1152, 48)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_pos_embed_add(tokens, hidden, side, dtype):
+    """Interpolated position embeddings added in place, against a float64 blend of the same taps."""
+    g = torch.Generator().manual_seed(tokens + hidden)
+    table = torch.randn(side * side, hidden, generator=g).to(dtype)
+    index = torch.randint(0, side * side, (tokens, 4), generator=g)
+    weight = torch.rand(tokens, 4, generator=g)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    out = x.clone()
+    assert pos_embed_add_(out, table, index, weight, use_triton=True) is out
+    exact = x.double() + (table[index].double() * weight[:, :, None].double()).sum(1)
+    ref = x + reference_pos_embed(table, index, weight).to(dtype)  # the unfused PyTorch path
+    err = (out.double() - exact).norm() / exact.norm()
+    torch_err = (ref.double() - exact).norm() / exact.norm()
+    assert err <= 1.01 * torch_err + 1e-7, (err, torch_err)
+    fallback = x.clone()
+    pos_embed_add_(fallback, table, index, weight, use_triton=False)
+    assert torch.equal(fallback, ref)

@@ -11,6 +11,7 @@ from conftest import rel_err
 from kernels import attention as attn_mod
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.varlen_attention import (
+    TileConfig,
     head_dim_split,
     reference_varlen_attention,
     sdpa_varlen_attention,
@@ -50,6 +51,37 @@ def test_triton_kernel_interpreted(lengths, head_dim, rope, dtype):
     # flash-attention's rule: at most 2x the error of the same math done by PyTorch in this dtype
     torch_err = rel_err(reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin, upcast=False), ref)
     assert rel_err(out, ref) <= max(2 * torch_err, 2e-6), (rel_err(out, ref), torch_err)
+
+
+@pytest.mark.parametrize("lengths,head_dim,dv", [([1, 7, 40], 64, "wide"), ([7, 33, 5], 72, "wide"),
+                                                  ([7, 33], 72, "split16"), ([19, 5, 1], 80, "split64"),
+                                                  ([40, 1, 17], 128, "wide")])
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("tail_in_loop", [False, True])
+def test_tma_kernel_interpreted(lengths, head_dim, dv, rope, tail_in_loop):
+    """The Hopper kernel (K/V through tensor descriptors, Q rotated in the kernel, K by the caller)."""
+    q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim)
+    if rope:
+        k.copy_(apply_vision_rope(k, cos, sin))  # k is a view of the fused buffer: rotated in place
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
+                            config=TileConfig(32, 16, tma=True, dv=dv, tail_in_loop=tail_in_loop))
+    assert not out.isnan().any()
+    qr = apply_vision_rope(q, cos, sin) if rope else q
+    ref = reference_varlen_attention(qr, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
+    assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+def test_rotate_k_false(backend):
+    """rotate_k=False: only Q is rotated by the call; equals rotating both when K came in rotated."""
+    lengths = [13, 1, 40]
+    q, k, v, cu, cos, sin = make_inputs(lengths, 2, 64, torch.float32, True, seed=5)
+    k_rot = apply_vision_rope(k, cos, sin)
+    both = attn_mod.varlen_attention(q, k, v, cu, 40, cos=cos, sin=sin, backend=backend)
+    q_only = attn_mod.varlen_attention(q, k_rot, v, cu, 40, cos=cos, sin=sin, rotate_k=False, backend=backend)
+    assert rel_err(q_only, both) <= 1e-5
 
 
 def test_triton_kernel_interpreted_long_segment():

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from conftest import rel_err
-from kernels.varlen_attention import reference_varlen_attention, sdpa_varlen_attention, triton_varlen_attention
+from kernels.rope import apply_vision_rope
+from kernels.varlen_attention import (
+    reference_varlen_attention,
+    sdpa_varlen_attention,
+    tma_candidates,
+    triton_varlen_attention,
+)
 from test_varlen_attention import make_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -30,6 +36,30 @@ def test_kernel_vs_fp32_reference(lengths, head_dim, rope, dtype):
     low = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin, upcast=False)
     err, torch_err = rel_err(out, ref), rel_err(low, ref)
     assert err <= 2 * torch_err, (err, torch_err)
+
+
+hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                            reason="TMA kernel: Hopper only")
+
+
+@hopper
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: f"{len(l)}seg_max{max(l)}")
+@pytest.mark.parametrize("head_dim", [64, 72, 80, 128])
+@pytest.mark.parametrize("rope", [False, True])
+def test_tma_kernel_every_candidate(lengths, head_dim, rope):
+    """Each configuration the autotuner may pick, and the autotuned call, against fp32 (bf16)."""
+    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, rope, seed=head_dim, device="cuda")
+    if rope:
+        k.copy_(apply_vision_rope(k, cos, sin))  # the tower's K pass; the kernel rotates Q
+    qr = apply_vision_rope(q, cos, sin) if rope else q
+    ref = reference_varlen_attention(qr, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
+    for cfg in [*tma_candidates(), None]:
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out, config=cfg)
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"unwritten output elements with {cfg}"
+        assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)
 
 
 @pytest.mark.parametrize("head_dim", [64, 72])
