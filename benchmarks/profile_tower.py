@@ -129,6 +129,13 @@ def main():
         for r in table:
             by_cat[r["category"]] += r["us_per_forward"]
         micro_res = micro(cfg, tokens)
+        # A/B: Q rotated in the attention kernel (served) vs in the K pass as well
+        from service.tower import Attention
+
+        Attention.rope_q_in_kernel = False
+        micro_res["tower wall, Q and K rotated by the pass"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
+        Attention.rope_q_in_kernel = True
+        micro_res["tower wall, Q rotated in the attention kernel"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
     busy = sum(by_cat.values()) / 1000
     print(f"{args.preset} {args.workload}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms")
     for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):

@@ -387,20 +387,32 @@ def _tma_block_shapes(nargs):
     nargs["v_desc1"].block_shape = [bn, nargs["DV1"]]
 
 
-# The TMA kernel's autotune candidates (block_m, block_n, warps, stages) and its PV layout for head
-# dims that are not powers of two; chosen by benchmarks/sweep_attention.py on H100.
-TMA_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2), (64, 64, 4, 3)]
-TMA_DV = "wide"
+# The TMA kernel's autotune candidates (block_m, block_n, warps, stages), chosen by
+# benchmarks/sweep_attention.py on H100/H200, and its PV layout for head dims that are not powers of
+# two: "split16" (64 + the last 16 columns) does 80/72 of the PV work where "wide" does 128/72.
+# Triton 3.6 miscompiles the 16-wide PV dot in the peeled last step when 8 warps (two warpgroups)
+# share a tile -- wrong results, and illegal addresses -- so split head dims use 4-warp tiles only.
+TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2)]
+TMA_SPLIT_TILES = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 2)]
+TMA_DV = "split16"
 
 
-def tma_candidates() -> list[TileConfig]:
-    """Every configuration the autotuned TMA path may pick (the GPU tests run each one)."""
-    return [TileConfig(bm, bn, w, s, tma=True, dv=TMA_DV) for bm, bn, w, s in TMA_TILES]
+def tma_candidates(head_dim: int) -> list[TileConfig]:
+    """Every configuration the autotuned TMA path may pick for `head_dim` (the GPU tests run each)."""
+    tiles = TMA_TILES if head_dim & (head_dim - 1) == 0 else TMA_SPLIT_TILES
+    return [TileConfig(bm, bn, w, s, tma=True, dv=TMA_DV) for bm, bn, w, s in tiles]
 
 
 def _tma_configs():
-    return [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "WS": c.ws}, num_warps=c.num_warps,
-                          num_stages=c.num_stages, pre_hook=_tma_block_shapes) for c in tma_candidates()]
+    tiles = dict.fromkeys(TMA_TILES + TMA_SPLIT_TILES)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=w, num_stages=s,
+                          pre_hook=_tma_block_shapes) for bm, bn, w, s in tiles]
+
+
+def _tma_prune(configs, named_args, **kwargs):
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    allowed = {(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in tma_candidates(head_dim)}
+    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
 
 
 _tuned: dict[str, object] = {}
@@ -409,9 +421,10 @@ _tuned: dict[str, object] = {}
 def _get_tuned(tma: bool):
     name = "tma" if tma else "ptr"
     if name not in _tuned:
-        kernel, configs = (_varlen_attn_fwd_tma, _tma_configs()) if tma else (_varlen_attn_fwd, _configs())
+        kernel, configs, prune = ((_varlen_attn_fwd_tma, _tma_configs(), _tma_prune) if tma
+                                  else (_varlen_attn_fwd, _configs(), _prune))
         _tuned[name] = triton.autotune(configs=configs, key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q"] + ([] if tma else ["ROPE_K"]),
-                                       prune_configs_by={"early_config_prune": _prune})(kernel)
+                                       prune_configs_by={"early_config_prune": prune})(kernel)
     return _tuned[name]
 
 

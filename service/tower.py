@@ -120,6 +120,9 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
+    # Triton backend: rotate Q inside the attention kernel (True) or in the in-place pass with K.
+    rope_q_in_kernel = True
+
     def __init__(self, cfg: TowerConfig):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
@@ -130,7 +133,7 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
-        if backend == "triton":
+        if backend == "triton" and self.rope_q_in_kernel:
             # K is rotated in place by one pass (rotating each K tile inside the kernel, once per query
             # tile, costs far more); Q is rotated by the attention kernel as it loads it, once.
             qkv_rope_(qkv, plan.cos, plan.sin, use_triton=True, k_only=True)
