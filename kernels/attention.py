@@ -63,19 +63,18 @@ def _resolve(device_type: str, device_index: int | None, forced: str | None) -> 
 def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> str:
     """'triton' or 'sdpa' for this device (and head dim), honouring QWEN3VL_ATTN_BACKEND.
 
-    Unforced, head dims that are not powers of two go to Triton only on Hopper, where the TMA kernel
-    runs them 64 + 16 wide; the pointer kernel must run their PV remainder 64 wide (see
-    kernels.varlen_attention.head_dim_split) and loses to cuDNN/flash there (docs/PERFORMANCE.md).
+    Unforced, head dims that are not powers of two go to SDPA: the pointer kernel must run their PV
+    remainder 64 wide (kernels.varlen_attention.head_dim_split) and the TMA kernel cannot take them
+    (TMA_TILES), so both lose to cuDNN there (docs/PERFORMANCE.md).
     """
     device = torch.device(device)
     index = device.index if device.type != "cuda" else (device.index if device.index is not None else
                                                          torch.cuda.current_device())
     forced = _forced()
     choice = _resolve(device.type, index, forced)
-    if choice == "triton" and forced is None and head_dim is not None and head_dim & (head_dim - 1) \
-            and torch.cuda.get_device_capability(device)[0] != 9:
-        log.info("attention backend for head_dim %d: sdpa (the pointer kernel is slower for non-power-of-two "
-                 "head dims; the TMA kernel needs Hopper)", head_dim)
+    if choice == "triton" and forced is None and head_dim is not None and head_dim & (head_dim - 1):
+        log.info("attention backend for head_dim %d: sdpa (the Triton kernels are slower for non-power-of-two "
+                 "head dims on this Triton version)", head_dim)
         return "sdpa"
     return choice
 

@@ -345,7 +345,8 @@ def seq_bucket(max_seqlen: int) -> int:
 class TileConfig:
     """One launch configuration. `tma` picks the Hopper kernel (K/V by tensor descriptors); `dv` is
     its PV layout for head dims that are not powers of two: "wide" (one chunk of the next power of two),
-    "split64" (64 + last 64 columns) or "split16" (64 + last 16)."""
+    "split64" (64 + last 64 columns) or "split16" (64 + last 16). The TMA kernel with a non-power-of-two
+    head dim is for experiments only (benchmarks/sweep_attention.py): see TMA_TILES."""
 
     block_m: int
     block_n: int
@@ -388,31 +389,28 @@ def _tma_block_shapes(nargs):
 
 
 # The TMA kernel's autotune candidates (block_m, block_n, warps, stages), chosen by
-# benchmarks/sweep_attention.py on H100/H200, and its PV layout for head dims that are not powers of
-# two: "split16" (64 + the last 16 columns) does 80/72 of the PV work where "wide" does 128/72.
-# Triton 3.6 miscompiles the 16-wide PV dot in the peeled last step when 8 warps (two warpgroups)
-# share a tile -- wrong results, and illegal addresses -- so split head dims use 4-warp tiles only.
+# benchmarks/sweep_attention.py on H100/H200. Powers of two only: with Triton 3.6 on sm90, a 16-wide
+# operand loaded by TMA (the QK^T remainder of 72/80) is read out of shared-memory bounds
+# (compute-sanitizer, benchmarks/check_attention_memory.py), and the 16-wide PV remainder gives
+# wrong results with 8 warps. Those head dims use the pointer kernel or SDPA (kernels/attention.py).
 TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2)]
-TMA_SPLIT_TILES = [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 2)]
-TMA_DV = "split16"
 
 
 def tma_candidates(head_dim: int) -> list[TileConfig]:
     """Every configuration the autotuned TMA path may pick for `head_dim` (the GPU tests run each)."""
-    tiles = TMA_TILES if head_dim & (head_dim - 1) == 0 else TMA_SPLIT_TILES
-    return [TileConfig(bm, bn, w, s, tma=True, dv=TMA_DV) for bm, bn, w, s in tiles]
+    if head_dim & (head_dim - 1):
+        return []
+    return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in TMA_TILES]
 
 
 def _tma_configs():
-    tiles = dict.fromkeys(TMA_TILES + TMA_SPLIT_TILES)
+    tiles = TMA_TILES
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=w, num_stages=s,
                           pre_hook=_tma_block_shapes) for bm, bn, w, s in tiles]
 
 
 def _tma_prune(configs, named_args, **kwargs):
-    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    allowed = {(c.block_m, c.block_n, c.num_warps, c.num_stages) for c in tma_candidates(head_dim)}
-    return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
+    return configs
 
 
 _tuned: dict[str, object] = {}
@@ -495,12 +493,13 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if config is not None:
         use_tma = config.tma
     else:
-        use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v)
+        use_tma = (block_m is None and not k_rope and head_dim & (head_dim - 1) == 0 and _tma_default(q)
+                   and tma_layout_ok(q, k, v))
     if use_tma and (k_rope or not tma_layout_ok(q, k, v)):
         raise ValueError("the TMA kernel needs K/V in the fused QKV layout and K rotated by the caller")
 
     if use_tma:
-        dv0, dv1 = _dv_split(head_dim, d0, config.dv if config else TMA_DV)
+        dv0, dv1 = _dv_split(head_dim, d0, config.dv if config else "wide")
         d1 = max(d1, 16)
         bn = config.block_n if config else 64  # autotune's pre-hook resets the boxes per config
         descs = []

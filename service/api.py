@@ -177,7 +177,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
                 log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
                             "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
             enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
-                                          settings.resolved_dtype())
+                                          settings.resolved_dtype(), settings.cuda_graphs)
             state["encoder"] = enc
         # the server's decoded-size limit replaces the checkpoint preprocessor's default
         enc.preprocessor = ImagePreprocessor(replace(enc.preprocessor.config, max_image_pixels=settings.max_image_pixels))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .graphs import GraphedTower
 from .loader import load_tower
 from .preprocess import ImagePreprocessor, Preprocessed, patchify
 from .tower import VisionTower
@@ -29,8 +30,10 @@ class EncodeResult:
 
 
 class Encoder:
-    def __init__(self, tower: VisionTower, preprocessor: ImagePreprocessor):
+    def __init__(self, tower: VisionTower, preprocessor: ImagePreprocessor, cuda_graphs: int = 8):
+        """`cuda_graphs`: how many pack signatures to keep as CUDA graphs (0: always eager)."""
         self.tower = tower
+        self.forward = GraphedTower(tower, max_graphs=cuda_graphs)
         self.preprocessor = preprocessor
         p = next(tower.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -38,9 +41,9 @@ class Encoder:
         self._luts: dict[bytes, torch.Tensor] = {}  # preprocessing LUTs, on the device
 
     @classmethod
-    def load(cls, model: str, device="cpu", dtype="float32") -> "Encoder":
+    def load(cls, model: str, device="cpu", dtype="float32", cuda_graphs: int = 8) -> "Encoder":
         tower, pre_cfg = load_tower(model, device, dtype)
-        return cls(tower, ImagePreprocessor(pre_cfg))
+        return cls(tower, ImagePreprocessor(pre_cfg), cuda_graphs=cuda_graphs)
 
     @property
     def backend(self) -> str:
@@ -80,8 +83,7 @@ class Encoder:
     def launch(self, items: list[Preprocessed], deepstack: bool = True) -> "Pending":
         """Dispatch one packed forward and the copies of its outputs to pinned host memory, without
         waiting for the GPU. `finish` waits and splits the outputs per item."""
-        plan = self.tower.plan([it.grid_thw for it in items])
-        merged, ds = self.tower(self.pixels(items), plan)
+        merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items])
         if self.device.type != "cuda":
             return Pending(items, merged, ds if deepstack else None, None)
         merged_host = torch.empty(merged.shape, dtype=merged.dtype, pin_memory=True)

@@ -5,9 +5,9 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
-- on the Triton backend one pass rotates K in place in the fused QKV output and the attention kernel
-  rotates Q as it loads it (one Triton launch per block); elsewhere Q and K are rotated in place and
-  SDPA runs once per distinct segment length;
+- one Triton pass rotates Q and K in place in the fused QKV output, then attention runs through
+  `kernels.varlen_attention` (one Triton launch per block on CUDA; elsewhere SDPA, once per distinct
+  segment length);
 - the position embeddings are interpolated and added in one pass (`kernels.pos_embed`).
 """
 
@@ -120,8 +120,10 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
-    # Triton backend: rotate Q inside the attention kernel (True) or in the in-place pass with K.
-    rope_q_in_kernel = True
+    # Triton backend: rotate Q inside the attention kernel (True) or in the in-place pass with K
+    # (False). Measured on H100, 2B 32x448px: the pass rotating both is 0.7 ms faster per forward
+    # (benchmarks/results/profile_*.json): in the kernel, 16 heads re-read the cos/sin rows.
+    rope_q_in_kernel = False
 
     def __init__(self, cfg: TowerConfig):
         super().__init__()
