@@ -119,4 +119,4 @@ def test_cuda_graph_replay_equals_eager():
                 merged, ds = graphed(pixels, grids)
                 e_merged, e_ds = tower(pixels, tower.plan(grids))
                 assert torch.equal(merged, e_merged) and torch.equal(ds, e_ds), (round_, grids)
-    assert graphed.captures == 2 and graphed.replays == 3  # the third signature stays eager
+    assert graphed.captures == 2 and graphed.replays == 4  # the third signature stays eager
