@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-ATTN_COLS = ["triton", "triton+rope", "loop-flash", "loop-cudnn", "loop-efficient", "batched-flash", "batched-cudnn",
-             "flex"]
+ATTN_COLS = ["triton", "triton+rope", "triton+rope(k pass)", "loop-flash", "loop-cudnn", "loop-efficient", "batched-flash", "batched-cudnn",
+             "varlen_attn", "flex"]
 
 
 def _f(v, nd=0):

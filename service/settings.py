@@ -39,8 +39,9 @@ class Settings(BaseSettings):
     max_batch_patches: int = Field(32768, ge=64, description="patch budget of one forward")
     max_batch_items: int = Field(64, ge=1)
     max_wait_ms: float = Field(5.0, ge=0, description="how long a forward waits to fill up")
-    cuda_graphs: int = Field(8, ge=0, description="pack signatures kept as CUDA graphs (0: off); a signature is "
-                                                  "captured the third time it is seen")
+    cuda_graphs: int = Field(0, ge=0, description="pack signatures kept as CUDA graphs (0: off); a signature is "
+                                                  "captured the third time it is seen. Off by default: with "
+                                                  "varied batch sizes it measured slower (docs/PERFORMANCE.md)")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     preprocess_workers: int = Field(4, ge=1, description="image decoding workers")
     preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "
