@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, wait_until_ready, write_results
 
 
 def jpegs(n: int, side: int = 448) -> list[bytes]:
@@ -104,18 +104,8 @@ def service_throughput(model, images, clients, procs, warmup_s, seconds, params,
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        import httpx
-
-        deadline = time.time() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.time() > deadline or server.poll() is not None:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.5)
+        if not wait_until_ready(url, server, timeout_s=300):
+            raise RuntimeError("server did not become ready")
         ctx = mp.get_context("spawn")
         pipes, workers = [], []
         for p in range(procs):

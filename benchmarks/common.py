@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,23 @@ ATTENTION_CASES = {
     "mixed8": [256, 784, 1024, 2304, 4096, 576, 1600, 3136],
     "32x784": [784] * 32,
 }
+
+
+def wait_until_ready(url: str, server, timeout_s: float, interval_s: float = 0.5) -> bool:
+    """Poll `url`/ready until it answers 200 (True), or the deadline passes or the server process
+    `server` (a Popen) exits (False)."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if time.time() > deadline or server.poll() is not None:
+            return False
+        time.sleep(interval_s)
 
 
 def bench(fn, warmup_ms=100, rep_ms=500) -> float:

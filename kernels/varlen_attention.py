@@ -187,6 +187,36 @@ if triton is not None:
         return acc0 * alpha[:, None], acc1 * alpha[:, None], l_i, m_ij, p
 
     @triton.jit
+    def _load_q(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM: tl.constexpr,
+                D0: tl.constexpr, D1: tl.constexpr, REM: tl.constexpr, ROPE_Q: tl.constexpr):
+        """The program's query tile as chunk 0 (columns [0, D0)) and, for other head dims, the last D1
+        columns with the overlap with chunk 0 zeroed, so QK^T counts each column once."""
+        q0 = _load_tile(q_base, rows_m, tl.arange(0, D0), stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
+                        True, ROPE_Q)
+        q1 = q0
+        if REM:
+            cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
+            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE_Q)
+            q1 = tl.where((cols1 >= D0)[None, :], q1, 0.0).to(q0.dtype)
+        return q0, q1
+
+    @triton.jit
+    def _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
+                   REM_V: tl.constexpr):
+        """Normalise and store: chunk 0 (columns past the head are dropped when DV0 > HEAD_DIM), then the
+        remainder's columns that chunk 0 did not cover."""
+        inv_l = 1.0 / l_i
+        cols0 = tl.arange(0, DV0)
+        mask0 = m_mask[:, None]
+        if DV0 > HEAD_DIM:
+            mask0 = mask0 & (cols0 < HEAD_DIM)[None, :]
+        tl.store(o_rows + cols0[None, :], (acc0 * inv_l[:, None]).to(o_rows.dtype.element_ty), mask=mask0)
+        if REM_V:
+            cols1 = (HEAD_DIM - DV1) + tl.arange(0, DV1)
+            tl.store(o_rows + cols1[None, :], (acc1 * inv_l[:, None]).to(o_rows.dtype.element_ty),
+                     mask=m_mask[:, None] & (cols1 >= DV0)[None, :])
+
+    @triton.jit
     def _varlen_attn_fwd(
         Q, K, V, O, CU_SEQLENS, COS, SIN,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_c,
@@ -206,16 +236,9 @@ if triton is not None:
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
         k_base = K + tok0.to(tl.int64) * stride_kt + head * stride_kh
         v_base = V + tok0.to(tl.int64) * stride_vt + head * stride_vh
-        cols0 = tl.arange(0, D0)
-        # The remainder chunks are the last D1 (for QK^T) and DV1 (for PV) columns; where it overlaps chunk 0 it is zeroed in
-        # Q (so QK^T counts each column once) and not stored from the output accumulator.
-        cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
-        cols1v = (HEAD_DIM - DV1) + tl.arange(0, DV1)
-        q0 = _load_tile(q_base, rows_m, cols0, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE_Q)
-        q1 = q0
-        if REM:
-            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE_Q)
-            q1 = tl.where((cols1 >= D0)[None, :], q1, 0.0).to(q0.dtype)
+        # The remainder chunks are the last D1 (for QK^T) and DV1 (for PV) columns; where they overlap chunk 0
+        # they are zeroed in Q and not stored from the output accumulator.
+        q0, q1 = _load_q(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, D1, REM, ROPE_Q)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -231,13 +254,8 @@ if triton is not None:
                                               n_full, seqlen, tok0, stride_kt, stride_vt, stride_c,
                                               qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, True, ROPE_K)
 
-        inv_l = 1.0 / l_i
-        o_base = O + tok0.to(tl.int64) * stride_ot + head * stride_oh
-        o_rows = o_base + rows_m[:, None] * stride_ot
-        tl.store(o_rows + cols0[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=m_mask[:, None])
-        if REM:
-            tl.store(o_rows + cols1v[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
-                     mask=m_mask[:, None] & (cols1v >= D0)[None, :])
+        o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
+        _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, DV1, REM)
 
 
     @triton.jit
@@ -282,13 +300,7 @@ if triton is not None:
         rows_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
-        q0 = _load_tile(q_base, rows_m, tl.arange(0, D0), stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
-                        True, ROPE_Q)
-        q1 = q0
-        if REM_QK:
-            cols1 = (HEAD_DIM - D1) + tl.arange(0, D1)
-            q1 = _load_tile(q_base, rows_m, cols1, stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, ROPE_Q)
-            q1 = tl.where((cols1 >= D0)[None, :], q1, 0.0).to(q0.dtype)
+        q0, q1 = _load_q(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, D1, REM_QK, ROPE_Q)
         col = head * HEAD_DIM
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -304,15 +316,8 @@ if triton is not None:
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1,
                                              tok0 + n_full, col, n_full, seqlen, qk_scale, HEAD_DIM, D1, DV1,
                                              BLOCK_N, REM_QK, REM_V, True)
-        inv_l = 1.0 / l_i
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
-        cols0v = tl.arange(0, DV0)
-        tl.store(o_rows + cols0v[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty),
-                 mask=m_mask[:, None] & (cols0v < HEAD_DIM)[None, :])
-        if REM_V:
-            cols1v = (HEAD_DIM - DV1) + tl.arange(0, DV1)
-            tl.store(o_rows + cols1v[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
-                     mask=m_mask[:, None] & (cols1v >= DV0)[None, :])
+        _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, DV0, DV1, REM_V)
 
 
 def head_dim_split(head_dim: int) -> tuple[int, int, int]:
@@ -409,20 +414,18 @@ def _tma_configs():
                           pre_hook=_tma_block_shapes) for bm, bn, w, s in tiles]
 
 
-def _tma_prune(configs, named_args, **kwargs):
-    return configs
-
-
 _tuned: dict[str, object] = {}
 
 
 def _get_tuned(tma: bool):
     name = "tma" if tma else "ptr"
     if name not in _tuned:
-        kernel, configs, prune = ((_varlen_attn_fwd_tma, _tma_configs(), _tma_prune) if tma
-                                  else (_varlen_attn_fwd, _configs(), _prune))
-        _tuned[name] = triton.autotune(configs=configs, key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q"] + ([] if tma else ["ROPE_K"]),
-                                       prune_configs_by={"early_config_prune": prune})(kernel)
+        if tma:  # every TMA candidate serves every length class
+            _tuned[name] = triton.autotune(configs=_tma_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q"])(
+                _varlen_attn_fwd_tma)
+        else:
+            _tuned[name] = triton.autotune(configs=_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q", "ROPE_K"],
+                                           prune_configs_by={"early_config_prune": _prune})(_varlen_attn_fwd)
     return _tuned[name]
 
 
@@ -492,11 +495,11 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     k_rope = rope and rotate_k
     if config is not None:
         use_tma = config.tma
+        if use_tma and (k_rope or not tma_layout_ok(q, k, v)):
+            raise ValueError("the TMA kernel needs K/V in the fused QKV layout and K rotated by the caller")
     else:
         use_tma = (block_m is None and not k_rope and head_dim & (head_dim - 1) == 0 and _tma_default(q)
                    and tma_layout_ok(q, k, v))
-    if use_tma and (k_rope or not tma_layout_ok(q, k, v)):
-        raise ValueError("the TMA kernel needs K/V in the fused QKV layout and K rotated by the caller")
 
     if use_tma:
         dv0, dv1 = _dv_split(head_dim, d0, config.dv if config else "wide")

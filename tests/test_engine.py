@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from benchmarks.common import wait_until_ready
 from conftest import encode_bytes, rel_err
 from servers import free_port, serve
 from service.encoder import Encoder
@@ -182,15 +183,7 @@ def test_sigterm_during_load_loses_no_accepted_request(tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, "server did not become ready"
-            time.sleep(0.1)
+        assert wait_until_ready(url, proc, timeout_s=60, interval_s=0.1), "server did not become ready"
         big = [encode_bytes(Image.fromarray(np.random.default_rng(i).integers(0, 256, (700, 900, 3), dtype=np.uint8)))
                for i in range(24)]
 
