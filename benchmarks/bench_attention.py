@@ -116,6 +116,8 @@ def run_case(lengths, head_dim, flex=True):
             results[name] = {"ms": None, "tflops": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
     baselines = {k: r for k, r in results.items() if not k.startswith("triton") and r["ms"] is not None}
     best = min(baselines, key=lambda k: baselines[k]["ms"])
+    for name in ("triton", "triton+rope(k pass)", best):
+        results[name]["host_us"] = host_us(fns[name])
     return {
         "lengths": lengths, "head_dim": head_dim, "heads": heads, "flops": flops, "check_rel_err": check,
         "results": results, "best_baseline": best,
@@ -123,6 +125,19 @@ def run_case(lengths, head_dim, flex=True):
         "ratio_rope_vs_best": baselines[best]["ms"] / results["triton+rope"]["ms"],
         "ratio_rope_kpass_vs_best": baselines[best]["ms"] / results["triton+rope(k pass)"]["ms"],
     }
+
+
+def host_us(fn, calls=200) -> float:
+    """Host microseconds per call: back-to-back calls without synchronising, so the GPU never makes the
+    host wait (the launch queue holds them); a kernel shorter than this is launch-bound."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def plot(rows, path):
@@ -164,7 +179,9 @@ def main():
             rows.append(r)
             print(f"d{d} {case}: ours {r['results']['triton']['tflops']:.0f} TFLOPS, best baseline "
                   f"{r['best_baseline']} {r['results'][r['best_baseline']]['tflops']:.0f}, ratio "
-                  f"{r['ratio_vs_best']:.2f} (check {r['check_rel_err']:.1e}, {time.time() - t0:.0f}s)", flush=True)
+                  f"{r['ratio_vs_best']:.2f}; host us/call ours {r['results']['triton']['host_us']:.0f}, baseline "
+                  f"{r['results'][r['best_baseline']]['host_us']:.0f} (check {r['check_rel_err']:.1e}, "
+                  f"{time.time() - t0:.0f}s)", flush=True)
     names = ["triton", "triton+rope", "triton+rope(k pass)", "loop-flash", "loop-cudnn", "loop-efficient", "batched-flash",
              "batched-cudnn", "varlen_attn", "flex"]
     table = [{"d": r["head_dim"], "case": r["case"], **{n: r["results"].get(n, {}).get("tflops") for n in names},

@@ -220,7 +220,7 @@ if triton is not None:
     def _varlen_attn_fwd(
         Q, K, V, O, CU_SEQLENS, COS, SIN,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_c,
-        qk_scale, SEQ_BUCKET,
+        qk_scale,
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr, D1: tl.constexpr, DV1: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, ROPE_K: tl.constexpr,
     ):
@@ -278,7 +278,7 @@ if triton is not None:
     @triton.jit
     def _varlen_attn_fwd_tma(
         Q, k_desc0, k_desc1, v_desc0, v_desc1, O, CU_SEQLENS, COS, SIN,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale, SEQ_BUCKET,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False,
@@ -342,7 +342,7 @@ def head_dim_split(head_dim: int) -> tuple[int, int, int]:
 
 
 def seq_bucket(max_seqlen: int) -> int:
-    """Coarse length class for the autotune key: a new image size never re-tunes, a new class may."""
+    """Coarse length class for the tuning key: a new image size never re-tunes, a new class may."""
     return 0 if max_seqlen <= 256 else 1 if max_seqlen <= 1024 else 2 if max_seqlen <= 4096 else 3
 
 
@@ -363,37 +363,18 @@ class TileConfig:
     tail_in_loop: bool = False
 
 
-def _configs():
-    # Candidates that compile correctly on sm90 with Triton 3.6 for every head dim we serve (see
-    # head_dim_split); the prune step drops what a length class cannot use.
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]]
+# The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
+# Triton 3.6 for every head dim we serve (see head_dim_split).
+PTR_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
 
 
-def _prune(configs, named_args, **kwargs):
-    bucket = named_args["SEQ_BUCKET"]
-    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    keep = []
-    for c in configs:
-        bm, bn = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
-        if bucket == 0 and bm > 128:
-            continue
-        if head_dim > 128 and bn > 64:  # register pressure: the 128x128 fp32 P tile plus a 256-wide accumulator
-            continue
-        keep.append(c)
-    return keep or configs[:1]
+def ptr_candidates(head_dim: int) -> list[TileConfig]:
+    """The pointer kernel's candidates for `head_dim`; above 128 only 64-wide K tiles (registers: the fp32
+    P tile plus a 256-wide accumulator)."""
+    return [TileConfig(bm, bn, w, s) for bm, bn, w, s in PTR_TILES if head_dim <= 128 or bn <= 64]
 
 
-def _tma_block_shapes(nargs):
-    """Autotune pre-hook: the descriptors' boxes follow the config's tile sizes."""
-    bn = nargs["BLOCK_N"]
-    nargs["k_desc0"].block_shape = [bn, nargs["D0"]]
-    nargs["k_desc1"].block_shape = [bn, nargs["D1"]]
-    nargs["v_desc0"].block_shape = [bn, nargs["DV0"]]
-    nargs["v_desc1"].block_shape = [bn, nargs["DV1"]]
-
-
-# The TMA kernel's autotune candidates (block_m, block_n, warps, stages), chosen by
+# The TMA kernel's candidates (block_m, block_n, warps, stages), chosen by
 # benchmarks/sweep_attention.py on H100/H200. Powers of two only: with Triton 3.6 on sm90, a 16-wide
 # operand loaded by TMA (the QK^T remainder of 72/80) is read out of shared-memory bounds
 # (compute-sanitizer, benchmarks/check_attention_memory.py), and the 16-wide PV remainder gives
@@ -402,31 +383,43 @@ TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), 
 
 
 def tma_candidates(head_dim: int) -> list[TileConfig]:
-    """Every configuration the autotuned TMA path may pick for `head_dim` (the GPU tests run each)."""
+    """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each)."""
     if head_dim & (head_dim - 1):
         return []
     return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in TMA_TILES]
 
 
-def _tma_configs():
-    tiles = TMA_TILES
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "WS": False}, num_warps=w, num_stages=s,
-                          pre_hook=_tma_block_shapes) for bm, bn, w, s in tiles]
+# Tuning without triton.autotune: one choice per (kernel, length class, head dim, RoPE flags, dtype, device),
+# timed once on the first call with that key (the service's warm-up covers the classes it serves), then
+# every call launches the chosen configuration straight through the JIT function. The autotuner's per-call
+# bookkeeping and pre-hook cost more host time than a small pack's whole kernel (docs/PERFORMANCE.md).
+_choices: dict[tuple, TileConfig] = {}
 
 
-_tuned: dict[str, object] = {}
+def tuned_choices() -> dict[tuple, TileConfig]:
+    """The configurations chosen so far, by key (for logs and tests)."""
+    return dict(_choices)
 
 
-def _get_tuned(tma: bool):
-    name = "tma" if tma else "ptr"
-    if name not in _tuned:
-        if tma:  # every TMA candidate serves every length class
-            _tuned[name] = triton.autotune(configs=_tma_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q"])(
-                _varlen_attn_fwd_tma)
-        else:
-            _tuned[name] = triton.autotune(configs=_configs(), key=["SEQ_BUCKET", "HEAD_DIM", "ROPE_Q", "ROPE_K"],
-                                           prune_configs_by={"early_config_prune": _prune})(_varlen_attn_fwd)
-    return _tuned[name]
+def _choose(key: tuple, candidates: list[TileConfig], launch) -> TileConfig:
+    choice = _choices.get(key)
+    if choice is not None:
+        return choice
+    if len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+        choice = candidates[0]  # nothing to time, or timing is impossible (a CUDA graph is being captured)
+    else:
+        times, error = [], None
+        for c in candidates:
+            try:
+                times.append(triton.testing.do_bench(lambda c=c: launch(c), warmup=10, rep=40))
+            except Exception as e:  # noqa: BLE001 - a candidate that does not compile or launch here is skipped
+                times.append(float("inf"))
+                error = e
+        if min(times) == float("inf"):
+            raise error
+        choice = candidates[times.index(min(times))]
+    _choices[key] = choice
+    return choice
 
 
 def _interpreting() -> bool:
@@ -502,39 +495,33 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                    and tma_layout_ok(q, k, v))
 
     if use_tma:
-        dv0, dv1 = _dv_split(head_dim, d0, config.dv if config else "wide")
-        d1 = max(d1, 16)
-        bn = config.block_n if config else 64  # autotune's pre-hook resets the boxes per config
-        descs = []
-        for t, widths in ((k, (d0, d1)), (v, (dv0, dv1))):
-            flat = [total, heads * head_dim]
-            descs += [TensorDescriptor(t, flat, [t.stride(0), 1], [bn, w]) for w in widths]
-        args = (q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                stride_c, scale, bucket)
-        meta = dict(HEAD_DIM=head_dim, D0=d0, D1=d1, DV0=dv0, DV1=dv1, ROPE_Q=rope)
-        if config is not None:
-            grid = (triton.cdiv(max_seqlen, config.block_m), heads, segments)
-            _varlen_attn_fwd_tma[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n, WS=config.ws,
-                                       TAIL_IN_LOOP=config.tail_in_loop, num_warps=config.num_warps, num_stages=config.num_stages)
-        else:
-            grid = lambda m: (triton.cdiv(max_seqlen, m["BLOCK_M"]), heads, segments)  # noqa: E731
-            _get_tuned(True)[grid](*args, **meta)
+        def launch(c: TileConfig):
+            dv0, dv1_ = _dv_split(head_dim, d0, c.dv)
+            descs = []
+            for t, widths in ((k, (d0, max(d1, 16))), (v, (dv0, dv1_))):
+                flat = [total, heads * head_dim]
+                descs += [TensorDescriptor(t, flat, [t.stride(0), 1], [c.block_n, w]) for w in widths]
+            grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
+            _varlen_attn_fwd_tma[grid](
+                q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                stride_c, scale, HEAD_DIM=head_dim, D0=d0, D1=max(d1, 16), DV0=dv0, DV1=dv1_, ROPE_Q=rope,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, num_warps=c.num_warps,
+                num_stages=c.num_stages)
+
+        launch(config or _choose(("tma", bucket, head_dim, rope, q.dtype, q.device), tma_candidates(head_dim), launch))
         return out
 
-    args = (q, k, v, out, cu_seqlens, cos_t, sin_t,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), stride_c, scale, bucket)
-    meta = dict(HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=rope, ROPE_K=k_rope)
-    if config is not None:
-        grid = (triton.cdiv(max_seqlen, config.block_m), heads, segments)
-        _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                               num_warps=config.num_warps, num_stages=config.num_stages)
-    elif block_m is not None or _interpreting():
-        bm, bn = block_m or 32, block_n or 16
-        grid = (triton.cdiv(max_seqlen, bm), heads, segments)
-        stages = 2 if head_dim > 64 else 3  # shared memory: K and V tiles of both chunks, per stage
-        _varlen_attn_fwd[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=stages)
-    else:
-        grid = lambda m: (triton.cdiv(max_seqlen, m["BLOCK_M"]), heads, segments)  # noqa: E731
-        _get_tuned(False)[grid](*args, **meta)
+    def launch(c: TileConfig):
+        grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
+        _varlen_attn_fwd[grid](
+            q, k, v, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), out.stride(0), out.stride(1), stride_c, scale, HEAD_DIM=head_dim, D0=d0, REM=d1 > 0,
+            D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=rope, ROPE_K=k_rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+            num_warps=c.num_warps, num_stages=c.num_stages)
+
+    if config is None and (block_m is not None or _interpreting()):
+        # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
+        config = TileConfig(block_m or 32, block_n or 16, 4, 2 if head_dim > 64 else 3)
+    launch(config or _choose(("ptr", bucket, head_dim, rope, k_rope, q.dtype, q.device), ptr_candidates(head_dim),
+                             launch))
     return out

@@ -28,7 +28,7 @@ def test_kernel_vs_fp32_reference(lengths, head_dim, rope, dtype):
     torch.manual_seed(sum(lengths) + head_dim)
     q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, dtype, rope, seed=head_dim, device="cuda")
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-    # one pinned tile shape keeps the matrix fast; the autotuned path is covered below
+    # one pinned tile shape keeps the matrix fast; the tuned path is covered below
     triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, out=out, block_m=128, block_n=64)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten output elements"
@@ -47,7 +47,7 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("head_dim", [64, 72, 80, 128])
 @pytest.mark.parametrize("rope", [False, True])
 def test_tma_kernel_every_candidate(lengths, head_dim, rope):
-    """Each configuration the autotuner may pick, and the autotuned call, against fp32 (bf16)."""
+    """Each configuration the tuner may pick, and the automatic call, against fp32 (bf16)."""
     q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, rope, seed=head_dim, device="cuda")
     if rope:
         k.copy_(apply_vision_rope(k, cos, sin))  # the tower's K pass; the kernel rotates Q
