@@ -24,6 +24,7 @@ Kernel design:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -401,10 +402,12 @@ def tuned_choices() -> dict[tuple, TileConfig]:
     return dict(_choices)
 
 
-def _choose(key: tuple, candidates: list[TileConfig], launch) -> TileConfig:
+def _choose(key: tuple, candidates, launch) -> TileConfig:
+    """The configuration for `key`; `candidates()` lists them (only called the first time)."""
     choice = _choices.get(key)
     if choice is not None:
         return choice
+    candidates = candidates()
     if len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
         choice = candidates[0]  # nothing to time, or timing is impossible (a CUDA graph is being captured)
     else:
@@ -444,7 +447,12 @@ def tma_layout_ok(q, k, v) -> bool:
 def _tma_default(q) -> bool:
     if _interpreting() or not q.is_cuda:
         return False
-    return torch.cuda.get_device_capability(q.device)[0] == 9
+    return _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def _dv_split(head_dim: int, d0: int, mode: str) -> tuple[int, int]:
@@ -497,10 +505,10 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if use_tma:
         def launch(c: TileConfig):
             dv0, dv1_ = _dv_split(head_dim, d0, c.dv)
-            descs = []
-            for t, widths in ((k, (d0, max(d1, 16))), (v, (dv0, dv1_))):
-                flat = [total, heads * head_dim]
-                descs += [TensorDescriptor(t, flat, [t.stride(0), 1], [c.block_n, w]) for w in widths]
+            # the remainder chunks' descriptors only exist where the kernel reads them (None is a constexpr
+            # there): each descriptor costs host time at every launch
+            descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, w]) if w else None
+                     for t, w in ((k, d0), (k, d1 and max(d1, 16)), (v, dv0), (v, dv1_ if dv0 < head_dim else 0))]
             grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
             _varlen_attn_fwd_tma[grid](
                 q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -508,7 +516,8 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, num_warps=c.num_warps,
                 num_stages=c.num_stages)
 
-        launch(config or _choose(("tma", bucket, head_dim, rope, q.dtype, q.device), tma_candidates(head_dim), launch))
+        launch(config or _choose(("tma", bucket, head_dim, rope, q.dtype, q.device), lambda: tma_candidates(head_dim),
+                                 launch))
         return out
 
     def launch(c: TileConfig):
@@ -522,6 +531,6 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if config is None and (block_m is not None or _interpreting()):
         # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
         config = TileConfig(block_m or 32, block_n or 16, 4, 2 if head_dim > 64 else 3)
-    launch(config or _choose(("ptr", bucket, head_dim, rope, k_rope, q.dtype, q.device), ptr_candidates(head_dim),
-                             launch))
+    launch(config or _choose(("ptr", bucket, head_dim, rope, k_rope, q.dtype, q.device),
+                             lambda: ptr_candidates(head_dim), launch))
     return out
