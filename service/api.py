@@ -12,6 +12,7 @@ import base64
 import binascii
 import contextlib
 import logging
+import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -21,7 +22,7 @@ import orjson
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import save as safetensors_save
 from starlette.datastructures import UploadFile
@@ -29,6 +30,7 @@ from starlette.datastructures import UploadFile
 from . import __version__
 from .encoder import EncodeResult, Encoder, result_tensors
 from .engine import BatchStats, Engine
+from .ipc import RemoteEngine
 from .errors import (
     CheckpointError,
     DeadlineExceeded,
@@ -163,42 +165,32 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
     metrics = Metrics()
     state: dict[str, Any] = {"ready": False, "engine": None, "encoder": encoder}
 
-    def on_batch(stats: BatchStats):
-        metrics.forward_time.observe(stats.forward_s)
-        metrics.batch_items.observe(stats.items)
-        metrics.batch_patches.observe(stats.patches)
-        metrics.batch_fill.observe(min(1.0, stats.patches / settings.max_batch_patches))
-
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        enc = state["encoder"]
-        if enc is None:
-            if settings.model.startswith("random:"):
-                log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
-                            "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
-            enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
-                                          settings.resolved_dtype(), settings.cuda_graphs)
+        if settings.engine_socket:  # a front-end process: the model lives in the engine process (service.ipc)
+            engine = RemoteEngine(settings.engine_socket, settings.preprocess_workers)
+            await engine.start()
+            enc = state["encoder"] = engine.encoder
+            enc.preprocessor = _server_preprocessor(enc, settings)
+        else:
+            enc, engine = await engine_for(settings, metrics, state["encoder"])
             state["encoder"] = enc
-        # the server's decoded-size limit replaces the checkpoint preprocessor's default
-        enc.preprocessor = ImagePreprocessor(replace(enc.preprocessor.config, max_image_pixels=settings.max_image_pixels))
-        engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
-                        max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
-                        preprocess_workers=settings.preprocess_workers,
-                        preprocess_processes=settings.preprocess_processes, on_batch=on_batch)
+            if settings.warmup:
+                await asyncio.to_thread(warmup, enc, settings)
+            await engine.start()
         state["engine"] = engine
-        metrics.model_info.info({"model": settings.model, "dtype": str(enc.dtype).removeprefix("torch."),
-                                 "device": str(enc.device), "attention_backend": enc.backend,
-                                 "random_weights": str(settings.model.startswith("random:")).lower()})
-        if settings.warmup:
-            await asyncio.to_thread(warmup, enc, settings)
-        await engine.start()
+        metrics.model_info.labels(settings.model, str(enc.dtype).removeprefix("torch."), str(enc.device), enc.backend,
+                                  str(settings.model.startswith("random:")).lower()).set(1)
         state["ready"] = True
-        log.info("ready: %s on %s (%s), attention backend %s", settings.model, enc.device, enc.dtype, enc.backend)
+        log.info("ready: %s on %s (%s), attention backend %s%s", settings.model, enc.device, enc.dtype, enc.backend,
+                 "" if engine.local else f", engine process at {settings.engine_socket}")
         try:
             yield
         finally:
             state["ready"] = False
             await engine.stop()
+            if not engine.local and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                multiprocess.mark_process_dead(os.getpid())
 
     app = FastAPI(title="Qwen3-VL vision encoder", version=__version__, lifespan=lifespan)
 
@@ -235,10 +227,13 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
             raise HTTPError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
 
-    def engine() -> Engine:
+    def engine() -> "Engine | RemoteEngine":
         if not state["ready"]:
             raise HTTPError(503, "not_ready", "the model is still loading or warming up")
-        return state["engine"]
+        eng = state["engine"]
+        if not eng.local and not eng.alive:
+            raise HTTPError(503, "engine_unavailable", "the engine process is not running")
+        return eng
 
     # -- request parsing ----------------------------------------------------------------------------------
 
@@ -348,13 +343,15 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
         watcher = asyncio.create_task(watch())
         try:
             remaining = settings.request_timeout_s - (time.perf_counter() - arrival)
-            metrics.queue_depth.set(eng.queue_depth + len(items))
+            if eng.local:
+                metrics.queue_depth.set(eng.queue_depth + len(items))
             wants_deepstack = opts.deepstack if opts.deepstack is not None else opts.format == "safetensors"
-            results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected.is_set,
+            results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
                                                deepstack=wants_deepstack)
         finally:
             watcher.cancel()
-            metrics.queue_depth.set(eng.queue_depth)
+            if eng.local:
+                metrics.queue_depth.set(eng.queue_depth)
         metrics.queue_time.observe(timing.queue_s)
         for r in results:
             frames = r.grid_thw[0] * eng.encoder.config.temporal_patch_size
@@ -430,7 +427,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
 
     @app.get("/ready", summary="Readiness: model loaded and kernels warmed up")
     async def ready():
-        if not state["ready"]:
+        eng = state["engine"]
+        if not state["ready"] or not (eng.local or eng.alive):
             return JSONResponse({"ready": False}, status_code=503)
         return {"ready": True}
 
@@ -457,22 +455,59 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
         body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
             enc.preprocessor.config.max_pixels if enc else None)
         if eng is not None:
-            body["engine"] = {"queue_depth": eng.queue_depth, "in_flight": eng.in_flight, "forwards": eng.forwards}
+            body["engine"] = await eng.stats() if eng.local or eng.alive else {"error": "engine process not running"}
+            body["engine"]["process"] = "this" if eng.local else "separate"
+        body["http_workers"] = settings.http_workers
         return body
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus():
         enc, eng = state["encoder"], state["engine"]
-        if eng is not None:
+        if eng is not None and eng.local:  # with an engine process, it samples these itself (service.ipc)
             metrics.queue_depth.set(eng.queue_depth)
-        if enc is not None and enc.device.type == "cuda":  # read on scrape: too slow for every request
-            metrics.gpu_allocated.set(torch.cuda.memory_allocated(enc.device))
-            metrics.gpu_reserved.set(torch.cuda.memory_reserved(enc.device))
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            if enc.device.type == "cuda":  # read on scrape: too slow for every request
+                metrics.gpu_allocated.set(torch.cuda.memory_allocated(enc.device))
+                metrics.gpu_reserved.set(torch.cuda.memory_reserved(enc.device))
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     app.state.metrics = metrics
     app.state.service = state
     return app
+
+
+def _server_preprocessor(enc, settings: Settings) -> ImagePreprocessor:
+    """The checkpoint's preprocessor with the server's decoded-size limit."""
+    return ImagePreprocessor(replace(enc.preprocessor.config, max_image_pixels=settings.max_image_pixels))
+
+
+async def engine_for(settings: Settings, metrics: Metrics, enc: Encoder | None = None) -> tuple[Encoder, Engine]:
+    """Load the model (unless given) and build the batching engine that reports to `metrics`; shared by the
+    single-process server and the engine process."""
+    if enc is None:
+        if settings.model.startswith("random:"):
+            log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
+                        "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
+        enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
+                                      settings.resolved_dtype(), settings.cuda_graphs)
+    enc.preprocessor = _server_preprocessor(enc, settings)
+
+    def on_batch(stats: BatchStats):
+        metrics.forward_time.observe(stats.forward_s)
+        metrics.batch_items.observe(stats.items)
+        metrics.batch_patches.observe(stats.patches)
+        metrics.batch_fill.observe(min(1.0, stats.patches / settings.max_batch_patches))
+
+    engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
+                    max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
+                    preprocess_workers=settings.preprocess_workers, preprocess_processes=settings.preprocess_processes,
+                    on_batch=on_batch)
+    return enc, engine
+
+
+def frontend_app() -> FastAPI:
+    """uvicorn factory of the front-end worker processes: settings from the environment the main process set."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[http %(process)d]: %(message)s")
+    return create_app(Settings())
 
 
 def warmup(enc: Encoder, settings: Settings):

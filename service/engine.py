@@ -56,6 +56,8 @@ class Timing:
 
 
 class Engine:
+    local = True  # runs in this process (service.ipc.RemoteEngine is the other kind)
+
     def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
                  max_queue_items: int, preprocess_workers: int = 4, preprocess_processes: bool = False,
                  on_batch: Callable[[BatchStats], None] | None = None):
@@ -122,10 +124,18 @@ class Engine:
         frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, data, min_pixels, max_pixels)
         return self.encoder.preprocessor.item(frames, grid, meta)
 
-    async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: Callable[[], bool] = lambda: False,
+    async def stats(self) -> dict:
+        return {"queue_depth": self.queue_depth, "in_flight": self.in_flight, "forwards": self.forwards}
+
+    async def submit(self, items: list[Preprocessed], *, timeout_s: float,
+                     abandoned: "Callable[[], bool] | asyncio.Event | None" = None,
                      deepstack: bool = True) -> tuple[list[EncodeResult], Timing]:
-        """Encode `items` in whatever packs the batcher forms; `deepstack=False` lets a pack skip copying
-        the DeepStack features back when none of its requests wants them."""
+        """Encode `items` in whatever packs the batcher forms. `abandoned` (a predicate, or an event set when
+        the client has gone) drops the request's items before compute; `deepstack=False` lets a pack skip
+        copying the DeepStack features back when none of its requests wants them."""
+        if isinstance(abandoned, asyncio.Event):
+            abandoned = abandoned.is_set
+        abandoned = abandoned or (lambda: False)
         if not self._accepting:
             raise ShuttingDown("the service is shutting down")
         if len(self._queue) + len(items) > self.max_queue_items:

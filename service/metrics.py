@@ -6,7 +6,9 @@ Buckets span this service's range: a tiny image on a warm GPU answers in a few m
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 PREFIX = "qwen3vl"
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -34,14 +36,28 @@ class Metrics:
                                        registry=r)
         self.batch_fill = Histogram(f"{PREFIX}_batch_fill_ratio", "patches per forward / max_batch_patches",
                                     buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
-        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "images waiting for a forward", registry=r)
-        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "HTTP requests being served", registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "images waiting for a forward", registry=r,
+                                 multiprocess_mode="livemax")
+        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "HTTP requests being served", registry=r,
+                               multiprocess_mode="livesum")
         self.images = Counter(f"{PREFIX}_images", "images encoded", registry=r)
         self.video_frames = Counter(f"{PREFIX}_video_frames", "video frames encoded", registry=r)
         self.output_tokens = Counter(f"{PREFIX}_output_tokens", "merged visual tokens returned", registry=r)
         self.errors = Counter(f"{PREFIX}_errors", "errors by reason", ["reason"], registry=r)
-        self.model_info = Info(f"{PREFIX}_model", "model, dtype, device and attention backend", registry=r)
+        # a gauge fixed at 1 rather than an Info metric: multiprocess mode has no Info (same series name)
+        self.model_info = Gauge(f"{PREFIX}_model_info", "model, dtype, device and attention backend",
+                                ["model", "dtype", "device", "attention_backend", "random_weights"], registry=r,
+                                multiprocess_mode="max")
         self.gpu_allocated = Gauge(f"{PREFIX}_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated",
-                                   registry=r)
+                                   registry=r, multiprocess_mode="livemax")
         self.gpu_reserved = Gauge(f"{PREFIX}_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
-                                  registry=r)
+                                  registry=r, multiprocess_mode="livemax")
+
+    def exposition(self) -> bytes:
+        """The text for /metrics: this registry, or, with several processes (PROMETHEUS_MULTIPROC_DIR set),
+        every process's metrics merged."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)

@@ -55,6 +55,8 @@ def run(args) -> int:
             log.error("invalid setting %s: %s (flag --%s or env QWEN3VL_%s)", ".".join(map(str, err["loc"])),
                       err["msg"], str(err["loc"][0]).replace("_", "-"), str(err["loc"][0]).upper())
         return 2
+    if settings.http_workers:
+        return run_with_engine_process(settings)
     # The forward thread dispatches hundreds of CUDA ops per batch; with the default 5 ms switch
     # interval it queues behind the event loop for the GIL at every hand-off.
     sys.setswitchinterval(0.0005)
@@ -68,3 +70,72 @@ def run(args) -> int:
         log.error("%s", e)
         return 2
     return 0 if server.started else 1  # not started: the lifespan (model load) failed and was logged
+
+
+def run_with_engine_process(settings: Settings) -> int:
+    """`http_workers` >= 1: spawn the engine process, wait until its model is loaded and warm, then run
+    the uvicorn supervisor over `http_workers` front-end processes (service.ipc). SIGTERM/SIGINT: the
+    supervisor drains and stops the front-ends, then the engine finishes its queue and exits; 0 when
+    all of that went cleanly. If the engine dies, the front-ends are stopped and the exit code is 1."""
+    import multiprocessing
+    import os
+    import tempfile
+    import threading
+
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from .ipc import engine_process_main, settings_env
+
+    workdir = tempfile.mkdtemp(prefix="qwen3vl-")
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics_dir:  # a directory given by the operator: last run's files would be merged in
+        for name in os.listdir(metrics_dir):
+            if name.endswith(".db"):
+                os.unlink(os.path.join(metrics_dir, name))
+    else:
+        metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(workdir, "metrics")
+        os.makedirs(metrics_dir)
+    settings = settings.model_copy(update={"engine_socket": os.path.join(workdir, "engine.sock")})
+    env = {**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    os.environ.update(env)  # the spawned front-ends rebuild their Settings from it
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    engine = ctx.Process(target=engine_process_main, args=(child_conn, env), name="qwen3vl-engine")
+    engine.start()
+    child_conn.close()
+    try:
+        status, message = conn.recv()
+    except EOFError:
+        status, message = "error", f"the engine process exited with code {engine.join() or engine.exitcode}"
+    if status != "ready":
+        log.error("%s", message)
+        engine.join(10)
+        return 2
+
+    config = uvicorn.Config("service.api:frontend_app", factory=True, host=settings.host, port=settings.port,
+                            workers=settings.http_workers, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=settings.graceful_shutdown_s)
+    supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+    engine_died = threading.Event()
+
+    def watch_engine():
+        engine.join()
+        if not stopping.is_set():
+            engine_died.set()
+            log.error("the engine process exited (code %s); stopping the front-ends", engine.exitcode)
+            supervisor.should_exit.set()
+
+    stopping = threading.Event()
+    threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
+    supervisor.run()  # returns once every front-end has drained and exited
+    stopping.set()
+    if not engine_died.is_set():
+        conn.send("stop")
+        engine.join(settings.graceful_shutdown_s + 30)
+        if engine.is_alive():
+            log.error("the engine process did not stop in time; killing it")
+            engine.kill()
+            return 1
+    return 1 if engine_died.is_set() else (0 if engine.exitcode == 0 else 1)

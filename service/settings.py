@@ -43,6 +43,10 @@ class Settings(BaseSettings):
                                                   "captured the third time it is seen. Off by default: with "
                                                   "varied batch sizes it measured slower (docs/PERFORMANCE.md)")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
+    http_workers: int = Field(0, ge=0, le=64, description="HTTP front-end processes (decode, parse, respond) feeding "
+                                                         "one engine process that owns the model; 0: one process "
+                                                         "does everything (service.ipc)")
+    engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image decoding workers")
     preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "
                                                           "(measured: no throughput difference on H200)")
