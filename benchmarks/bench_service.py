@@ -154,6 +154,7 @@ def main():
     ap.add_argument("--budget", type=int, default=32768)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--server-env", nargs="*", default=[], help="extra KEY=VALUE settings for the server")
+    ap.add_argument("--name", default="service", help="results file name (without .json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -172,7 +173,7 @@ def main():
     payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": args.clients,
                "image": "448x448 JPEG", "params": params, "server_env": env_extra, "tower": tower, "service": svc,
                "ratio": ratio}
-    write_results("service", payload, args.out)
+    write_results(args.name, payload, args.out)
     print(json.dumps({"benchmark": "service", "tower_images_per_s": round(tower["images_per_s"], 1),
                       "service_images_per_s": round(svc["images_per_s"], 1), "ratio": round(ratio, 3),
                       "p50_ms": round(svc["p50_ms"], 1), "p99_ms": round(svc["p99_ms"], 1)}))
