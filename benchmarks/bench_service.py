@@ -98,6 +98,8 @@ def _client_proc(url, images, clients, warmup_s, seconds, params, conn):
 
 def service_throughput(model, images, clients, procs, warmup_s, seconds, params, env_extra, device="cuda",
                        dtype="bfloat16"):
+    import httpx
+
     port = 18777
     env = {**os.environ, "QWEN3VL_MODEL": model, "QWEN3VL_PORT": str(port), "QWEN3VL_HOST": "127.0.0.1",
            "QWEN3VL_DEVICE": device, "QWEN3VL_DTYPE": dtype, **env_extra}

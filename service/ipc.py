@@ -54,7 +54,7 @@ _ERRORS = {cls.__name__: cls for cls in (errors.EncoderError, errors.InvalidInpu
 def write_message(writer: asyncio.StreamWriter, header: dict, buffers=()) -> None:
     """Queue one message on `writer` (no await in between, so messages of concurrent tasks never interleave)."""
     head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
-    views = [memoryview(b).cast("B") for b in buffers]
+    views = [memoryview(b).cast("B") for b in buffers if b.nbytes]
     writer.write(_PREFIX.pack(len(head), sum(v.nbytes for v in views)) + head)
     for v in views:
         writer.write(v)
@@ -69,7 +69,7 @@ async def read_message(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
 
 def _raw(t: torch.Tensor) -> np.ndarray:
     """A tensor's bytes (any dtype, bfloat16 included) as a uint8 array, without a copy when contiguous."""
-    return t.contiguous().view(torch.uint8).numpy()
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
 
 
 def _tensor(payload: bytes, offset: int, shape, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
