@@ -121,7 +121,7 @@ def service_throughput(model, images, clients, procs, warmup_s, seconds, params,
         if os.environ.get("PROFILE_SERVER"):
             time.sleep(warmup_s + 2)
             profiler = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-d", "8", "-r", "250", "-f", "raw",
-                                         "--threads", "--nonblocking", "-o", os.environ["PROFILE_SERVER"]],
+                                         "--threads", "--subprocesses", "--nonblocking", "-o", os.environ["PROFILE_SERVER"]],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         outs = [a.recv() for a in pipes]
         if profiler is not None:
