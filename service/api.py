@@ -457,7 +457,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
         if eng is not None:
             body["engine"] = await eng.stats() if eng.local or eng.alive else {"error": "engine process not running"}
             body["engine"]["process"] = "this" if eng.local else "separate"
-        body["http_workers"] = settings.http_workers
+        body["http_workers"] = settings.resolved_http_workers()
+        body["cuda_graphs"] = settings.resolved_cuda_graphs()
         return body
 
     @app.get("/metrics", summary="Prometheus metrics")
@@ -488,7 +489,7 @@ async def engine_for(settings: Settings, metrics: Metrics, enc: Encoder | None =
             log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
                         "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
         enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
-                                      settings.resolved_dtype(), settings.cuda_graphs)
+                                      settings.resolved_dtype(), settings.resolved_cuda_graphs())
     enc.preprocessor = _server_preprocessor(enc, settings)
 
     def on_batch(stats: BatchStats):

@@ -146,7 +146,7 @@ class EngineServer:
 
     def stats(self) -> dict:
         return {"queue_depth": self.engine.queue_depth, "in_flight": self.engine.in_flight,
-                "forwards": self.engine.forwards}
+                "forwards": self.engine.forwards, "pid": os.getpid()}
 
     async def _submit(self, header, payload, writer, abandoned):
         rid = header["id"]
@@ -265,7 +265,9 @@ class RemoteEngine:
         self._broken: str | None = None
         self.encoder: RemoteEncoder | None = None
 
-    async def start(self, timeout_s: float = 30.0):
+    async def start(self, timeout_s: float = 5.0):
+        """Connect and fetch the model's description. The engine listens before any front-end starts, so a
+        socket that stays refused means the engine is gone: fail the start-up (uvicorn then stops)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             try:
@@ -325,7 +327,7 @@ class RemoteEngine:
 
     async def stats(self) -> dict:
         header, _ = await self._request({"op": "stats"})
-        return {k: header[k] for k in ("queue_depth", "in_flight", "forwards")}
+        return {k: header[k] for k in ("queue_depth", "in_flight", "forwards", "pid")}
 
     async def preprocess(self, data, min_pixels=None, max_pixels=None) -> Preprocessed:
         loop = asyncio.get_running_loop()

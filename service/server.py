@@ -55,7 +55,7 @@ def run(args) -> int:
             log.error("invalid setting %s: %s (flag --%s or env QWEN3VL_%s)", ".".join(map(str, err["loc"])),
                       err["msg"], str(err["loc"][0]).replace("_", "-"), str(err["loc"][0]).upper())
         return 2
-    if settings.http_workers:
+    if settings.resolved_http_workers():
         return run_with_engine_process(settings)
     # The forward thread dispatches hundreds of CUDA ops per batch; with the default 5 ms switch
     # interval it queues behind the event loop for the GIL at every hand-off.
@@ -96,7 +96,9 @@ def run_with_engine_process(settings: Settings) -> int:
     else:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(workdir, "metrics")
         os.makedirs(metrics_dir)
-    settings = settings.model_copy(update={"engine_socket": os.path.join(workdir, "engine.sock")})
+    settings = settings.model_copy(update={"engine_socket": os.path.join(workdir, "engine.sock"),
+                                           "http_workers": settings.resolved_http_workers(),
+                                           "cuda_graphs": settings.resolved_cuda_graphs()})
     env = {**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     os.environ.update(env)  # the spawned front-ends rebuild their Settings from it
 
@@ -115,7 +117,7 @@ def run_with_engine_process(settings: Settings) -> int:
         return 2
 
     config = uvicorn.Config("service.api:frontend_app", factory=True, host=settings.host, port=settings.port,
-                            workers=settings.http_workers, log_level="info", access_log=False,
+                            workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
     supervisor = Multiprocess(config, sockets=[config.bind_socket()])
     engine_died = threading.Event()

@@ -1,0 +1,201 @@
+"""The multi-process server (QWEN3VL_HTTP_WORKERS >= 1): HTTP front-end processes feeding one engine
+process. Real `qwen3vl-encoder serve` subprocesses on loopback, tiny random preset on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load as safetensors_load
+
+from benchmarks.common import wait_until_ready
+from conftest import encode_bytes, rel_err
+from servers import free_port
+from service.encoder import Encoder
+from service.ipc import read_message, write_message
+
+
+@contextlib.contextmanager
+def server(workers: int = 2, **env):
+    port = free_port()
+    full_env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICE": "cpu", "QWEN3VL_PORT": str(port),
+                "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_HTTP_WORKERS": str(workers), **env}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # ready once every front-end has started (one answering /ready is not enough for the tests below)
+        deadline = time.time() + 120
+        while not (wait_until_ready(url, proc, timeout_s=1, interval_s=0.1)
+                   and sum("Application startup complete" in line for line in lines) >= max(1, workers)):
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("server did not become ready:\n" + "".join(lines)[-3000:])
+        proc.output = lines
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _images(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [encode_bytes(Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 90)), int(rng.integers(20, 90)), 3),
+                                                      dtype=np.uint8))) for _ in range(n)]
+
+
+async def _post_all(url, bodies, params=None):
+    async with httpx.AsyncClient(timeout=120) as c:
+        return await asyncio.gather(*(c.post(f"{url}/embed", params=params, content=b,
+                                             headers={"content-type": "image/png"}) for b in bodies))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Encoder.load("random:tiny")
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    with server(2, QWEN3VL_MAX_WAIT_MS="50") as running:
+        yield running
+
+
+def test_results_equal_in_process_encoding_and_forwards_are_shared(two_workers, tiny):
+    """24 concurrent requests spread over two front-end processes: every result (embeddings and DeepStack,
+    through the safetensors format) equals encoding that image alone in this process, and the engine
+    served them in fewer forwards than requests."""
+    url, _ = two_workers
+    before = httpx.get(f"{url}/info").json()["engine"]["forwards"]
+    images = _images(24, seed=11)
+    responses = asyncio.run(_post_all(url, images, {"format": "safetensors"}))
+    assert [r.status_code for r in responses] == [200] * 24
+    for img, r in zip(images, responses):
+        got = safetensors_load(r.content)
+        ref = tiny.encode([tiny.preprocess(img)])[0]
+        assert rel_err(got["embeds.0"], ref.embeds) <= 1e-5
+        assert rel_err(got["deepstack.0"], ref.deepstack) <= 1e-5
+        assert got["grid_thw.0"].tolist() == list(ref.grid_thw)
+    info = httpx.get(f"{url}/info").json()
+    assert info["engine"]["process"] == "separate" and info["http_workers"] == 2
+    assert 0 < info["engine"]["forwards"] - before < 24
+
+
+def test_bad_item_fails_alone_across_processes(two_workers, tiny):
+    url, _ = two_workers
+    good = _images(2, seed=3)
+    files = [("file", ("a.png", good[0], "image/png")), ("file", ("b.png", b"\x89PNG broken", "image/png"))]
+    bad = httpx.post(f"{url}/embed", files=files, timeout=60)
+    ok = httpx.post(f"{url}/embed", content=good[1], headers={"content-type": "image/png"}, timeout=60)
+    assert bad.status_code == 422 and bad.json()["error"]["index"] == 1
+    assert "not a supported image" in bad.json()["error"]["message"]
+    assert ok.status_code == 200
+    ref = tiny.encode([tiny.preprocess(good[1])])[0]
+    assert rel_err(torch.tensor(ok.json()["data"][0]["embeddings"]), ref.embeds) <= 1e-5
+
+
+def test_metrics_merge_every_process(two_workers):
+    """Whichever front-end answers /metrics, it reports the requests of all of them and the engine's forwards."""
+    url, _ = two_workers
+    n = 12
+    asyncio.run(_post_all(url, _images(n, seed=5)))
+    text = httpx.get(f"{url}/metrics").text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples['qwen3vl_requests_total{route="/embed",status="200"}'] >= n
+    assert samples["qwen3vl_forward_seconds_count"] >= 1
+    assert samples["qwen3vl_batch_items_sum"] >= n
+    assert any(k.startswith("qwen3vl_model_info{") and v == 1 for k, v in samples.items())
+
+
+def test_overload_gets_429_and_every_accepted_request_is_answered():
+    with server(2, QWEN3VL_MAX_QUEUE_ITEMS="2", QWEN3VL_MAX_BATCH_ITEMS="1", QWEN3VL_MAX_WAIT_MS="0") as (url, _):
+        responses = asyncio.run(_post_all(url, _images(40, seed=9)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] and "queue full" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigterm_during_load_loses_no_accepted_request(workers):
+    big = [encode_bytes(Image.fromarray(np.random.default_rng(i).integers(0, 256, (700, 900, 3), dtype=np.uint8)))
+           for i in range(16)]
+    with server(workers, QWEN3VL_MAX_BATCH_ITEMS="2", QWEN3VL_MAX_WAIT_MS="1") as (url, proc):
+        async def go():
+            async with httpx.AsyncClient(timeout=120) as c:
+                tasks = [asyncio.create_task(c.post(f"{url}/embed", content=b, headers={"content-type": "image/png"}))
+                         for b in big]
+                await asyncio.sleep(0.5)  # requests are queued and in flight
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*tasks, return_exceptions=True)
+
+        outs = asyncio.run(go())
+        code = proc.wait(120)
+        time.sleep(0.2)  # the output reader drains the pipe
+        out = "".join(proc.output)
+    accepted = [o for o in outs if isinstance(o, httpx.Response)]
+    refused = [o for o in outs if not isinstance(o, httpx.Response)]
+    assert all(isinstance(e, httpx.ConnectError) for e in refused), refused  # refused before acceptance only
+    assert accepted and all(r.status_code == 200 for r in accepted), [r.status_code for r in accepted]
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+
+def test_engine_death_stops_the_server_with_an_error():
+    """If the engine process dies, requests get 503 rather than hanging, and the server exits non-zero
+    (so the container restarts)."""
+    with server(2) as (url, proc):
+        pid = httpx.get(f"{url}/info").json()["engine"]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        statuses = set()
+        for _ in range(5):  # 503 until the front-ends stop, then refused or reset as the server exits; no hang
+            try:
+                statuses.add(httpx.post(f"{url}/embed", content=_images(1)[0], headers={"content-type": "image/png"},
+                                        timeout=30).status_code)
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                break
+        assert proc.wait(60) == 1
+    assert statuses <= {503}, statuses
+
+
+def test_wire_format_round_trip():
+    """Headers and raw buffers (bfloat16 included, empty ones skipped) survive a socket unchanged."""
+    a, b = socket.socketpair()
+
+    async def go():
+        _, writer = await asyncio.open_connection(sock=a)
+        reader, _ = await asyncio.open_connection(sock=b)
+        t = torch.randn(5, 7, dtype=torch.bfloat16)
+        frames = np.random.default_rng(0).integers(0, 256, (1, 3, 5, 3), dtype=np.uint8)
+        write_message(writer, {"op": "x", "id": 3, "shape": (5, 7)},
+                      [t.view(torch.uint8).numpy().reshape(-1), np.empty(0, np.uint8), frames])
+        await writer.drain()
+        header, payload = await read_message(reader)
+        writer.close()
+        return t, frames, header, payload
+
+    t, frames, header, payload = asyncio.run(go())
+    assert header == {"op": "x", "id": 3, "shape": (5, 7)}
+    got = torch.frombuffer(bytearray(payload[:t.numel() * 2]), dtype=torch.bfloat16).view(5, 7)
+    assert torch.equal(got, t)
+    assert payload[t.numel() * 2:] == frames.tobytes()
