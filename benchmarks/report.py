@@ -50,7 +50,8 @@ def service():
     for path in sorted(RESULTS.glob("service*.json")):
         d = json.loads(path.read_text())
         s = d["service"]
-        extra = {k: v for k, v in d.get("server_env", {}).items() if "PROCESS" in k}
+        extra = {k.removeprefix("QWEN3VL_"): v for k, v in d.get("server_env", {}).items()
+                 if any(w in k for w in ("PROCESS", "HTTP_WORKERS", "CUDA_GRAPHS"))}
         print(f"| {path.name} | {d['env']['gpu']} | {d['env']['git_revision'] or '–'} | {extra or ''} | "
               f"{d['tower']['images_per_s']:.0f} | {s['images_per_s']:.0f} | {d['ratio']:.2f} | {s['p50_ms']:.0f} | "
               f"{s['p99_ms']:.0f} |")
