@@ -13,25 +13,14 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.bench_attention import host_us
 from benchmarks.common import HEADS, environment, write_results
 from kernels.varlen_attention import TileConfig, triton_varlen_attention, tuned_choices
-
-
-def per_call_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main():
@@ -63,7 +52,7 @@ def main():
         "sdpa cudnn (batched)": cudnn,
         "torch.empty (reference point)": lambda: torch.empty(16, device="cuda"),
     }
-    us = {name: per_call_us(fn, args.calls) for name, fn in fns.items()}
+    us = {name: host_us(fn, args.calls) for name, fn in fns.items()}
     for name, t in us.items():
         print(f"{name:32s} {t:8.1f} us/call")
     prof = cProfile.Profile()
