@@ -508,7 +508,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             # the remainder chunks' descriptors only exist where the kernel reads them (None is a constexpr
             # there): each descriptor costs host time at every launch
             descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, w]) if w else None
-                     for t, w in ((k, d0), (k, d1 and max(d1, 16)), (v, dv0), (v, dv1_ if dv0 < head_dim else 0))]
+                     for t, w in ((k, d0), (k, d1), (v, dv0), (v, dv1_ if dv0 < head_dim else 0))]
             grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
             _varlen_attn_fwd_tma[grid](
                 q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -170,8 +170,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
         if settings.engine_socket:  # a front-end process: the model lives in the engine process (service.ipc)
             engine = RemoteEngine(settings.engine_socket, settings.preprocess_workers)
             await engine.start()
-            enc = state["encoder"] = engine.encoder
-            enc.preprocessor = _server_preprocessor(enc, settings)
+            enc = state["encoder"] = engine.encoder  # its preprocessor carries the engine's (server's) limits
         else:
             enc, engine = await engine_for(settings, metrics, state["encoder"])
             state["encoder"] = enc
@@ -463,22 +462,14 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def prometheus():
-        enc, eng = state["encoder"], state["engine"]
+        eng = state["engine"]
         if eng is not None and eng.local:  # with an engine process, it samples these itself (service.ipc)
-            metrics.queue_depth.set(eng.queue_depth)
-            if enc.device.type == "cuda":  # read on scrape: too slow for every request
-                metrics.gpu_allocated.set(torch.cuda.memory_allocated(enc.device))
-                metrics.gpu_reserved.set(torch.cuda.memory_reserved(enc.device))
+            metrics.sample_engine(eng)
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     app.state.metrics = metrics
     app.state.service = state
     return app
-
-
-def _server_preprocessor(enc, settings: Settings) -> ImagePreprocessor:
-    """The checkpoint's preprocessor with the server's decoded-size limit."""
-    return ImagePreprocessor(replace(enc.preprocessor.config, max_image_pixels=settings.max_image_pixels))
 
 
 async def engine_for(settings: Settings, metrics: Metrics, enc: Encoder | None = None) -> tuple[Encoder, Engine]:
@@ -490,7 +481,8 @@ async def engine_for(settings: Settings, metrics: Metrics, enc: Encoder | None =
                         "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
         enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
                                       settings.resolved_dtype(), settings.resolved_cuda_graphs())
-    enc.preprocessor = _server_preprocessor(enc, settings)
+    # the server's decoded-size limit replaces the checkpoint preprocessor's default
+    enc.preprocessor = ImagePreprocessor(replace(enc.preprocessor.config, max_image_pixels=settings.max_image_pixels))
 
     def on_batch(stats: BatchStats):
         metrics.forward_time.observe(stats.forward_s)

@@ -223,12 +223,8 @@ async def _engine_process(conn, settings) -> int:
 
 async def _sample_gauges(engine, metrics, every_s: float = 1.0):
     """Queue depth and GPU memory, sampled in the process that owns them (front-ends cannot read them)."""
-    device = engine.encoder.device
     while True:
-        metrics.queue_depth.set(engine.queue_depth)
-        if device.type == "cuda":
-            metrics.gpu_allocated.set(torch.cuda.memory_allocated(device))
-            metrics.gpu_reserved.set(torch.cuda.memory_reserved(device))
+        metrics.sample_engine(engine)
         await asyncio.sleep(every_s)
 
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics, one prefix (`qwen3vl_`). Only the API layer uses this module.
+"""Prometheus metrics, one prefix (`qwen3vl_`). Used by the API layer and the engine process (service.ipc).
 
 Buckets span this service's range: a tiny image on a warm GPU answers in a few milliseconds, a
 16-frame video or an overloaded queue takes tens of seconds.
@@ -52,6 +52,17 @@ class Metrics:
                                    registry=r, multiprocess_mode="livemax")
         self.gpu_reserved = Gauge(f"{PREFIX}_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
                                   registry=r, multiprocess_mode="livemax")
+
+    def sample_engine(self, engine) -> None:
+        """Queue depth and GPU memory, read from the process that owns `engine` (too slow for every request:
+        sampled on scrape, or periodically by the engine process)."""
+        self.queue_depth.set(engine.queue_depth)
+        device = engine.encoder.device
+        if device.type == "cuda":
+            import torch
+
+            self.gpu_allocated.set(torch.cuda.memory_allocated(device))
+            self.gpu_reserved.set(torch.cuda.memory_reserved(device))
 
     def exposition(self) -> bytes:
         """The text for /metrics: this registry, or, with several processes (PROMETHEUS_MULTIPROC_DIR set),

@@ -109,8 +109,9 @@ def run_with_engine_process(settings: Settings) -> int:
     child_conn.close()
     try:
         status, message = conn.recv()
-    except EOFError:
-        status, message = "error", f"the engine process exited with code {engine.join() or engine.exitcode}"
+    except EOFError:  # the engine exited before reporting
+        engine.join()
+        status, message = "error", f"the engine process exited with code {engine.exitcode}"
     if status != "ready":
         log.error("%s", message)
         engine.join(10)
