@@ -77,6 +77,7 @@ def run_with_engine_process(settings: Settings) -> int:
     the uvicorn supervisor over `http_workers` front-end processes (service.ipc). SIGTERM/SIGINT: the
     supervisor drains and stops the front-ends, then the engine finishes its queue and exits; 0 when
     all of that went cleanly. If the engine dies, the front-ends are stopped and the exit code is 1."""
+    import contextlib
     import multiprocessing
     import os
     import tempfile
@@ -122,23 +123,28 @@ def run_with_engine_process(settings: Settings) -> int:
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
     supervisor = Multiprocess(config, sockets=[config.bind_socket()])
     engine_died = threading.Event()
+    engine_exited = threading.Event()
+    stopping = threading.Event()
 
     def watch_engine():
+        # The only thread that joins the engine: two threads reaping one child race in waitpid, and
+        # the loser sees a live process that has in fact exited.
         engine.join()
         if not stopping.is_set():
             engine_died.set()
             log.error("the engine process exited (code %s); stopping the front-ends", engine.exitcode)
             supervisor.should_exit.set()
+        engine_exited.set()
 
-    stopping = threading.Event()
     threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
     supervisor.run()  # returns once every front-end has drained and exited
     stopping.set()
     if not engine_died.is_set():
-        conn.send("stop")
-        engine.join(settings.graceful_shutdown_s + 30)
-        if engine.is_alive():
+        with contextlib.suppress(OSError):
+            conn.send("stop")
+        if not engine_exited.wait(settings.graceful_shutdown_s + 30):
             log.error("the engine process did not stop in time; killing it")
             engine.kill()
+            engine_exited.wait()
             return 1
     return 1 if engine_died.is_set() else (0 if engine.exitcode == 0 else 1)
