@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from safetensors.torch import save as safetensors_save
 from starlette.datastructures import UploadFile
 
@@ -42,7 +42,7 @@ from .errors import (
     UnsupportedImage,
 )
 from .metrics import Metrics
-from .preprocess import ImagePreprocessor
+from .preprocess import Preprocessor
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,29 @@ class EmbedOptions(BaseModel):
     deepstack: bool | None = None  # default: false for JSON, true for safetensors (the CLI's layout)
     pooling: str = Field("none", pattern="^(none|mean)$")
     normalize: bool = False
-    min_pixels: int | None = Field(None, ge=1)
-    max_pixels: int | None = Field(None, ge=1)
+    min_pixels: int | None = Field(None, ge=1)  # images
+    max_pixels: int | None = Field(None, ge=1)  # images
+    fps: float | None = Field(None, gt=0, le=240)  # videos: frames sampled per second of video
+    num_frames: int | None = Field(None, ge=2)  # videos: frames sampled in all (exclusive with fps)
 
 
 class JSONInput(BaseModel):
+    """One input: base64 bytes or a data: URI. Images and videos are told apart by their bytes, so the
+    key only documents intent."""
+
     model_config = ConfigDict(extra="forbid")
-    image: str
+    image: str | None = None
+    video: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.image is None) == (self.video is None):
+            raise ValueError('each input needs exactly one of "image" or "video"')
+        return self
+
+    @property
+    def data(self) -> str:
+        return self.image if self.image is not None else self.video
 
 
 class EmbedJSON(EmbedOptions):
@@ -94,7 +110,7 @@ def _orjson(content: Any, status: int = 200, headers=None) -> Response:
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def decode_base64_image(s: str, index: int) -> bytes:
+def decode_base64_input(s: str, index: int) -> bytes:
     if s.startswith("data:"):
         head, sep, s = s.partition(",")
         if not sep or ";base64" not in head:
@@ -102,7 +118,7 @@ def decode_base64_image(s: str, index: int) -> bytes:
     try:
         return base64.b64decode(s, validate=True)
     except (binascii.Error, ValueError) as e:
-        raise HTTPError(422, "invalid_base64", f"invalid base64 image data ({e})", index) from e
+        raise HTTPError(422, "invalid_base64", f"invalid base64 data ({e})", index) from e
 
 
 def _encode_array(t: torch.Tensor, encoding: str, dtype: str | None):
@@ -254,9 +270,9 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
 
     def check_count(n: int):
         if n == 0:
-            raise HTTPError(422, "no_inputs", "the request has no images")
+            raise HTTPError(422, "no_inputs", "the request has no images or videos")
         if n > settings.max_inputs_per_request:
-            raise HTTPError(413, "too_many_inputs", f"{n} images in one request; the limit is "
+            raise HTTPError(413, "too_many_inputs", f"{n} inputs in one request; the limit is "
                                                     f"{settings.max_inputs_per_request}")
 
     def parse_options(raw: dict) -> EmbedOptions:
@@ -284,10 +300,11 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
             bad = [k for k, v in form.multi_items() if k != "file"]
             if bad:
                 raise HTTPError(422, "invalid_multipart", f"unexpected form field(s) {sorted(set(bad))}; send images "
-                                                          "as 'file' parts and options as query parameters")
+                                                          "and videos as 'file' parts and options as query "
+                                                          "parameters")
             check_count(len(files))
             return [await f.read() for f in files], parse_options(query)
-        if ctype.startswith("image/"):
+        if ctype.startswith(("image/", "video/")):
             check_count(1 if body else 0)
             return [body], parse_options(query)
         if ctype == "application/json":
@@ -296,17 +313,18 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
             except orjson.JSONDecodeError as e:
                 raise HTTPError(422, "invalid_json", f"request body is not valid JSON ({e})") from e
             if not isinstance(raw, dict) or not isinstance(raw.get("inputs"), list):
-                raise HTTPError(422, "invalid_json", 'expected {"inputs": [{"image": "<base64 or data URI>"}, ...]}')
+                raise HTTPError(422, "invalid_json", 'expected {"inputs": [{"image": "<base64 or data URI>"}, '
+                                                     '{"video": "<base64 or data URI>"}, ...]}')
             check_count(len(raw["inputs"]))
             try:
                 req = EmbedJSON(**{**query, **raw})
             except ValidationError as e:
                 raise HTTPError(422, "invalid_json", _validation_message(e)) from e
-            images = [decode_base64_image(inp.image, i) for i, inp in enumerate(req.inputs)]
+            images = [decode_base64_input(inp.data, i) for i, inp in enumerate(req.inputs)]
             return images, EmbedOptions(**req.model_dump(exclude={"inputs"}))
         raise HTTPError(415, "unsupported_media_type",
-                        f"content type {ctype or '(none)'!r}: send multipart/form-data 'file' parts, an image/* body, "
-                        "or application/json")
+                        f"content type {ctype or '(none)'!r}: send multipart/form-data 'file' parts, an image/* or "
+                        "video/* body, or application/json")
 
     async def encode_all(request: Request, images: list[bytes], opts: EmbedOptions):
         eng = engine()
@@ -317,13 +335,19 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
                                                         f"[{settings.min_pixels_limit}, {limit}]")
         if opts.min_pixels and opts.max_pixels and opts.min_pixels > opts.max_pixels:
             raise HTTPError(422, "invalid_options", "min_pixels > max_pixels")
+        if opts.fps is not None and opts.num_frames is not None:
+            raise HTTPError(422, "invalid_options", "fps and num_frames are mutually exclusive")
+        max_frames = eng.encoder.preprocessor.config.video.max_frames
+        if opts.num_frames is not None and opts.num_frames > max_frames:
+            raise HTTPError(422, "invalid_options", f"num_frames={opts.num_frames} exceeds the video processor's "
+                                                    f"max_frames={max_frames}")
         t0 = time.perf_counter()
         arrival = t0
 
         async def one(i, data):
             start = time.perf_counter()
             try:
-                item = await eng.preprocess(data, opts.min_pixels, opts.max_pixels)
+                item = await eng.preprocess(data, opts.min_pixels, opts.max_pixels, opts.fps, opts.num_frames)
             except InvalidInput as e:
                 raise e.at(i) from e.__cause__
             metrics.preprocess_time.observe(time.perf_counter() - start)
@@ -352,26 +376,30 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
             if eng.local:
                 metrics.queue_depth.set(eng.queue_depth)
         metrics.queue_time.observe(timing.queue_s)
-        for r in results:
-            frames = r.grid_thw[0] * eng.encoder.config.temporal_patch_size
-            (metrics.images.inc() if r.grid_thw[0] == 1 else metrics.video_frames.inc(frames))
+        for it, r in zip(items, results):
+            if it.meta.get("kind") == "video":
+                metrics.video_frames.inc(len(it.meta["frame_indices"]))
+            else:
+                metrics.images.inc()
             metrics.output_tokens.inc(r.num_tokens)
         headers = {"X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
                    "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
-        return results, headers
+        return results, [it.meta for it in items], headers
 
     # -- routes -----------------------------------------------------------------------------------------------
 
-    @app.post("/embed", summary="Encode images into merged visual tokens, DeepStack features and pooled vectors",
+    @app.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features and pooled "
+                                "vectors",
               openapi_extra={"requestBody": {"content": {
                   "multipart/form-data": {"schema": {"type": "object", "properties": {
                       "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
                   "image/*": {"schema": {"type": "string", "format": "binary"}},
+                  "video/*": {"schema": {"type": "string", "format": "binary"}},
                   "application/json": {"schema": EmbedJSON.model_json_schema()}}}})
     async def embed(request: Request):
         check_auth(request)
         images, opts = await parse_embed(request)
-        results, headers = await encode_all(request, images, opts)
+        results, metas, headers = await encode_all(request, images, opts)
         pools = pooled(results, opts.normalize) if opts.pooling == "mean" else None
         if opts.format == "safetensors":
             tensors = result_tensors(results, pooled=pools)
@@ -383,9 +411,13 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
             return Response(safetensors_save(tensors), media_type="application/octet-stream", headers=headers)
         data = []
         for i, r in enumerate(results):
-            entry: dict[str, Any] = {"index": i, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens,
-                                     "shape": list(r.embeds.shape),
+            kind = metas[i].get("kind", "image")
+            entry: dict[str, Any] = {"index": i, "type": kind, "grid_thw": list(r.grid_thw),
+                                     "num_tokens": r.num_tokens, "shape": list(r.embeds.shape),
                                      "embeddings": _encode_array(r.embeds, opts.encoding, opts.dtype)}
+            if kind == "video":
+                entry["video"] = {k: metas[i][k] for k in ("frame_indices", "timestamps", "source_frames",
+                                                           "source_fps")}
             if opts.deepstack:
                 entry["deepstack"] = _encode_array(r.deepstack, opts.encoding, opts.dtype)
                 entry["deepstack_shape"] = list(r.deepstack.shape)
@@ -395,7 +427,9 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
         enc = state["encoder"]
         body = {"model": settings.model, "encoding": opts.encoding,
                 "dtype": (opts.dtype or "float32") if opts.encoding == "base64" else "float32", "data": data,
-                "usage": {"images": len(results), "tokens": sum(r.num_tokens for r in results)},
+                "usage": {"images": sum(m.get("kind") != "video" for m in metas),
+                          "videos": sum(m.get("kind") == "video" for m in metas),
+                          "tokens": sum(r.num_tokens for r in results)},
                 "out_hidden_size": enc.config.out_hidden_size}
         return _orjson(body, headers=headers)
 
@@ -411,8 +445,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
             raise HTTPError(422, "invalid_json", _validation_message(e) if isinstance(e, ValidationError) else str(e))
         inputs = [req.input] if isinstance(req.input, str) else req.input
         check_count(len(inputs))
-        images = [decode_base64_image(s, i) for i, s in enumerate(inputs)]
-        results, headers = await encode_all(request, images, EmbedOptions())
+        images = [decode_base64_input(s, i) for i, s in enumerate(inputs)]
+        results, _, headers = await encode_all(request, images, EmbedOptions())
         vecs = pooled(results, normalize=True)
         data = [{"object": "embedding", "index": i,
                  "embedding": _encode_array(v, req.encoding_format, "float32")} for i, v in enumerate(vecs)]
@@ -447,10 +481,10 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
                 "preprocessing": {"patch_size": pre.patch_size, "merge_size": pre.merge_size,
                                   "temporal_patch_size": pre.temporal_patch_size, "min_pixels": pre.min_pixels,
                                   "max_pixels": pre.max_pixels, "image_mean": pre.image_mean,
-                                  "image_std": pre.image_std}})
+                                  "image_std": pre.image_std, "video": asdict(pre.video)}})
         body["limits"] = {k: getattr(settings, k) for k in (
             "max_body_bytes", "max_inputs_per_request", "request_timeout_s", "max_image_pixels", "min_pixels_limit",
-            "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items")}
+            "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items", "max_video_frames")}
         body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
             enc.preprocessor.config.max_pixels if enc else None)
         if eng is not None:
@@ -481,8 +515,10 @@ async def engine_for(settings: Settings, metrics: Metrics, enc: Encoder | None =
                         "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
         enc = await asyncio.to_thread(Encoder.load, settings.model, settings.resolved_device(),
                                       settings.resolved_dtype(), settings.resolved_cuda_graphs())
-    # the server's decoded-size limit replaces the checkpoint preprocessor's default
-    enc.preprocessor = ImagePreprocessor(replace(enc.preprocessor.config, max_image_pixels=settings.max_image_pixels))
+    # the server's decoded-size and video-length limits replace the checkpoint preprocessor's defaults
+    cfg = enc.preprocessor.config
+    enc.preprocessor = Preprocessor(replace(cfg, max_image_pixels=settings.max_image_pixels,
+                                            video=replace(cfg.video, max_source_frames=settings.max_video_frames)))
 
     def on_batch(stats: BatchStats):
         metrics.forward_time.observe(stats.forward_s)

@@ -28,7 +28,7 @@ def encode_main(args) -> int:
         except OSError as e:
             raise EncoderError(f"{path}: cannot read ({e.strerror})") from e
         try:
-            items.append(encoder.preprocess(data, args.min_pixels, args.max_pixels))
+            items.append(encoder.preprocess(data, args.min_pixels, args.max_pixels, args.fps, args.num_frames))
         except EncoderError as e:
             raise type(e)(f"{path}: {e}") from e
     packs = pack_by_budget([it.num_patches for it in items], args.max_batch_patches, args.max_batch_items)
@@ -52,13 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    enc = sub.add_parser("encode", help="encode image files into a safetensors file")
+    enc = sub.add_parser("encode", help="encode image and video files into a safetensors file")
     enc.add_argument("--model", required=True, help="checkpoint directory or random:<preset>")
     enc.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     enc.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     enc.add_argument("--output", "-o", required=True, type=Path)
     enc.add_argument("--min-pixels", type=int, default=None)
     enc.add_argument("--max-pixels", type=int, default=None)
+    frames = enc.add_mutually_exclusive_group()
+    frames.add_argument("--fps", type=float, default=None, help="videos: frames sampled per second (default: the "
+                        "checkpoint's video processor, 2 for Qwen3-VL)")
+    frames.add_argument("--num-frames", type=int, default=None, help="videos: frames sampled in all")
     enc.add_argument("--max-batch-patches", type=int, default=32768, help="patch budget of one forward")
     enc.add_argument("--max-batch-items", type=int, default=64)
     enc.add_argument("--quiet", action="store_true", help="no progress bars")

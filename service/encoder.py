@@ -14,7 +14,7 @@ import torch
 
 from .graphs import GraphedTower
 from .loader import load_tower
-from .preprocess import ImagePreprocessor, Preprocessed, patchify
+from .preprocess import Preprocessor, Preprocessed, patchify
 from .tower import VisionTower
 
 
@@ -30,7 +30,7 @@ class EncodeResult:
 
 
 class Encoder:
-    def __init__(self, tower: VisionTower, preprocessor: ImagePreprocessor, cuda_graphs: int = 8):
+    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, cuda_graphs: int = 8):
         """`cuda_graphs`: how many pack signatures to keep as CUDA graphs (0: always eager)."""
         self.tower = tower
         self.forward = GraphedTower(tower, max_graphs=cuda_graphs)
@@ -43,14 +43,15 @@ class Encoder:
     @classmethod
     def load(cls, model: str, device="cpu", dtype="float32", cuda_graphs: int = 8) -> "Encoder":
         tower, pre_cfg = load_tower(model, device, dtype)
-        return cls(tower, ImagePreprocessor(pre_cfg), cuda_graphs=cuda_graphs)
+        return cls(tower, Preprocessor(pre_cfg), cuda_graphs=cuda_graphs)
 
     @property
     def backend(self) -> str:
         return self.tower.backend
 
-    def preprocess(self, data, min_pixels: int | None = None, max_pixels: int | None = None) -> Preprocessed:
-        return self.preprocessor(data, min_pixels=min_pixels, max_pixels=max_pixels)
+    def preprocess(self, data, min_pixels: int | None = None, max_pixels: int | None = None, fps: float | None = None,
+                   num_frames: int | None = None) -> Preprocessed:
+        return self.preprocessor(data, min_pixels, max_pixels, fps, num_frames)
 
     def pixels(self, items: list[Preprocessed]) -> torch.Tensor:
         """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over in one copy,

@@ -117,11 +117,13 @@ class Engine:
 
     # -- API -----------------------------------------------------------------------------------------
 
-    async def preprocess(self, data, min_pixels=None, max_pixels=None) -> Preprocessed:
+    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
+        """Decode and resize one image or video in the pool (`fps`/`num_frames`: video frame sampling)."""
         loop = asyncio.get_running_loop()
+        args = (data, min_pixels, max_pixels, fps, num_frames)
         if not self._processes:
-            return await loop.run_in_executor(self._pre_pool, self.encoder.preprocess, data, min_pixels, max_pixels)
-        frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, data, min_pixels, max_pixels)
+            return await loop.run_in_executor(self._pre_pool, self.encoder.preprocessor, *args)
+        frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, *args)
         return self.encoder.preprocessor.item(frames, grid, meta)
 
     async def stats(self) -> dict:

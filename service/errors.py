@@ -47,6 +47,18 @@ class ImageTooLarge(InvalidInput):
     reason = "image_too_large"
 
 
+class UnsupportedVideo(UnsupportedImage):
+    """Video bytes that are corrupt, have no video stream, or too few frames."""
+
+    reason = "unsupported_video"
+
+
+class VideoTooLong(ImageTooLarge):
+    """A video with more frames than the server decodes."""
+
+    reason = "video_too_long"
+
+
 class Overloaded(EncoderError):
     """The queue is full; retry after `retry_after` seconds."""
 

@@ -39,7 +39,7 @@ import torch
 from . import errors
 from .encoder import EncodeResult
 from .engine import Timing
-from .preprocess import ImagePreprocessor, Preprocessed
+from .preprocess import Preprocessor, Preprocessed
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class RemoteEncoder:
 
     def __init__(self, info: dict):
         self.config = info["config"]
-        self.preprocessor = ImagePreprocessor(info["preprocess"])
+        self.preprocessor = Preprocessor(info["preprocess"])
         self.device = torch.device(info["device"])
         self.dtype = getattr(torch, info["dtype"])
         self.backend = info["backend"]
@@ -325,9 +325,10 @@ class RemoteEngine:
         header, _ = await self._request({"op": "stats"})
         return {k: header[k] for k in ("queue_depth", "in_flight", "forwards", "pid")}
 
-    async def preprocess(self, data, min_pixels=None, max_pixels=None) -> Preprocessed:
+    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.encoder.preprocessor, data, min_pixels, max_pixels)
+        return await loop.run_in_executor(self._pool, self.encoder.preprocessor, data, min_pixels, max_pixels, fps,
+                                          num_frames)
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
                      deepstack: bool = True) -> tuple[list[EncodeResult], Timing]:

@@ -1,4 +1,7 @@
-"""Image bytes -> patch rows and `grid_thw`, numerically identical to transformers' Qwen2-VL PIL processor.
+"""Image (or video) bytes -> patch rows and `grid_thw`, numerically identical to transformers' processors.
+
+Images follow the Qwen2-VL PIL image processor; videos (sniffed by their container signature) follow
+the Qwen3-VL video processor (`service.video`).
 
 The steps are the processor's own: decode, EXIF orientation, RGB conversion (anything with alpha is
 composited on white), `smart_resize` to multiples of patch*merge, a PIL bicubic resize in uint8, then
@@ -20,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .video import VideoConfig, is_video
+from . import video as video_io
 from .errors import ImageTooLarge, InvalidInput, UnsupportedImage
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
@@ -38,6 +43,7 @@ class PreprocessConfig:
     resample: int = int(Image.Resampling.BICUBIC)
     # Decoded-size limit (width*height) checked from the header, before any pixel is decoded.
     max_image_pixels: int = 64_000_000
+    video: VideoConfig = field(default_factory=VideoConfig)
 
     @property
     def factor(self) -> int:
@@ -66,6 +72,7 @@ class PreprocessConfig:
                 kw["min_pixels"] = int(min_px)
             if max_px:
                 kw["max_pixels"] = int(max_px)
+        kw["video"] = VideoConfig.from_dir(path)
         kw.update(overrides)
         return cls(**kw)
 
@@ -186,7 +193,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-class ImagePreprocessor:
+class Preprocessor:
+    """Bytes (or a PIL image) -> `Preprocessed`. Videos are recognised by their container signature."""
+
     def __init__(self, config: PreprocessConfig):
         self.config = config
         # float64 rescale then float32 cast, then float32 normalise: transformers' exact arithmetic.
@@ -194,12 +203,17 @@ class ImagePreprocessor:
         mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]
         std = np.asarray(config.image_std, dtype=np.float32)[:, None]
         self.lut = ((scaled[None, :] - mean) / std).astype(np.float32)  # [C, 256]
+        self._video_lut: np.ndarray | None = None  # built on the first video (it needs torch)
 
     def target_size(self, height: int, width: int, min_pixels: int | None = None, max_pixels: int | None = None):
         c = self.config
         return smart_resize(height, width, c.factor, min_pixels or c.min_pixels, max_pixels or c.max_pixels)
 
-    def __call__(self, data: bytes | Image.Image, min_pixels: int | None = None, max_pixels: int | None = None):
+    def __call__(self, data: bytes | Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
+                 fps: float | None = None, num_frames: int | None = None) -> Preprocessed:
+        """`min_pixels`/`max_pixels` apply to images; `fps` or `num_frames` (not both) to videos."""
+        if isinstance(data, (bytes, bytearray, memoryview)) and is_video(data):
+            return self.decode_video(bytes(data), fps, num_frames)
         c = self.config
         img = decode_image(data, c.max_image_pixels) if isinstance(data, (bytes, bytearray, memoryview)) else to_rgb(data)
         orig_w, orig_h = img.size
@@ -207,25 +221,42 @@ class ImagePreprocessor:
         img = img.resize((width, height), resample=c.resample)
         frames = np.array(img)[None]  # [1, H, W, 3] uint8, writable (torch.from_numpy needs that)
         grid = (1, height // c.patch_size, width // c.patch_size)
-        return self.item(frames, grid, {"width": orig_w, "height": orig_h})
+        return self.item(frames, grid, {"kind": "image", "width": orig_w, "height": orig_h})
+
+    def decode_video(self, data: bytes, fps: float | None = None, num_frames: int | None = None) -> Preprocessed:
+        c, vc = self.config, self.config.video
+        if fps is not None and num_frames is not None:
+            raise InvalidInput("fps and num_frames are mutually exclusive")
+        frames, meta = video_io.decode(data, vc, c.max_image_pixels, c.temporal_patch_size, fps, num_frames)
+        height, width = video_io.smart_resize(len(frames), frames.shape[1], frames.shape[2], c.temporal_patch_size,
+                                           c.factor, vc.min_pixels, vc.max_pixels)
+        frames = video_io.resize(frames, height, width)
+        grid = (-(-len(frames) // c.temporal_patch_size), height // c.patch_size, width // c.patch_size)
+        return self.item(frames, grid, meta)
 
     def item(self, frames: np.ndarray, grid: tuple[int, int, int], meta: dict) -> Preprocessed:
         """Wrap resized uint8 frames (e.g. decoded in a worker process) as an item of this preprocessor."""
-        return Preprocessed(frames, grid, self.lut, self.config, meta)
+        lut = self.lut
+        if meta.get("kind") == "video":
+            if self._video_lut is None:
+                self._video_lut = self.config.video.lut()
+            lut = self._video_lut
+        return Preprocessed(frames, grid, lut, self.config, meta)
 
 
 # -- worker processes --------------------------------------------------------------------------------
 # Decoding and resizing run in separate processes in the server, so they never compete for the GIL
 # with the thread that dispatches GPU work. Only the uint8 frames and the grid come back.
 
-_WORKER: ImagePreprocessor | None = None
+_WORKER: Preprocessor | None = None
 
 
 def init_worker(config: PreprocessConfig) -> None:
     global _WORKER
-    _WORKER = ImagePreprocessor(config)
+    _WORKER = Preprocessor(config)
 
 
-def decode_in_worker(data: bytes, min_pixels: int | None, max_pixels: int | None):
-    item = _WORKER(data, min_pixels, max_pixels)
+def decode_in_worker(data: bytes, min_pixels: int | None, max_pixels: int | None, fps: float | None = None,
+                     num_frames: int | None = None):
+    item = _WORKER(data, min_pixels, max_pixels, fps, num_frames)
     return item.frames, item.grid_thw, item.meta

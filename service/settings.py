@@ -35,6 +35,10 @@ class Settings(BaseSettings):
                                                             "the checkpoint's max_pixels")
     min_pixels_limit: int = Field(256, ge=1, description="lower bound of a request's min_pixels")
 
+    # videos
+    max_video_frames: int = Field(9000, ge=2, description="frames in one video file beyond which it is refused "
+                                  "(413) before decoding; decoding is sequential, so this bounds its CPU time")
+
     # batching
     max_batch_patches: int = Field(32768, ge=64, description="patch budget of one forward")
     max_batch_items: int = Field(64, ge=1)
@@ -47,7 +51,7 @@ class Settings(BaseSettings):
                                      "respond) feeding one engine process that owns the model; 0: one process does "
                                      "everything (service.ipc). Default: 4 on CUDA (fewer on small hosts), 0 on CPU")
     engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
-    preprocess_workers: int = Field(4, ge=1, description="image decoding workers")
+    preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
     preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "
                                                           "(measured: no throughput difference on H200)")
 

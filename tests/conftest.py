@@ -130,3 +130,25 @@ def hf_tower_outputs(visual, pixel_values, grid_thw):
     if isinstance(out, tuple):
         return out[0], list(out[1])
     return out.pooler_output, list(out.deepstack_features)
+
+
+def make_video(n_frames: int, width: int, height: int, fmt: str = "mp4", codec: str = "mpeg4", rate: int = 24,
+               seed: int = 0) -> bytes:
+    """A real encoded video: a random background with a moving bright square, so frames differ."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    background = rng.integers(0, 200, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(n_frames):
+            frame = background.copy()
+            x = (i * 5) % max(1, width - 8)
+            frame[: min(8, height), x:x + 8] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load, load_file
 
-from conftest import encode_bytes, photos, rel_err
+from conftest import encode_bytes, make_video, photos, rel_err
 from servers import serve
 from service.cli import main as cli_main
 from service.encoder import Encoder
@@ -124,6 +124,64 @@ def test_safetensors_response_equals_cli(server, images, full_checkpoint, tmp_pa
     pooled = load(httpx.post(f"{url}/embed", params={"format": "safetensors", "pooling": "mean"},
                              content=images["chelsea"], headers={"content-type": "image/png"}, timeout=60).content)
     assert pooled["pooled.0"].shape == (cli["embeds.0"].shape[1],)
+
+
+@pytest.fixture(scope="module")
+def videos():
+    return {"mp4": make_video(75, 130, 50, "mp4", "libx264", rate=30, seed=1),  # 5 frames sampled at 2 fps
+            "webm": make_video(40, 64, 48, "webm", "libvpx-vp9", rate=25, seed=2)}
+
+
+def test_videos_and_images_in_one_request(server, encoder, images, videos):
+    url, _ = server
+    parts = [("file", ("a.mp4", videos["mp4"], "video/mp4")), ("file", ("c.png", images["chelsea"], "image/png")),
+             ("file", ("b.webm", videos["webm"], "video/webm"))]
+    r = httpx.post(f"{url}/embed", files=parts, params={"deepstack": "true"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["type"] for d in body["data"]] == ["video", "image", "video"]
+    assert body["usage"]["images"] == 1 and body["usage"]["videos"] == 2
+    for d, (_, (_, data, _)) in zip(body["data"], parts):
+        ref = unbatched(encoder, data)
+        assert d["grid_thw"] == list(ref.grid_thw)
+        assert rel_err(torch.tensor(d["embeddings"]), ref.embeds) <= 1e-5
+        assert rel_err(torch.tensor(d["deepstack"]), ref.deepstack) <= 1e-5
+    mp4 = body["data"][0]
+    assert mp4["grid_thw"][0] == 3 and mp4["video"]["frame_indices"] == [0, 18, 37, 56, 74]
+    assert mp4["video"]["source_frames"] == 75 and mp4["video"]["source_fps"] == 30.0
+    assert mp4["video"]["timestamps"] == pytest.approx([0.3, 1.55, 2.4667], abs=1e-3)
+    assert "video" not in body["data"][1]
+
+
+def test_video_raw_body_json_and_sampling_options(server, encoder, videos):
+    url, _ = server
+    data = videos["mp4"]
+    raw = httpx.post(f"{url}/embed", content=data, params={"num_frames": 6},
+                     headers={"content-type": "video/mp4"}, timeout=60).json()["data"][0]
+    ref = unbatched(encoder, data, num_frames=6)
+    assert raw["grid_thw"][0] == 3 and len(raw["video"]["frame_indices"]) == 6
+    assert rel_err(torch.tensor(raw["embeddings"]), ref.embeds) <= 1e-5
+    b64 = base64.b64encode(data).decode()
+    js = httpx.post(f"{url}/embed", json={"inputs": [{"video": f"data:video/mp4;base64,{b64}"}], "fps": 4},
+                    timeout=60).json()["data"][0]
+    ref = unbatched(encoder, data, fps=4)
+    assert len(js["video"]["frame_indices"]) == 10 and js["grid_thw"] == list(ref.grid_thw)
+    assert rel_err(torch.tensor(js["embeddings"]), ref.embeds) <= 1e-5
+
+
+def test_video_safetensors_equals_cli(server, videos, full_checkpoint, tmp_path):
+    url, _ = server
+    path = tmp_path / "clip.webm"
+    path.write_bytes(videos["webm"])
+    out = tmp_path / "cli.safetensors"
+    assert cli_main(["encode", "--model", str(full_checkpoint), "--output", str(out), "--quiet", "--num-frames", "8",
+                     str(path)]) == 0
+    cli = load_file(str(out))
+    got = load(httpx.post(f"{url}/embed", params={"format": "safetensors", "num_frames": 8},
+                          content=videos["webm"], headers={"content-type": "video/webm"}, timeout=60).content)
+    assert set(got) == set(cli) and torch.equal(got["grid_thw.0"], cli["grid_thw.0"]) and cli["grid_thw.0"][0] == 4
+    for key in ("embeds.0", "deepstack.0"):
+        assert rel_err(got[key], cli[key]) <= 1e-5, key
 
 
 def test_openai_client(server, encoder, images):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import encode_bytes, rel_err
+from conftest import encode_bytes, make_video, rel_err
 from servers import serve
 
 GOOD = encode_bytes(Image.new("RGB", (64, 48), (10, 200, 30)))
@@ -147,3 +147,27 @@ def test_errors_are_counted_in_metrics(server):
     text = httpx.get(f"{url}/metrics").text
     assert 'qwen3vl_errors_total{reason="unsupported_media_type"}' in text
     assert 'qwen3vl_requests_total{route="/embed",status="415"}' in text
+
+
+def test_video_errors(server):
+    url, _ = server
+    clip = make_video(12, 32, 32, seed=9)
+    _err(httpx.post(f"{url}/embed", files=[*_files(GOOD), ("file", ("v.mp4", clip[: len(clip) // 3], "video/mp4"))],
+                    headers=AUTH), 422, "unsupported_video", 1, "corrupt")
+    _err(httpx.post(f"{url}/embed", files=[("file", ("v.mp4", make_video(1, 32, 32), "video/mp4"))], headers=AUTH),
+         422, "unsupported_video", 0, "at least 2")
+    _err(httpx.post(f"{url}/embed", content=clip, params={"fps": 1, "num_frames": 4},
+                    headers={**AUTH, "content-type": "video/mp4"}), 422, "invalid_options", match="mutually exclusive")
+    _err(httpx.post(f"{url}/embed", content=clip, params={"num_frames": 5000},
+                    headers={**AUTH, "content-type": "video/mp4"}), 422, "invalid_options", match="max_frames=768")
+    _err(httpx.post(f"{url}/embed", json={"inputs": [{"image": "AAAA", "video": "AAAA"}]}, headers=AUTH), 422,
+         "invalid_json", match="exactly one")
+    # the server is unharmed: a good video right after succeeds
+    ok = httpx.post(f"{url}/embed", content=clip, headers={**AUTH, "content-type": "video/mp4"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["data"][0]["type"] == "video"
+
+
+def test_video_frame_limit():
+    with serve(max_video_frames=10) as (url, _):
+        _err(httpx.post(f"{url}/embed", content=make_video(11, 32, 32), headers={"content-type": "video/mp4"}), 413,
+             "video_too_long", 0, "11 frames exceeds the limit of 10")

@@ -21,7 +21,7 @@ from PIL import Image
 from safetensors.torch import load as safetensors_load
 
 from benchmarks.common import wait_until_ready
-from conftest import encode_bytes, rel_err
+from conftest import encode_bytes, make_video, rel_err
 from servers import free_port
 from service.encoder import Encoder
 from service.ipc import read_message, write_message
@@ -80,12 +80,12 @@ def two_workers():
 
 
 def test_results_equal_in_process_encoding_and_forwards_are_shared(two_workers, tiny):
-    """24 concurrent requests spread over two front-end processes: every result (embeddings and DeepStack,
-    through the safetensors format) equals encoding that image alone in this process, and the engine
-    served them in fewer forwards than requests."""
+    """24 concurrent requests (22 images, 2 videos) spread over two front-end processes: every result
+    (embeddings and DeepStack, through the safetensors format) equals encoding that input alone in this
+    process, and the engine served them in fewer forwards than requests."""
     url, _ = two_workers
     before = httpx.get(f"{url}/info").json()["engine"]["forwards"]
-    images = _images(24, seed=11)
+    images = _images(22, seed=11) + [make_video(30, 48, 32, seed=3), make_video(20, 32, 64, "webm", "libvpx-vp9")]
     responses = asyncio.run(_post_all(url, images, {"format": "safetensors"}))
     assert [r.status_code for r in responses] == [200] * 24
     for img, r in zip(images, responses):

@@ -12,9 +12,9 @@ from PIL import Image
 
 from conftest import encode_bytes, photos
 from service.errors import ImageTooLarge, InvalidInput, UnsupportedImage
-from service.preprocess import ImagePreprocessor, PreprocessConfig
+from service.preprocess import Preprocessor, PreprocessConfig
 
-PRE = ImagePreprocessor(PreprocessConfig())
+PRE = Preprocessor(PreprocessConfig())
 
 
 def _reference(hf_processor, img, **size):
@@ -124,7 +124,7 @@ def test_decompression_bomb_refused_before_decoding():
 
 
 def test_pixel_limit():
-    small = ImagePreprocessor(PreprocessConfig(max_image_pixels=10_000))
+    small = Preprocessor(PreprocessConfig(max_image_pixels=10_000))
     with pytest.raises(ImageTooLarge, match=r"201x50 = 10050 pixels exceeds the limit of 10000"):
         small(encode_bytes(Image.new("RGB", (201, 50))))
 

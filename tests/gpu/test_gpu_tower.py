@@ -13,7 +13,7 @@ from conftest import encode_bytes, hf_tower_outputs, photos, rel_err
 from service.config import preset
 from service.encoder import Encoder
 from service.loader import random_tower
-from service.preprocess import ImagePreprocessor, PreprocessConfig
+from service.preprocess import Preprocessor, PreprocessConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -48,7 +48,7 @@ def towers(request):
 
 def _pack():
     """Real photos at their native sizes, a tiny and a 1:20 image, packed together."""
-    pre = ImagePreprocessor(PreprocessConfig())
+    pre = Preprocessor(PreprocessConfig())
     return [pre(encode_bytes(img)) for img in photos().values()]
 
 
@@ -92,7 +92,7 @@ def test_video_grid_and_backends_agree(towers):
 
 def test_encoder_end_to_end_bf16(towers):
     cfg, ours, _, _ = towers
-    enc = Encoder(ours, ImagePreprocessor(PreprocessConfig()))
+    enc = Encoder(ours, Preprocessor(PreprocessConfig()))
     items = _pack()
     packed = enc.encode(items)
     for it, r in zip(items, packed):
