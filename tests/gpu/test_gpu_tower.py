@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import encode_bytes, hf_tower_outputs, photos, rel_err
+from conftest import encode_bytes, hf_tower_outputs, make_video, photos, rel_err
 from service.config import preset
 from service.encoder import Encoder
 from service.loader import random_tower
@@ -98,6 +98,30 @@ def test_encoder_end_to_end_bf16(towers):
     for it, r in zip(items, packed):
         alone = enc.encode([it])[0]
         assert rel_err(r.embeds.float(), alone.embeds.float()) < 1e-2
+
+
+def test_video_end_to_end_bf16(towers):
+    """Videos (MP4 and WebM) packed with images through the served path: the uint8 frames are normalised
+    and patchified on the GPU exactly as on the CPU, and the embeddings meet the tolerance rule against
+    transformers' float32 tower on the same patches."""
+    cfg, ours, ref, hf_bf16 = towers
+    pre = Preprocessor(PreprocessConfig())
+    clips = [make_video(75, 320, 240, "mp4", "libx264", rate=30, seed=1),
+             make_video(40, 200, 360, "webm", "libvpx-vp9", rate=25, seed=2)]
+    items = [pre(c) for c in clips] + _pack()[:2]
+    assert [it.meta["kind"] for it in items] == ["video", "video", "image", "image"] and items[0].grid_thw[0] == 3
+    enc = Encoder(ours, pre, cuda_graphs=0)
+    cpu = torch.cat([torch.from_numpy(it.pixel_values) for it in items])
+    with torch.inference_mode():
+        on_device = enc.pixels(items)
+    assert torch.equal(on_device.cpu(), cpu.to(torch.bfloat16))
+    grids = torch.tensor([it.grid_thw for it in items], device="cuda")
+    ref_m, _ = hf_tower_outputs(ref, cpu.cuda(), grids)
+    hf_m, _ = hf_tower_outputs(hf_bf16, cpu.cuda(), grids)
+    merged = torch.cat([r.embeds for r in enc.encode(items)]).cuda()
+    err, hf_err = rel_err(merged, ref_m), rel_err(hf_m, ref_m)
+    print(f"{cfg.source} video+image pack: merged rel err {err:.3e} (transformers bf16 {hf_err:.3e})")
+    assert err <= 2 * hf_err
 
 
 def test_cuda_graph_replay_equals_eager():
