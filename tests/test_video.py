@@ -88,8 +88,7 @@ def test_matches_transformers_video_processor(vp, clip, tmp_path):
     n, w, h, fmt, codec, rate = clip
     data = make_video(n, w, h, fmt, codec, rate, seed=n)
     frames, meta = _decode_like_transformers(vp, data, tmp_path)
-    ref = vp(videos=[frames], video_metadata=[meta], do_sample_frames=False, cap_pixels_per_frame=False,
-             return_tensors="pt")
+    ref = vp(videos=[frames], video_metadata=[meta], do_sample_frames=False, return_tensors="pt")
     got = PRE(data)
     assert got.grid_thw == tuple(int(v) for v in ref["video_grid_thw"][0])
     np.testing.assert_array_equal(got.pixel_values, ref["pixel_values_videos"].numpy())
