@@ -1,10 +1,17 @@
-"""Host time per attention call, and where it goes (cProfile), on one launch-bound shape.
+"""Launch-bound attention shapes: host time per call, GPU time per call, and where the host time goes.
 
-A 1x1024 d64 call takes ~20 us on an H100, so the host must launch it in less than that or the GPU
-waits. Prints microseconds per call for each path, then the cProfile table of the automatic Triton
-path. Writes launch_profile.json under $OUT or benchmarks/results.
+For each shape and path it measures
+- `host_us`: back-to-back calls without synchronising (the host's cost per call);
+- `gpu_us`: the same call captured 20 times in one CUDA graph and replayed (the device's cost alone,
+  no host in the loop);
+- `bench_us`: `triton.testing.do_bench`, the timing bench_attention reports (L2 flushed before each
+  call; a call whose host cost outlasts the flush shows host time here);
+- `max_err`: against the float32 reference.
+Paths: the automatic Triton path, the TMA kernel with host- and with device-encoded descriptors at
+each TMA tile, the pointer kernel, batched cuDNN. Then the cProfile table of the automatic path on
+the first shape. Writes launch_profile.json under $OUT or benchmarks/results.
 
-Usage: python -m benchmarks.profile_launch [--calls 2000] [--lengths 1024]
+Usage: python -m benchmarks.profile_launch [--calls 2000] [--shapes 1x1024 8x1024 64x256 1x4096]
 """
 
 from __future__ import annotations
@@ -16,59 +23,116 @@ import pstats
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.bench_attention import host_us
 from benchmarks.common import HEADS, environment, write_results
-from kernels.varlen_attention import TileConfig, triton_varlen_attention, tuned_choices
+from kernels.varlen_attention import (
+    TMA_TILES,
+    TileConfig,
+    reference_varlen_attention,
+    triton_varlen_attention,
+    tuned_choices,
+)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=2000)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024])
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    lengths, d = args.lengths, args.head_dim
+def gpu_us(fn, calls: int = 20, replays: int = 20) -> float:
+    """Device microseconds per call: `calls` calls captured in one CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def shape_paths(lengths, d):
     total = sum(lengths)
     qkv = torch.randn(total, 3, HEADS, d, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(1)
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     maxlen = max(lengths)
     out = torch.empty_like(q)
-    qb, kb, vb = (t.view(len(lengths), lengths[0], HEADS, d).transpose(1, 2).contiguous() for t in (q, k, v))
+    ref = reference_varlen_attention(q, k, v, cu, maxlen)
+    fns = {"triton (automatic)": lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out)}
+    for bm, bn, w, s in TMA_TILES:
+        for device in (False, True):
+            c = TileConfig(bm, bn, w, s, tma=True, device_desc=device)
+            fns[f"tma {bm}x{bn} w{w} s{s} {'device' if device else 'host'} desc"] = (
+                lambda c=c: triton_varlen_attention(q, k, v, cu, maxlen, out=out, config=c))
+    fns["pointer 128x64 w4 s3"] = lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out,
+                                                                  config=TileConfig(128, 64, 4, 3))
+    if len(set(lengths)) == 1:
+        qb, kb, vb = (t.view(len(lengths), lengths[0], HEADS, d).transpose(1, 2).contiguous() for t in (q, k, v))
 
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qb, kb, vb)
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qb, kb, vb)
 
-    fns = {
-        "triton (automatic)": lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out),
-        "triton pointer kernel, pinned": lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out,
-                                                                         config=TileConfig(128, 64, 4, 3)),
-        "triton TMA kernel, pinned": lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out,
-                                                                     config=TileConfig(128, 64, 4, 3, tma=True)),
-        "sdpa cudnn (batched)": cudnn,
-        "torch.empty (reference point)": lambda: torch.empty(16, device="cuda"),
-    }
-    us = {name: host_us(fn, args.calls) for name, fn in fns.items()}
-    for name, t in us.items():
-        print(f"{name:32s} {t:8.1f} us/call")
-    prof = cProfile.Profile()
-    fn = fns["triton (automatic)"]
-    prof.enable()
-    for _ in range(args.calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
-    print(buf.getvalue())
-    write_results("launch_profile", {"benchmark": "attention_host_launch", "unit": "us/call", "env": environment(),
-                                     "lengths": lengths, "head_dim": d, "us_per_call": us,
+        fns["sdpa cudnn (batched)"] = cudnn
+    return fns, (out, ref, len(lengths), lengths[0])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--shapes", nargs="+", default=["1x1024", "8x1024", "64x256", "1x4096"])
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    d = args.head_dim
+    rows, profiled = [], None
+    for shape in args.shapes:
+        n, length = (int(x) for x in shape.split("x"))
+        fns, (out, ref, _, _) = shape_paths([length] * n, d)
+        for name, fn in fns.items():
+            row = {"shape": shape, "path": name}
+            try:
+                result = fn()
+                torch.cuda.synchronize()
+                if not name.startswith("sdpa"):
+                    row["max_err"] = (out.float() - ref).abs().max().item()
+                row["host_us"] = host_us(fn, args.calls)
+                row["gpu_us"] = gpu_us(fn)
+                row["bench_us"] = triton.testing.do_bench(fn) * 1000
+            except Exception as e:  # noqa: BLE001 - a path that fails here is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(f"{shape:8s} {name:36s} " + (row.get("error") or
+                  f"host {row['host_us']:7.1f}  gpu {row['gpu_us']:7.1f}  bench {row['bench_us']:7.1f} us"
+                  + (f"  err {row['max_err']:.2e}" if "max_err" in row else "")), flush=True)
+        if profiled is None:
+            prof = cProfile.Profile()
+            fn = fns["triton (automatic)"]
+            prof.enable()
+            for _ in range(args.calls):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            profiled = buf.getvalue()
+            print(profiled)
+    write_results("launch_profile", {"benchmark": "attention_launch_bound_shapes", "unit": "us/call",
+                                     "env": environment(), "head_dim": d, "rows": rows,
                                      "choices": {str(k): str(v) for k, v in tuned_choices().items()},
-                                     "cprofile": buf.getvalue()}, args.out)
+                                     "cprofile": profiled}, args.out)
 
 
 if __name__ == "__main__":

@@ -280,15 +280,18 @@ if triton is not None:
     def _varlen_attn_fwd_tma(
         Q, k_desc0, k_desc1, v_desc0, v_desc1, O, CU_SEQLENS, COS, SIN,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+        K, V, stride_kt, stride_vt, total_tokens,
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
-        TAIL_IN_LOOP: tl.constexpr = False,
+        TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, ROW_WIDTH: tl.constexpr = 0,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
         going through registers. Q is loaded once per program by pointers, optionally rotated (ROPE_Q).
         PV may run on one chunk wider than the head (DV0 > HEAD_DIM: the extra columns are the next
-        head's values or TMA's zero fill, computed and never stored)."""
+        head's values or TMA's zero fill, computed and never stored).
+        DEVICE_DESC (power-of-two head dims): the program builds K's and V's descriptors itself from K, V
+        and their row strides, instead of receiving host-encoded ones (`k_desc0`..`v_desc1` unused)."""
         start_m = tl.program_id(0)
         head = tl.program_id(1)
         seg = tl.program_id(2)
@@ -298,6 +301,14 @@ if triton is not None:
             return
         REM_QK: tl.constexpr = D0 < HEAD_DIM
         REM_V: tl.constexpr = DV0 < HEAD_DIM
+        if DEVICE_DESC:
+            kd0 = tl.make_tensor_descriptor(K, shape=[total_tokens, ROW_WIDTH], strides=[stride_kt, 1],
+                                            block_shape=[BLOCK_N, D0])
+            vd0 = tl.make_tensor_descriptor(V, shape=[total_tokens, ROW_WIDTH], strides=[stride_vt, 1],
+                                            block_shape=[BLOCK_N, DV0])
+        else:
+            kd0 = k_desc0
+            vd0 = v_desc0
         rows_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
@@ -310,11 +321,11 @@ if triton is not None:
         # TAIL_IN_LOOP: every step masked, one code path (no separate peeled tail step)
         n_full = tl.cdiv(seqlen, BLOCK_N) * BLOCK_N if TAIL_IN_LOOP else (seqlen // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
-            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1,
+            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd0, k_desc1, vd0, v_desc1,
                                              tok0 + start_n, col, start_n, seqlen, qk_scale, HEAD_DIM, D1, DV1,
                                              BLOCK_N, REM_QK, REM_V, TAIL_IN_LOOP)
         if n_full < seqlen:
-            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1,
+            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd0, k_desc1, vd0, v_desc1,
                                              tok0 + n_full, col, n_full, seqlen, qk_scale, HEAD_DIM, D1, DV1,
                                              BLOCK_N, REM_QK, REM_V, True)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
@@ -362,6 +373,7 @@ class TileConfig:
     ws: bool = False
     dv: str = "wide"
     tail_in_loop: bool = False
+    device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -383,11 +395,23 @@ def ptr_candidates(head_dim: int) -> list[TileConfig]:
 TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2)]
 
 
+def tma_descriptors() -> str:
+    """Where the TMA kernel's K/V descriptors are encoded: "host" (TensorDescriptor arguments, encoded by the
+    launcher at every call) or "device" (each program builds them). `QWEN3VL_TMA_DESCRIPTORS` overrides."""
+    import os
+
+    mode = os.environ.get("QWEN3VL_TMA_DESCRIPTORS", "host")
+    if mode not in ("host", "device"):
+        raise ValueError(f"QWEN3VL_TMA_DESCRIPTORS={mode!r}: use host or device")
+    return mode
+
+
 def tma_candidates(head_dim: int) -> list[TileConfig]:
     """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each)."""
     if head_dim & (head_dim - 1):
         return []
-    return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in TMA_TILES]
+    device = tma_descriptors() == "device"
+    return [TileConfig(bm, bn, w, s, tma=True, device_desc=device) for bm, bn, w, s in TMA_TILES]
 
 
 # Tuning without triton.autotune: one choice per (kernel, length class, head dim, RoPE flags, dtype, device),
@@ -423,6 +447,19 @@ def _choose(key: tuple, candidates, launch) -> TileConfig:
         choice = candidates[times.index(min(times))]
     _choices[key] = choice
     return choice
+
+
+_allocator_set = False
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors live in a per-launch global scratch buffer that Triton asks the
+    process-wide allocator for; route it through PyTorch's caching allocator (stream-ordered, and
+    captured into the graph pool under CUDA-graph capture)."""
+    global _allocator_set
+    if not _allocator_set:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _allocator_set = True
 
 
 def _interpreting() -> bool:
@@ -505,16 +542,24 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if use_tma:
         def launch(c: TileConfig):
             dv0, dv1_ = _dv_split(head_dim, d0, c.dv)
-            # the remainder chunks' descriptors only exist where the kernel reads them (None is a constexpr
-            # there): each descriptor costs host time at every launch
-            descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, w]) if w else None
-                     for t, w in ((k, d0), (k, d1), (v, dv0), (v, dv1_ if dv0 < head_dim else 0))]
+            if c.device_desc:
+                if d1:
+                    raise ValueError("device-side descriptors are for power-of-two head dims")
+                _ensure_allocator()
+                descs = [None] * 4
+            else:
+                # the remainder chunks' descriptors only exist where the kernel reads them (None is a
+                # constexpr there): each descriptor costs host time at every launch
+                descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, w])
+                         if w else None
+                         for t, w in ((k, d0), (k, d1), (v, dv0), (v, dv1_ if dv0 < head_dim else 0))]
             grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
             _varlen_attn_fwd_tma[grid](
                 q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                stride_c, scale, HEAD_DIM=head_dim, D0=d0, D1=max(d1, 16), DV0=dv0, DV1=dv1_, ROPE_Q=rope,
-                BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, num_warps=c.num_warps,
-                num_stages=c.num_stages)
+                stride_c, scale, k, v, k.stride(0), v.stride(0), total, HEAD_DIM=head_dim, D0=d0, D1=max(d1, 16),
+                DV0=dv0, DV1=dv1_, ROPE_Q=rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws,
+                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, ROW_WIDTH=heads * head_dim,
+                num_warps=c.num_warps, num_stages=c.num_stages)
 
         launch(config or _choose(("tma", bucket, head_dim, rope, q.dtype, q.device), lambda: tma_candidates(head_dim),
                                  launch))
