@@ -24,6 +24,7 @@ Kernel design:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -395,14 +396,23 @@ def ptr_candidates(head_dim: int) -> list[TileConfig]:
 TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2)]
 
 
+# Where the TMA kernel's K/V descriptors are encoded. Host: TensorDescriptor arguments, which Triton's
+# launcher encodes at every call (~25 us of host time). Device: every program builds its own (~1-15 us more
+# GPU time, growing with the number of programs). Measured on H100 (benchmarks/profile_launch.py,
+# launch_profile.json): at 1x1024 d64 the kernel needs ~14 us of GPU time but ~75 us of host time with host
+# descriptors, ~45 us with device ones; from 64x256 up the GPU time dominates and host descriptors win.
+# "auto" therefore picks device descriptors for small calls launched eagerly, host ones otherwise (and
+# always under CUDA-graph capture, where host time is paid once). QWEN3VL_TMA_DESCRIPTORS=host|device pins.
+DEVICE_DESC_MAX_WORK = 2 * 2**30  # total_tokens * max_seqlen * heads * head_dim: 1x1024 d64 is 2**30
+
+
+@functools.lru_cache(maxsize=None)
 def tma_descriptors() -> str:
-    """Where the TMA kernel's K/V descriptors are encoded: "host" (TensorDescriptor arguments, encoded by the
-    launcher at every call) or "device" (each program builds them). `QWEN3VL_TMA_DESCRIPTORS` overrides."""
     import os
 
-    mode = os.environ.get("QWEN3VL_TMA_DESCRIPTORS", "host")
-    if mode not in ("host", "device"):
-        raise ValueError(f"QWEN3VL_TMA_DESCRIPTORS={mode!r}: use host or device")
+    mode = os.environ.get("QWEN3VL_TMA_DESCRIPTORS", "auto")
+    if mode not in ("auto", "host", "device"):
+        raise ValueError(f"QWEN3VL_TMA_DESCRIPTORS={mode!r}: use auto, host or device")
     return mode
 
 
@@ -412,6 +422,18 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
         return []
     device = tma_descriptors() == "device"
     return [TileConfig(bm, bn, w, s, tma=True, device_desc=device) for bm, bn, w, s in TMA_TILES]
+
+
+@functools.lru_cache(maxsize=None)
+def _with_device_desc(config: TileConfig) -> TileConfig:
+    return dataclasses.replace(config, device_desc=True)
+
+
+def _device_descriptors(work: int) -> bool:
+    mode = tma_descriptors()
+    if mode != "auto":
+        return mode == "device"
+    return work <= DEVICE_DESC_MAX_WORK and not torch.cuda.is_current_stream_capturing()
 
 
 # Tuning without triton.autotune: one choice per (kernel, length class, head dim, RoPE flags, dtype, device),
@@ -561,8 +583,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, ROW_WIDTH=heads * head_dim,
                 num_warps=c.num_warps, num_stages=c.num_stages)
 
-        launch(config or _choose(("tma", bucket, head_dim, rope, q.dtype, q.device), lambda: tma_candidates(head_dim),
-                                 launch))
+        if config is None:
+            config = _choose(("tma", bucket, head_dim, rope, q.dtype, q.device), lambda: tma_candidates(head_dim),
+                             launch)
+            if not config.device_desc and _device_descriptors(total * max_seqlen * heads * head_dim):
+                config = _with_device_desc(config)
+        launch(config)
         return out
 
     def launch(c: TileConfig):

@@ -62,6 +62,36 @@ def test_tma_kernel_every_candidate(lengths, head_dim, rope):
         assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)
 
 
+@hopper
+@pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
+def test_tma_device_descriptors_equal_host_ones(lengths):
+    """Descriptors built by each program give bit-identical results to host-encoded ones, at every TMA tile;
+    the automatic path builds them on the device for a small eager call and on the host under CUDA-graph
+    capture, with equal results."""
+    import dataclasses
+
+    from kernels import varlen_attention as va
+
+    q, k, v, cu, _, _ = make_inputs(lengths, 16, 64, torch.bfloat16, False, seed=5, device="cuda")
+    m = max(lengths)
+    for cfg in va.tma_candidates(64):
+        host = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=False))
+        device = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=True))
+        assert torch.equal(host, device), cfg
+    if va.tma_descriptors() != "auto":
+        pytest.skip("QWEN3VL_TMA_DESCRIPTORS pins the mode")
+    assert va._device_descriptors(sum(lengths) * m * 16 * 64)  # all three shapes are small eager calls
+    eager = triton_varlen_attention(q, k, v, cu, m)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert not va._device_descriptors(sum(lengths) * m * 16 * 64)
+        triton_varlen_attention(q, k, v, cu, m, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 @pytest.mark.parametrize("head_dim", [64, 72])
 def test_kernel_matches_sdpa_fallback(head_dim):
     lengths = [784] * 5 + [256, 1]
