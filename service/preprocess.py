@@ -227,11 +227,10 @@ class Preprocessor:
         c, vc = self.config, self.config.video
         if fps is not None and num_frames is not None:
             raise InvalidInput("fps and num_frames are mutually exclusive")
-        frames, meta = video_io.decode(data, vc, c.max_image_pixels, c.temporal_patch_size, fps, num_frames)
-        height, width = video_io.smart_resize(len(frames), frames.shape[1], frames.shape[2], c.temporal_patch_size,
-                                           c.factor, vc.min_pixels, vc.max_pixels)
-        frames = video_io.resize(frames, height, width)
-        grid = (-(-len(frames) // c.temporal_patch_size), height // c.patch_size, width // c.patch_size)
+        frames, meta = video_io.decode(data, vc, c.max_image_pixels, c.temporal_patch_size, c.factor, fps,
+                                       num_frames)
+        n, height, width = frames.shape[:3]
+        grid = (-(-n // c.temporal_patch_size), height // c.patch_size, width // c.patch_size)
         return self.item(frames, grid, meta)
 
     def item(self, frames: np.ndarray, grid: tuple[int, int, int], meta: dict) -> Preprocessed:

@@ -141,9 +141,13 @@ def timestamps(indices, source_fps: float | None, temporal_patch_size: int) -> l
     return [(t[i] + t[i + temporal_patch_size - 1]) / 2 for i in range(0, len(t), temporal_patch_size)]
 
 
-def decode(data: bytes, config: VideoConfig, max_frame_pixels: int, temporal_patch_size: int,
+def decode(data: bytes, config: VideoConfig, max_frame_pixels: int, temporal_patch_size: int, factor: int,
            fps: float | None = None, num_frames: int | None = None) -> tuple[np.ndarray, dict]:
-    """Video bytes -> the sampled frames, RGB uint8 `[n, H, W, 3]` at the source size, and their metadata."""
+    """Video bytes -> the sampled frames resized for the tower, RGB uint8 `[n, h, w, 3]`, and their metadata.
+
+    Each sampled frame is resized as soon as it is decoded (the size depends only on the frame count and
+    the stream's frame size, both known up front), so memory is bounded by the processor's total pixel
+    budget rather than by source resolution times frames: 768 sampled 4K frames never coexist."""
     import av
 
     try:
@@ -169,28 +173,43 @@ def decode(data: bytes, config: VideoConfig, max_frame_pixels: int, temporal_pat
                                        "(send a single frame as an image)")
             source_fps = float(stream.average_rate) if stream.average_rate else None
             indices = sample_indices(total, source_fps, config, fps, num_frames)
-            wanted, last = set(indices.tolist()), int(indices[-1])
             stream.thread_type = "AUTO"  # frame-parallel decoding; the frames are the same
-            frames = []
-            for i, frame in enumerate(container.decode(stream)):
-                if i > last:
-                    break
-                if i in wanted:
-                    if (frame.width, frame.height) != (width, height):
-                        raise UnsupportedVideo(f"frame {i} is {frame.width}x{frame.height}; the stream is "
-                                               f"{width}x{height} (frame size changes are not supported)")
-                    frames.append(frame.to_ndarray(format="rgb24"))
+
+            def target(n):
+                return smart_resize(n, height, width, temporal_patch_size, factor, config.min_pixels, config.max_pixels)
+
+            size = target(len(indices))
+            frames = _decode_resized(container, stream, indices, size, width, height)
+            if temporal_patch_size <= len(frames) < len(indices):
+                # the header over-counts: keep what decodes; the frame count sets the size, so redo at the new one
+                log.warning("video header announces %d frames; sampled %d of the %d wanted", total, len(frames),
+                            len(indices))
+                indices = indices[:len(frames)]
+                if target(len(indices)) != size:
+                    container.seek(0)
+                    frames = _decode_resized(container, stream, indices, target(len(indices)), width, height)
         except av.error.FFmpegError as e:
             raise UnsupportedVideo(f"corrupt or truncated video: {e}") from e
     if len(frames) < temporal_patch_size:
         raise UnsupportedVideo(f"corrupt or truncated video: {len(frames)} of the {total} frames its header "
                                "announces could be decoded")
-    if len(frames) < len(indices):  # the header over-counts: keep what was decoded
-        log.warning("video header announces %d frames; sampled %d of the %d wanted", total, len(frames), len(indices))
-        indices = indices[:len(frames)]
     meta = {"kind": "video", "width": width, "height": height, "source_frames": total, "source_fps": source_fps,
             "frame_indices": indices.tolist(), "timestamps": timestamps(indices, source_fps, temporal_patch_size)}
     return np.stack(frames), meta
+
+
+def _decode_resized(container, stream, indices: np.ndarray, size: tuple[int, int], width: int, height: int):
+    """Decode from the start up to the last wanted frame; the wanted ones, resized to `size`, in order."""
+    wanted, last, frames = set(indices.tolist()), int(indices[-1]), []
+    for i, frame in enumerate(container.decode(stream)):
+        if i > last:
+            break
+        if i in wanted:
+            if (frame.width, frame.height) != (width, height):
+                raise UnsupportedVideo(f"frame {i} is {frame.width}x{frame.height}; the stream is {width}x{height} "
+                                       "(frame size changes are not supported)")
+            frames.append(resize(frame.to_ndarray(format="rgb24")[None], *size)[0])
+    return frames
 
 
 def _count_frames(container, stream, limit: int) -> int:

@@ -105,6 +105,24 @@ def test_sampling_options_match_transformers(vp, kw, tmp_path):
     np.testing.assert_array_equal(got.pixel_values, ref_pixels)
 
 
+def test_header_overcounting_frames_matches_transformers(vp, tmp_path):
+    """A cut-off MP4 whose index (written first) announces 40 frames of which 24 decode: the frames that
+    decode are kept, and the resize follows their count, as in transformers (the sampled frames are
+    resized as they decode, so a changed count means decoding again at the new size)."""
+    data = make_video(40, 64, 48, rate=10, seed=4, faststart=True)
+    cut = data[: int(len(data) * 0.7)]
+    for kw in ({}, {"num_frames": 20}):
+        got = PRE(cut, **kw)
+        frames, meta = _decode_like_transformers(vp, cut, tmp_path, **kw)
+        assert got.meta["source_frames"] == 40 and len(frames) < len(meta.frames_indices)
+        assert got.meta["frame_indices"] == list(meta.frames_indices[: len(frames)])
+        ref_pixels, ref_grid = _reference_without_torchvision(vp, frames)
+        assert got.grid_thw == ref_grid
+        np.testing.assert_array_equal(got.pixel_values, ref_pixels)
+    with pytest.raises(UnsupportedVideo, match="1 of the 40 frames"):
+        PRE(data[: int(len(data) * 0.3)])
+
+
 def test_timestamps_match_qwen3vl_processor():
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
