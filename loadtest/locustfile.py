@@ -1,9 +1,10 @@
 """Load test for the encoder: `locust -f loadtest/locustfile.py --host http://localhost:8000`.
 
 Each simulated user POSTs one JPEG at a time to /embed (binary safetensors out, as a high-throughput
-client would), now and then asks for JSON with pooled vectors, and calls the OpenAI-compatible route.
-Images are real photographs from scikit-image when it is installed, else random noise, resized to
-IMAGE_SIDE (default 448) pixels. 429 answers count as rejected, not failed: they are the service
+client would), now and then asks for JSON with pooled vectors, calls the OpenAI-compatible route, and
+sends a short MP4 clip (VIDEO_WEIGHT, default 1 in 11 requests; 0 turns videos off). Images are real
+photographs from scikit-image when it is installed, else random noise, resized to IMAGE_SIDE (default
+448) pixels; the clip is 4 s of them panning at 24 fps (16 frames sampled at 2 fps). 429 answers count as rejected, not failed: they are the service
 shedding load as designed.
 """
 
@@ -19,6 +20,7 @@ from locust import HttpUser, between, task
 from PIL import Image
 
 SIDE = int(os.environ.get("IMAGE_SIDE", "448"))
+VIDEO_WEIGHT = int(os.environ.get("VIDEO_WEIGHT", "1"))
 
 
 def _images(n=16):
@@ -36,7 +38,28 @@ def _images(n=16):
     return out
 
 
+def _video(seconds=4, rate=24):
+    """An MP4 (H.264 when available) of the first image panning; None without PyAV."""
+    try:
+        import av
+    except ImportError:
+        return None
+    base = np.asarray(Image.open(io.BytesIO(IMAGES[0])).convert("RGB"))
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = SIDE, SIDE, "yuv420p"
+        for i in range(seconds * rate):
+            frame = av.VideoFrame.from_ndarray(np.roll(base, 4 * i, axis=1), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
 IMAGES = _images()
+VIDEO = _video() if VIDEO_WEIGHT else None
 API_KEY = os.environ.get("QWEN3VL_API_KEY")
 HEADERS = {"Authorization": f"Bearer {API_KEY}"} if API_KEY else {}
 
@@ -61,6 +84,12 @@ class EncoderUser(HttpUser):
     def embed_json_pooled(self):
         self._post("/embed [json pooled]", url="/embed?pooling=mean&normalize=true",
                    files=[("file", ("img.jpg", random.choice(IMAGES), "image/jpeg"))])
+
+    @task(VIDEO_WEIGHT)
+    def embed_video(self):
+        if VIDEO is not None:
+            self._post("/embed [video]", url="/embed?format=safetensors&deepstack=false", data=VIDEO,
+                       headers={"content-type": "video/mp4"})
 
     @task(1)
     def openai_embeddings(self):
