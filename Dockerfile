@@ -1,7 +1,8 @@
 # Qwen3-VL vision encoder service for NVIDIA Hopper (H100/H200) and Ampere GPUs.
 #
 # The base image brings CUDA, PyTorch and Triton; its torch and triton satisfy pyproject.toml's ranges,
-# so the install step below adds only this project and its pure-Python dependencies. That step is the
+# so the install step below adds only this project and its other dependencies, all wheels (PyAV's bundles
+# the FFmpeg libraries it decodes videos with, so no system packages are needed). That step is the
 # README's deployment install (`pip install .`), which CI also runs.
 ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
