@@ -471,17 +471,16 @@ def _choose(key: tuple, candidates, launch) -> TileConfig:
     return choice
 
 
-_allocator_set = False
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for device-side tensor descriptors, from PyTorch's caching allocator (stream-ordered,
+    and taken from the graph pool under CUDA-graph capture)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_allocator():
-    """Device-side tensor descriptors live in a per-launch global scratch buffer that Triton asks the
-    process-wide allocator for; route it through PyTorch's caching allocator (stream-ordered, and
-    captured into the graph pool under CUDA-graph capture)."""
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_set = True
+def _set_scratch_allocator():
+    """Triton keeps its allocator in a ContextVar, so each thread that launches (the service's engine
+    thread, warm-up threads, ...) must set it itself; setting it is a ContextVar write, done per launch."""
+    triton.set_allocator(_scratch)
 
 
 def _interpreting() -> bool:
@@ -567,7 +566,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             if c.device_desc:
                 if d1:
                     raise ValueError("device-side descriptors are for power-of-two head dims")
-                _ensure_allocator()
+                _set_scratch_allocator()
                 descs = [None] * 4
             else:
                 # the remainder chunks' descriptors only exist where the kernel reads them (None is a

@@ -173,3 +173,28 @@ def test_both_backends_agree_through_public_function():
     a = attn_mod.varlen_attention(q, k, v, cu, 50, cos=cos, sin=sin, backend="triton")
     b = attn_mod.varlen_attention(q, k, v, cu, 50, cos=cos, sin=sin, backend="sdpa")
     assert rel_err(a, b) <= 1e-5
+
+
+def test_device_descriptor_launch_sets_triton_allocator_in_its_own_thread(monkeypatch):
+    """Triton's allocator lives in a ContextVar, so it is per thread. The served tower launches from the
+    engine's worker thread, not the thread that imported the kernels: the device-descriptor launch must
+    set the allocator in whichever thread launches (a set-once flag gave 500s under load on the H100)."""
+    import importlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime import _allocation
+
+    va = importlib.import_module("kernels.varlen_attention")
+    seen = []
+
+    class FakeKernel:  # stands in for the Hopper kernel: records the allocator visible at launch
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(_allocation._allocator.get())
+
+    monkeypatch.setattr(va, "_varlen_attn_fwd_tma", FakeKernel())
+    q, k, v, cu, _, _ = make_inputs([7, 131], 2, 64, torch.float16, False)
+    cfg = va.TileConfig(64, 64, 4, 2, tma=True, device_desc=True)
+    for _ in range(2):  # two fresh threads: each starts with Triton's null allocator
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(va.triton_varlen_attention, q, k, v, cu, 131, config=cfg).result()
+    assert seen == [va._scratch, va._scratch]

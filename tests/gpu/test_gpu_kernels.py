@@ -93,6 +93,21 @@ def test_tma_device_descriptors_equal_host_ones(lengths):
     assert torch.equal(out, eager)
 
 
+@hopper
+def test_small_call_from_a_worker_thread():
+    """The service launches from worker threads; a small eager call (device descriptors in auto mode) works
+    there and equals the same call from the main thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    q, k, v, cu, _, _ = make_inputs([7, 131, 1000], 16, 64, torch.bfloat16, False, seed=2, device="cuda")
+    main = triton_varlen_attention(q, k, v, cu, 1000)
+    for _ in range(2):
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(triton_varlen_attention, q, k, v, cu, 1000).result()
+        torch.cuda.synchronize()
+        assert torch.equal(main, other)
+
+
 @pytest.mark.parametrize("head_dim", [64, 72])
 def test_kernel_matches_sdpa_fallback(head_dim):
     lengths = [784] * 5 + [256, 1]
