@@ -64,7 +64,7 @@ def test_tma_kernel_every_candidate(lengths, head_dim, rope):
 
 @hopper
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
-def test_tma_device_descriptors_equal_host_ones(lengths):
+def test_tma_device_descriptors_equal_host_ones(lengths, monkeypatch):
     """Descriptors built by each program give bit-identical results to host-encoded ones, at every TMA tile;
     the automatic path builds them on the device for a small eager call and on the host under CUDA-graph
     capture, with equal results."""
@@ -79,8 +79,7 @@ def test_tma_device_descriptors_equal_host_ones(lengths):
         host = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=False))
         device = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=True))
         assert torch.equal(host, device), cfg
-    if va.tma_descriptors() != "auto":
-        pytest.skip("QWEN3VL_TMA_DESCRIPTORS pins the mode")
+    monkeypatch.setattr(va, "tma_descriptors", lambda: "auto")
     assert va._device_descriptors(sum(lengths) * m * 16 * 64)  # all three shapes are small eager calls
     eager = triton_varlen_attention(q, k, v, cu, m)
     out = torch.empty_like(q)
@@ -94,12 +93,16 @@ def test_tma_device_descriptors_equal_host_ones(lengths):
 
 
 @hopper
-def test_small_call_from_a_worker_thread():
+def test_small_call_from_a_worker_thread(monkeypatch):
     """The service launches from worker threads; a small eager call (device descriptors in auto mode) works
     there and equals the same call from the main thread."""
     from concurrent.futures import ThreadPoolExecutor
 
     q, k, v, cu, _, _ = make_inputs([7, 131, 1000], 16, 64, torch.bfloat16, False, seed=2, device="cuda")
+    import importlib
+
+    va = importlib.import_module("kernels.varlen_attention")
+    monkeypatch.setattr(va, "tma_descriptors", lambda: "auto")  # small eager calls: device descriptors
     main = triton_varlen_attention(q, k, v, cu, 1000)
     for _ in range(2):
         with ThreadPoolExecutor(1) as pool:
