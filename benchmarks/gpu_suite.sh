@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device run: environment, GPU test suite, benchmarks. Everything lands under $OUT.
+# One device run: environment, GPU test suite (plus the video-processor parity tests, which need the
+# torchvision the GPU machine has), benchmarks. Everything lands under $OUT.
 # Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|all]...
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -9,7 +10,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in "${@:-all}"; do
   case $step in
-    tests|all) python -m pytest -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
+    tests|all) python -m pytest -q -x -p no:cacheprovider tests/gpu tests/test_video.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
     kernel-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;
     attention|all) python -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" ;;&
