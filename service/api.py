@@ -377,14 +377,14 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
                 metrics.queue_depth.set(eng.queue_depth)
         metrics.queue_time.observe(timing.queue_s)
         for it, r in zip(items, results):
-            if it.meta.get("kind") == "video":
+            if it.kind == "video":
                 metrics.video_frames.inc(len(it.meta["frame_indices"]))
             else:
                 metrics.images.inc()
             metrics.output_tokens.inc(r.num_tokens)
         headers = {"X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
                    "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
-        return results, [it.meta for it in items], headers
+        return results, items, headers
 
     # -- routes -----------------------------------------------------------------------------------------------
 
@@ -399,7 +399,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
     async def embed(request: Request):
         check_auth(request)
         images, opts = await parse_embed(request)
-        results, metas, headers = await encode_all(request, images, opts)
+        results, items, headers = await encode_all(request, images, opts)
         pools = pooled(results, opts.normalize) if opts.pooling == "mean" else None
         if opts.format == "safetensors":
             tensors = result_tensors(results, pooled=pools)
@@ -410,14 +410,13 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
                            for k, v in tensors.items()}
             return Response(safetensors_save(tensors), media_type="application/octet-stream", headers=headers)
         data = []
-        for i, r in enumerate(results):
-            kind = metas[i].get("kind", "image")
-            entry: dict[str, Any] = {"index": i, "type": kind, "grid_thw": list(r.grid_thw),
+        for i, (it, r) in enumerate(zip(items, results)):
+            entry: dict[str, Any] = {"index": i, "type": it.kind, "grid_thw": list(r.grid_thw),
                                      "num_tokens": r.num_tokens, "shape": list(r.embeds.shape),
                                      "embeddings": _encode_array(r.embeds, opts.encoding, opts.dtype)}
-            if kind == "video":
-                entry["video"] = {k: metas[i][k] for k in ("frame_indices", "timestamps", "source_frames",
-                                                           "source_fps")}
+            if it.kind == "video":
+                entry["video"] = {k: it.meta[k] for k in ("frame_indices", "timestamps", "source_frames",
+                                                          "source_fps")}
             if opts.deepstack:
                 entry["deepstack"] = _encode_array(r.deepstack, opts.encoding, opts.dtype)
                 entry["deepstack_shape"] = list(r.deepstack.shape)
@@ -427,8 +426,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
         enc = state["encoder"]
         body = {"model": settings.model, "encoding": opts.encoding,
                 "dtype": (opts.dtype or "float32") if opts.encoding == "base64" else "float32", "data": data,
-                "usage": {"images": sum(m.get("kind") != "video" for m in metas),
-                          "videos": sum(m.get("kind") == "video" for m in metas),
+                "usage": {"images": sum(it.kind == "image" for it in items),
+                          "videos": sum(it.kind == "video" for it in items),
                           "tokens": sum(r.num_tokens for r in results)},
                 "out_hidden_size": enc.config.out_hidden_size}
         return _orjson(body, headers=headers)

@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .video import VideoConfig, is_video
-from . import video as video_io
+from .video import VideoConfig, decode as decode_video_frames, is_video
 from .errors import ImageTooLarge, InvalidInput, UnsupportedImage
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
@@ -90,6 +89,11 @@ class Preprocessed:
     lut: np.ndarray  # [C, 256] float32: uint8 value -> normalised value, per channel
     config: "PreprocessConfig"
     meta: dict = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """"image" or "video"."""
+        return self.meta.get("kind", "image")
 
     @property
     def num_patches(self) -> int:
@@ -212,10 +216,13 @@ class Preprocessor:
     def __call__(self, data: bytes | Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
                  fps: float | None = None, num_frames: int | None = None) -> Preprocessed:
         """`min_pixels`/`max_pixels` apply to images; `fps` or `num_frames` (not both) to videos."""
-        if isinstance(data, (bytes, bytearray, memoryview)) and is_video(data):
-            return self.decode_video(bytes(data), fps, num_frames)
         c = self.config
-        img = decode_image(data, c.max_image_pixels) if isinstance(data, (bytes, bytearray, memoryview)) else to_rgb(data)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            if is_video(data):
+                return self.decode_video(bytes(data), fps, num_frames)
+            img = decode_image(data, c.max_image_pixels)
+        else:
+            img = to_rgb(data)
         orig_w, orig_h = img.size
         height, width = self.target_size(orig_h, orig_w, min_pixels, max_pixels)
         img = img.resize((width, height), resample=c.resample)
@@ -227,8 +234,8 @@ class Preprocessor:
         c, vc = self.config, self.config.video
         if fps is not None and num_frames is not None:
             raise InvalidInput("fps and num_frames are mutually exclusive")
-        frames, meta = video_io.decode(data, vc, c.max_image_pixels, c.temporal_patch_size, c.factor, fps,
-                                       num_frames)
+        frames, meta = decode_video_frames(data, vc, c.max_image_pixels, c.temporal_patch_size, c.factor, fps,
+                                           num_frames)
         n, height, width = frames.shape[:3]
         grid = (-(-n // c.temporal_patch_size), height // c.patch_size, width // c.patch_size)
         return self.item(frames, grid, meta)
