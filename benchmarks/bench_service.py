@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import environment, wait_until_ready, write_results
+from benchmarks.common import encode_video, environment, wait_until_ready, write_results
 
 
 def jpegs(n: int, side: int = 448) -> list[bytes]:
@@ -51,20 +51,10 @@ def jpegs(n: int, side: int = 448) -> list[bytes]:
 
 def clip(side: int = 448, seconds: int = 4, rate: int = 24, seed: int = 0) -> bytes:
     """An H.264 MP4 of a photograph panning across the frame."""
-    import av
     from PIL import Image
 
     base = np.asarray(Image.open(io.BytesIO(jpegs(1, side)[0])).convert("RGB"))
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = side, side, "yuv420p"
-        for i in range(seconds * rate):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(np.roll(base, 4 * i + seed, axis=1), format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    return encode_video((np.roll(base, 4 * i + seed, axis=1) for i in range(seconds * rate)), rate)
 
 
 def tower_throughput(model, images, budget, seconds, device="cuda", dtype="bfloat16"):

@@ -135,28 +135,15 @@ def hf_tower_outputs(visual, pixel_values, grid_thw):
 def make_video(n_frames: int, width: int, height: int, fmt: str = "mp4", codec: str = "mpeg4", rate: int = 24,
                seed: int = 0, faststart: bool = False) -> bytes:
     """A real encoded video: a random background with a moving bright square, so frames differ.
-    `faststart` (MP4): the index, with its frame count, before the data, as streaming sites write it."""
-    import tempfile
-
-    import av
+    `faststart` (MP4): the index, with its frame count, before the data."""
+    from benchmarks.common import encode_video
 
     rng = np.random.default_rng(seed)
     background = rng.integers(0, 200, (height, width, 3), dtype=np.uint8)
-    tmp = tempfile.NamedTemporaryFile(suffix=f".{fmt}") if faststart else None  # the muxer rewrites the file
-    buf = tmp.name if tmp else io.BytesIO()
-    opts = {"movflags": "faststart"} if faststart else {}
-    with av.open(buf, mode="w", format=fmt, options=opts) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(n_frames):
-            frame = background.copy()
-            x = (i * 5) % max(1, width - 8)
-            frame[: min(8, height), x:x + 8] = 255
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    if tmp:
-        with tmp:
-            return Path(tmp.name).read_bytes()
-    return buf.getvalue()
+    frames = []
+    for i in range(n_frames):
+        frame = background.copy()
+        x = (i * 5) % max(1, width - 8)
+        frame[: min(8, height), x:x + 8] = 255
+        frames.append(frame)
+    return encode_video(frames, rate, fmt, codec, faststart)
