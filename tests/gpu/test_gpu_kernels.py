@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import pytest
 import torch
 
@@ -14,6 +17,8 @@ from kernels.varlen_attention import (
     triton_varlen_attention,
 )
 from test_varlen_attention import make_inputs
+
+va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -68,11 +73,6 @@ def test_tma_device_descriptors_equal_host_ones(lengths, monkeypatch):
     """Descriptors built by each program give bit-identical results to host-encoded ones, at every TMA tile;
     the automatic path builds them on the device for a small eager call and on the host under CUDA-graph
     capture, with equal results."""
-    import dataclasses
-    import importlib
-
-    va = importlib.import_module("kernels.varlen_attention")  # `kernels.varlen_attention` is also a function
-
     q, k, v, cu, _, _ = make_inputs(lengths, 16, 64, torch.bfloat16, False, seed=5, device="cuda")
     m = max(lengths)
     for cfg in va.tma_candidates(64):
@@ -99,9 +99,6 @@ def test_small_call_from_a_worker_thread(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     q, k, v, cu, _, _ = make_inputs([7, 131, 1000], 16, 64, torch.bfloat16, False, seed=2, device="cuda")
-    import importlib
-
-    va = importlib.import_module("kernels.varlen_attention")
     monkeypatch.setattr(va, "tma_descriptors", lambda: "auto")  # small eager calls: device descriptors
     main = triton_varlen_attention(q, k, v, cu, 1000)
     for _ in range(2):
