@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.common import bench, environment, print_table, write_results
 from service.config import preset
 from service.graphs import GraphedTower
+from service.tower import Attention
 from service.loader import random_tower
 
 PEAK_TFLOPS = 989.0
@@ -120,10 +121,20 @@ def run_preset(name, workloads, compile_hf):
             return fn
 
         graphed = GraphedTower(ours)  # the served path: a CUDA graph per repeated pack signature
+        unfused_graphed = GraphedTower(ours)
+
+        def unfused():  # the served path with cuBLAS's QKV projection and the RoPE pass (rev 1a9c69a's)
+            Attention.fused_qkv_rope = False
+            try:
+                return unfused_graphed(pixels, grids)
+            finally:
+                Attention.fused_qkv_rope = True
 
         fns = {"ours": lambda: graphed(pixels, grids), "ours-eager": ours_fn(None),
                "ours-triton-attn": ours_fn("triton"), "ours-sdpa-attn": ours_fn("sdpa"),
                "hf-eager": lambda: hf(pixels, grid_thw=grid_t), "floor": floor_fn(cfg, grids)}
+        if ours.config.head_dim & (ours.config.head_dim - 1) == 0:  # the fused projection's head dims
+            fns["ours-unfused-qkv"] = unfused
         if hf_compiled is not None and wl == "32x448px":
             fns["hf-compile"] = lambda: hf_compiled(pixels, grid_thw=grid_t)
         res = {}
@@ -168,7 +179,7 @@ def main():
                       "ours img/s": res["ours"]["images_per_s"], "ours TFLOPS": res["ours"]["tflops"],
                       "MFU": res["ours"]["mfu"], "x eager": r["speedup_vs_hf_eager"],
                       "x compile": r.get("speedup_vs_hf_compile"), "floor/ours": r["fraction_of_floor"]})
-    cols = ["preset", "workload", "attn", "ours ms", "ours-eager ms", "ours-triton-attn ms", "ours-sdpa-attn ms", "hf-eager ms",
+    cols = ["preset", "workload", "attn", "ours ms", "ours-unfused-qkv ms", "ours-eager ms", "ours-triton-attn ms", "ours-sdpa-attn ms", "hf-eager ms",
             "hf-compile ms", "floor ms",
             "ours img/s", "ours TFLOPS", "MFU", "x eager", "x compile", "floor/ours"]
     print_table(table, cols)

@@ -14,6 +14,7 @@ for step in "${@:-all}"; do
     kernel-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;
     attention|all) python -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" ;;&
+    qkv) python -m benchmarks.bench_qkv_rope 2>&1 | tee "$OUT/bench_qkv_rope.log" ;;
     profile) python -m benchmarks.profile_tower --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_tower.log" ;;
     sweep) for g in ${SWEEP_GROUPS:-baseline ptr tma tma-split16 tma-ws}; do
              timeout ${SWEEP_TIMEOUT:-240} python -m benchmarks.sweep_attention --group $g --out "$OUT/sweep.jsonl" \

@@ -1,23 +1,36 @@
-"""In-place 2D vision RoPE on the fused QKV projection's output.
+"""2D vision RoPE on the fused QKV projection's output: in place, or in the projection's epilogue.
 
-The tower's QKV GEMM writes `(T, 3, H, D)`; this kernel rotates the Q and K slices in place (float32
+The tower's QKV GEMM writes `(T, 3, H, D)`; `qkv_rope_` rotates the Q and K slices in place (float32
 arithmetic, one rounding, as transformers does) so the attention kernel reads plain Q/K with no
 per-tile rotation work. Measured against rotating inside the attention kernel (kernels/varlen_attention
 with cos/sin): rotating every K tile once per query tile costs far more than one pass here
 (docs/PERFORMANCE.md).
+
+`qkv_rope_linear` goes one step further on Hopper: the projection itself (TMA + wgmma GEMM) adds the
+bias and rotates Q and K in its epilogue, from the float32 accumulator, so the pass and its read and
+write of Q and K disappear. Each output tile covers whole heads (block_n a multiple of head_dim), so a
+column's rotate-half partner is in the same tile.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from .rope import apply_vision_rope
+from .tuning import choose
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - Triton without host tensor descriptors
+    TensorDescriptor = None
 
 
 if triton is not None:
@@ -65,3 +78,126 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
                            HALF=half, HALF_P2=triton.next_power_of_2(half), BLOCK_T=block_t, FIRST=int(k_only),
                            num_warps=4)
     return qkv
+
+
+if triton is not None:
+
+    @triton.jit
+    def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
+        """OUT[M, N] = A[M, K] @ B[N, K]^T + BIAS, with columns below ROPE_N (Q and K) rotated."""
+        pid = tl.program_id(0)
+        # grouped order: GROUP_M row blocks sweep the columns together, so their A tiles stay in L2
+        grid_m = tl.cdiv(M, BLOCK_M)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * grid_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = min(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % group_m
+        pid_n = (pid % per_group) // group_m
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kt in tl.range(0, K_TILES):
+            a = a_desc.load([off_m, kt * BLOCK_K])
+            b = b_desc.load([off_n, kt * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        acc += tl.load(BIAS + cols).to(tl.float32)[None, :]
+        if off_n < ROPE_N:
+            HALF: tl.constexpr = HEAD_DIM // 2
+            x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
+            x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
+            cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+            c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+            s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+            y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+            acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
+        out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
+
+
+# (block_m, block_n, block_k, warps, stages) candidates, timed once per shape class on first use
+GEMM_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4),
+              (256, 128, 64, 8, 3), (64, 256, 64, 4, 4)]
+
+
+def gemm_candidates(hidden: int, head_dim: int) -> list[tuple]:
+    """The tiles that cover whole heads and never straddle Q, K and V."""
+    return [c for c in GEMM_TILES if c[1] % head_dim == 0 and hidden % c[1] == 0]
+
+
+def reference_qkv_rope_linear(x, weight, bias, cos, sin, heads):
+    """The unfused computation: the projection (rounded to x's dtype), then the in-place rotation."""
+    qkv = F.linear(x, weight, bias).view(x.shape[0], 3, heads, -1)
+    return qkv_rope_(qkv, cos, sin, use_triton=False)
+
+
+def fused_qkv_rope_supported(x, weight, heads) -> bool:
+    """Whether `qkv_rope_linear` runs its fused kernel for these operands (else it runs the reference):
+    Hopper (TMA) or the interpreter, half precision (or float32 in the interpreter), power-of-two head
+    dims; unpinned calls also need a candidate tile (`gemm_candidates`)."""
+    if triton is None or TensorDescriptor is None or x.dim() != 2 or weight.dim() != 2:
+        return False
+    hidden = weight.shape[0] // 3
+    head_dim = hidden // heads if heads and hidden % heads == 0 else 0
+    if head_dim < 16 or head_dim & (head_dim - 1) or x.shape[1] % 16:
+        return False
+    if x.dtype != weight.dtype or not x.is_contiguous() or not weight.is_contiguous():
+        return False
+    if x.data_ptr() % 16 or weight.data_ptr() % 16:  # tensor descriptors need 16-byte aligned bases
+        return False
+    if x.is_cuda:
+        return x.dtype in (torch.float16, torch.bfloat16) and _is_hopper(x.device.index or 0)
+    return _interpreting()
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, heads: int, *, tile: tuple | None = None) -> torch.Tensor:
+    """`(T, 3, H, D)` = x `(T, hidden)` @ weight `(3 * hidden, hidden)`^T + bias, Q and K rotated with
+    float32 `(T, D/2)` tables. One kernel where `fused_qkv_rope_supported`, else the projection and
+    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages) (tests, benchmarks)."""
+    tokens, k_dim = x.shape
+    n = weight.shape[0]
+    head_dim = n // 3 // heads
+    if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be float32 ({tokens}, {head_dim // 2}); got {cos.dtype} {tuple(cos.shape)}")
+    hidden = n // 3
+    if not fused_qkv_rope_supported(x, weight, heads) or (
+            tile is None and not _interpreting() and not gemm_candidates(hidden, head_dim)):
+        return reference_qkv_rope_linear(x, weight, bias, cos, sin, heads)
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+
+    def launch(c):
+        bm, bn, bk, warps, stages = c
+        a_desc = TensorDescriptor(x, [tokens, k_dim], [x.stride(0), 1], [bm, bk])
+        b_desc = TensorDescriptor(weight, [n, k_dim], [weight.stride(0), 1], [bn, bk])
+        grid = (triton.cdiv(tokens, bm) * triton.cdiv(n, bn),)
+        _qkv_rope_gemm[grid](a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0),
+                             2 * hidden, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                             K_TILES=triton.cdiv(k_dim, bk), num_warps=warps, num_stages=stages)
+
+    if bias is None:
+        bias = torch.zeros(n, dtype=x.dtype, device=x.device)
+    if tile is None and _interpreting():
+        tile = (32, head_dim, 32, 4, 2)  # small tiles: the interpreter's cost grows with the tile
+    if tile is None:
+        tile = choose(("qkv_rope_gemm", tokens > 4096, n, k_dim, head_dim, x.dtype, x.device),
+                      lambda: gemm_candidates(hidden, head_dim), launch)
+    elif tile[1] % head_dim or hidden % tile[1]:
+        raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
+    launch(tile)
+    return out.view(tokens, 3, heads, head_dim)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .rope import apply_vision_rope
+from .tuning import choose, tuned_choices  # noqa: F401 - tuned_choices is re-exported
 
 try:
     import triton
@@ -87,13 +88,56 @@ def reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, cos=None
     return out
 
 
+def segment_runs(seqlens) -> list[tuple[int, int, int]]:
+    """(first token, segments, length) of each maximal run of consecutive equal-length segments."""
+    runs: list[tuple[int, int, int]] = []
+    offset = 0
+    for n in seqlens:
+        if runs and runs[-1][2] == n:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, n)
+        else:
+            runs.append((offset, 1, n))
+        offset += n
+    return runs
+
+
+def sdpa_gathers(seqlens) -> bool:
+    """Whether the fallback gathers segments by length (index copies, host-built indices: not capturable
+    in a CUDA graph) rather than viewing runs of equal lengths in place: only when runs far outnumber
+    the distinct lengths, i.e. equal lengths are scattered through the pack."""
+    runs = len(segment_runs(seqlens))
+    return runs > max(8, 2 * len(set(seqlens)))
+
+
+# SDPA's backends in our order of preference on CUDA. PyTorch's default order puts flash first; cuDNN is
+# 1.3-1.5x faster on H100 at the tower's shapes (benchmarks/results/attention.json, batched-cudnn vs
+# batched-flash), and each backend declines inputs it cannot take, so the next one runs instead.
+_CUDA_SDPA_ORDER = None
+
+
+def _sdpa(q, k, v, scale):
+    global _CUDA_SDPA_ORDER
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _CUDA_SDPA_ORDER is None:
+        _CUDA_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(_CUDA_SDPA_ORDER, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
 def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
                           seqlens=None, rotate_k=True):
-    """The fallback: one batched SDPA call per distinct segment length, not one per segment.
+    """The fallback: one batched SDPA call per run of equal-length segments, not one per segment.
 
-    Segments of equal length are gathered into one `(B, H, L, D)` batch, which SDPA runs with its
-    best backend (flash/cuDNN on GPUs, the fused CPU kernel otherwise). Image packs have few distinct
-    lengths, so this is a handful of calls. `seqlens` (host ints) avoids reading `cu_seqlens` back.
+    A run of consecutive segments of one length is a `(B, H, L, D)` view of q, k and v as they are
+    (e.g. strided slices of a fused QKV buffer): no copies in, and SDPA's output (token-major on
+    CUDA) is returned as is when one run covers the pack. Image packs have few runs (a video's frames,
+    same-sized images side by side); when equal lengths are scattered (`sdpa_gathers`), segments are
+    gathered by length instead. SDPA runs its best backend: cuDNN first on CUDA, the fused CPU kernel
+    otherwise. `seqlens` (host ints) avoids reading `cu_seqlens` back.
     """
     _check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
     if cos is not None:
@@ -102,6 +146,22 @@ def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None
     if seqlens is None:
         bounds = cu_seqlens.tolist()
         seqlens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    total, heads, dim = q.shape
+    if sdpa_gathers(seqlens):
+        return _sdpa_gathered(q, k, v, seqlens, softmax_scale)
+    runs = segment_runs(seqlens)
+    out = None if len(runs) == 1 else torch.empty((total, heads, dim), dtype=q.dtype, device=q.device)
+    for start, count, length in runs:
+        end = start + count * length
+        qb, kb, vb = (t[start:end].unflatten(0, (count, length)).transpose(1, 2) for t in (q, k, v))
+        ob = _sdpa(qb, kb, vb, softmax_scale).transpose(1, 2).reshape(end - start, heads, dim)
+        if out is None:
+            return ob
+        out[start:end] = ob
+    return out
+
+
+def _sdpa_gathered(q, k, v, seqlens, softmax_scale):
     total, heads, dim = q.shape
     out = torch.empty((total, heads, dim), dtype=q.dtype, device=q.device)
     starts: dict[int, list[int]] = {}
@@ -113,7 +173,7 @@ def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None
         idx = (torch.tensor(group, device=q.device)[:, None] + torch.arange(length, device=q.device)).flatten()
         qb, kb, vb = (t.index_select(0, idx).view(len(group), length, heads, dim).transpose(1, 2)
                       for t in (q, k, v))
-        ob = F.scaled_dot_product_attention(qb, kb, vb, scale=softmax_scale)  # [B, H, L, D]
+        ob = _sdpa(qb, kb, vb, softmax_scale)  # [B, H, L, D]
         out.index_copy_(0, idx, ob.transpose(1, 2).reshape(-1, heads, dim))
     return out
 
@@ -439,41 +499,6 @@ def _device_descriptors(work: int) -> bool:
     return work <= DEVICE_DESC_MAX_WORK and not torch.cuda.is_current_stream_capturing()
 
 
-# Tuning without triton.autotune: one choice per (kernel, length class, head dim, RoPE flags, dtype, device),
-# timed once on the first call with that key (the service's warm-up covers the classes it serves), then
-# every call launches the chosen configuration straight through the JIT function. The autotuner's per-call
-# bookkeeping and pre-hook cost more host time than a small pack's whole kernel (docs/PERFORMANCE.md).
-_choices: dict[tuple, TileConfig] = {}
-
-
-def tuned_choices() -> dict[tuple, TileConfig]:
-    """The configurations chosen so far, by key (for logs and tests)."""
-    return dict(_choices)
-
-
-def _choose(key: tuple, candidates, launch) -> TileConfig:
-    """The configuration for `key`; `candidates()` lists them (only called the first time)."""
-    choice = _choices.get(key)
-    if choice is not None:
-        return choice
-    candidates = candidates()
-    if len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
-        choice = candidates[0]  # nothing to time, or timing is impossible (a CUDA graph is being captured)
-    else:
-        times, error = [], None
-        for c in candidates:
-            try:
-                times.append(triton.testing.do_bench(lambda c=c: launch(c), warmup=10, rep=40))
-            except Exception as e:  # noqa: BLE001 - a candidate that does not compile or launch here is skipped
-                times.append(float("inf"))
-                error = e
-        if min(times) == float("inf"):
-            raise error
-        choice = candidates[times.index(min(times))]
-    _choices[key] = choice
-    return choice
-
-
 def _scratch(size: int, alignment: int, stream):
     """Global scratch for device-side tensor descriptors, from PyTorch's caching allocator (stream-ordered,
     and taken from the graph pool under CUDA-graph capture)."""
@@ -586,7 +611,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
-            config = _choose(("tma", bucket, head_dim, rope, q.dtype, q.device), lambda: tma_candidates(head_dim),
+            config = choose(("tma", bucket, head_dim, rope, q.dtype, q.device), lambda: tma_candidates(head_dim),
                              launch)
             if not config.device_desc and _device_descriptors(total * max_seqlen * heads * head_dim):
                 config = _with_device_desc(config)
@@ -604,6 +629,6 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if config is None and (block_m is not None or _interpreting()):
         # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
         config = TileConfig(block_m or 32, block_n or 16, 4, 2 if head_dim > 64 else 3)
-    launch(config or _choose(("ptr", bucket, head_dim, rope, k_rope, q.dtype, q.device),
+    launch(config or choose(("ptr", bucket, head_dim, rope, k_rope, q.dtype, q.device),
                              lambda: ptr_candidates(head_dim), launch))
     return out

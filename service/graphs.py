@@ -15,7 +15,9 @@ batches of same-sized images -- is captured once and replayed:
   forward plus the recording, and under varied traffic an LRU cache recaptures without end
   (measured: the service fell from 520 to 238 images/s); a failed capture (e.g. out of memory)
   falls back to the eager forward for that signature.
-Only for CUDA towers on the Triton backend: the SDPA fallback reads host lengths to group segments.
+Only for CUDA towers. On the SDPA backend a pack is captured only when its segments form few runs of
+equal lengths (`kernels.varlen_attention.sdpa_gathers`): otherwise the fallback gathers segments with
+indices built on the host at every call, which a graph cannot hold.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+
+from kernels.varlen_attention import sdpa_gathers
 
 from .tower import PackPlan, VisionTower
 
@@ -49,7 +53,7 @@ class GraphedTower:
         self.tower = tower
         self.max_graphs = max_graphs
         self.capture_after = max(1, capture_after)
-        self.enabled = max_graphs > 0 and tower.pos_embed.weight.is_cuda and tower.backend == "triton"
+        self.enabled = max_graphs > 0 and tower.pos_embed.weight.is_cuda
         self._graphs: dict[Signature, _Captured] = {}
         self._seen: Counter[Signature] = Counter()
         self._failed: set[Signature] = set()
@@ -62,7 +66,7 @@ class GraphedTower:
         captured = self._graphs.get(key)
         if captured is None:
             if (not self.enabled or key in self._failed or len(self._graphs) >= self.max_graphs
-                    or self._count(key) < self.capture_after):
+                    or self._count(key) < self.capture_after or not self._capturable(key)):
                 return self.tower(pixel_values, self.tower.plan(key))
             captured = self._capture(key, pixel_values)
             if captured is None:
@@ -74,6 +78,9 @@ class GraphedTower:
         captured.graph.replay()
         self.replays += 1
         return captured.merged.clone(), captured.deepstack.clone()
+
+    def _capturable(self, key: Signature) -> bool:
+        return self.tower.backend == "triton" or not sdpa_gathers([h * w for t, h, w in key for _ in range(t)])
 
     def _count(self, key: Signature) -> int:
         if len(self._seen) > 100_000:  # bound the bookkeeping of one-off signatures

@@ -24,7 +24,7 @@ from transformers.activations import ACT2FN
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.add_layernorm import add_layernorm
 from kernels.pos_embed import pos_embed_add_
-from kernels.qkv_rope import qkv_rope_
+from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
 
 from .config import TowerConfig
 
@@ -124,6 +124,10 @@ class Attention(nn.Module):
     # (False). Measured on H100, 2B 32x448px: the pass rotating both is 0.7 ms faster per forward
     # (benchmarks/results/profile_*.json): in the kernel, 16 heads re-read the cos/sin rows.
     rope_q_in_kernel = False
+    # Triton backend: the QKV projection adds its bias and rotates Q and K in its own epilogue
+    # (kernels.qkv_rope.qkv_rope_linear, Hopper, power-of-two head dims) instead of cuBLAS plus the
+    # in-place pass.
+    fused_qkv_rope = True
 
     def __init__(self, cfg: TowerConfig):
         super().__init__()
@@ -133,6 +137,12 @@ class Attention(nn.Module):
 
     def forward(self, x, plan: PackPlan, backend: str):
         tokens = x.shape[0]
+        if (backend == "triton" and self.fused_qkv_rope and not self.rope_q_in_kernel
+                and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
+            qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
+            q, k, v = qkv.unbind(1)
+            out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
+            return self.proj(out.view(tokens, -1))
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
         if backend == "triton" and self.rope_q_in_kernel:

@@ -78,3 +78,49 @@ def test_pos_embed_add(tokens, hidden, side, dtype):
     fallback = x.clone()
     pos_embed_add_(fallback, table, index, weight, use_triton=False)
     assert torch.equal(fallback, ref)
+
+
+@pytest.mark.parametrize("tokens,k_dim,heads,head_dim,tile", [
+    (131, 96, 2, 64, (32, 64, 32, 4, 2)),   # row tail, a K tail (TMA zero fill), one head per tile
+    (1, 64, 2, 32, (16, 64, 16, 4, 2)),     # one token, two heads per tile
+    (70, 48, 4, 16, (64, 32, 16, 4, 3)),    # head_dim 16, K = 3 tiles
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_qkv_rope_linear_interpreted(tokens, k_dim, heads, head_dim, tile, dtype, monkeypatch):
+    """The QKV projection with bias and RoPE in its epilogue, against the projection then the rotation,
+    both against a float64 computation of the same function."""
+    from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_linear, reference_qkv_rope_linear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(tokens * k_dim)
+    hidden = heads * head_dim
+    x = torch.randn(tokens, k_dim, generator=g).to(dtype)
+    w = (torch.randn(3 * hidden, k_dim, generator=g) / k_dim**0.5).to(dtype)
+    b = torch.randn(3 * hidden, generator=g).to(dtype)
+    pos = torch.randint(0, 50, (tokens, 2), generator=g)
+    cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim))
+    assert fused_qkv_rope_supported(x, w, heads)
+    out = qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile)
+    assert out.shape == (tokens, 3, heads, head_dim) and out.dtype == dtype
+    lin = (x.double() @ w.double().T + b.double()).view(tokens, 3, heads, head_dim)
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    exact = lin.clone()
+    for i in (0, 1):
+        x1, x2 = lin[:, i, :, :head_dim // 2], lin[:, i, :, head_dim // 2:]
+        exact[:, i] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    ref = reference_qkv_rope_linear(x, w, b, cos, sin, heads)
+    err = (out.double() - exact).norm() / exact.norm()
+    torch_err = (ref.double() - exact).norm() / exact.norm()
+    assert err <= 2 * torch_err + 1e-7, (err, torch_err)
+    assert not out.isnan().any()
+
+
+def test_qkv_rope_linear_falls_back():
+    """Where the fused kernel cannot run (CPU without the interpreter, head_dim 72) the same call runs
+    the projection and the pass."""
+    from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_linear, reference_qkv_rope_linear
+
+    x, w, b = torch.randn(9, 144), torch.randn(3 * 144, 144), torch.randn(3 * 144)
+    cos, sin = vision_rope_cos_sin(torch.randint(0, 9, (9, 2)), vision_rope_inv_freq(72))
+    assert not fused_qkv_rope_supported(x, w, 2)
+    assert torch.equal(qkv_rope_linear(x, w, b, cos, sin, 2), reference_qkv_rope_linear(x, w, b, cos, sin, 2))

@@ -95,10 +95,19 @@ def test_video_shaped_grid_matches_transformers(full_checkpoint, hf_model):
         assert rel_err(ds[level], feats) <= TOL
 
 
-def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model):
-    """The whole Triton path (QKV RoPE, varlen attention, add+LayerNorm) in the interpreter, fp32."""
+@pytest.mark.parametrize("fused_qkv", [True, False])
+def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model, fused_qkv, monkeypatch):
+    """The whole Triton path (QKV projection with RoPE in its epilogue, or the projection and the
+    in-place RoPE pass; varlen attention; add+LayerNorm) in the interpreter, fp32."""
+    import kernels.qkv_rope
+
     enc = Encoder.load(str(full_checkpoint))
     enc.tower._backend = "triton"
+    for p in enc.tower.parameters():
+        p.data = p.data.clone()  # weights mapped from the file may be unaligned; tensor descriptors need 16 B
+    monkeypatch.setattr(type(enc.tower.blocks[0].attn), "fused_qkv_rope", fused_qkv)
+    launches = []
+    monkeypatch.setattr(kernels.qkv_rope, "_qkv_rope_gemm", _Spy(kernels.qkv_rope._qkv_rope_gemm, launches))
     grids = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_dim)
     with torch.no_grad():
@@ -107,3 +116,15 @@ def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model):
     assert rel_err(merged, ref_merged) <= TOL
     for level, feats in enumerate(ref_ds):
         assert rel_err(ds[level], feats) <= TOL
+    assert len(launches) == (enc.config.depth if fused_qkv else 0)
+
+
+class _Spy:
+    """Counts the launches of a Triton kernel (`kernel[grid](...)`) and passes them through."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]

@@ -14,7 +14,9 @@ from kernels.varlen_attention import (
     TileConfig,
     head_dim_split,
     reference_varlen_attention,
+    sdpa_gathers,
     sdpa_varlen_attention,
+    segment_runs,
     triton_varlen_attention,
 )
 
@@ -198,3 +200,21 @@ def test_device_descriptor_launch_sets_triton_allocator_in_its_own_thread(monkey
         with ThreadPoolExecutor(1) as pool:
             pool.submit(va.triton_varlen_attention, q, k, v, cu, 131, config=cfg).result()
     assert seen == [va._scratch, va._scratch]
+
+
+def test_segment_runs():
+    assert segment_runs([4, 4, 4, 7, 4, 4, 1]) == [(0, 3, 4), (12, 1, 7), (19, 2, 4), (27, 1, 1)]
+    assert segment_runs([5]) == [(0, 1, 5)]
+    # views while runs are few; gathered by length when equal lengths are scattered
+    assert not sdpa_gathers([784] * 32 + [256] * 3 + [784] * 5)
+    assert not sdpa_gathers(list(range(1, 40)))  # every length distinct: nothing to gather
+    assert sdpa_gathers([9, 16] * 10)
+
+
+@pytest.mark.parametrize("lengths", [[16] * 6, [9, 16] * 10, [16, 16, 7, 16, 1, 1, 1, 31], [3, 5] * 3 + [2] * 9])
+def test_sdpa_fallback_runs_and_gathers(lengths):
+    """Both strategies of the fallback (views of runs, gathers by length), on strided fused-QKV views."""
+    q, k, v, cu, _, _ = make_inputs(lengths, 3, 72, torch.float32, False, seed=len(lengths))
+    out = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths)
+    assert out.shape == q.shape
+    assert rel_err(out, reference_varlen_attention(q, k, v, cu)) <= 1e-5

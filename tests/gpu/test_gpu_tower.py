@@ -124,17 +124,23 @@ def test_video_end_to_end_bf16(towers):
     assert err <= 2 * hf_err
 
 
-def test_cuda_graph_replay_equals_eager():
+@pytest.mark.parametrize("name,backend", [("qwen3-vl-2b", "triton"), ("qwen3-vl-8b", "sdpa")])
+def test_cuda_graph_replay_equals_eager(name, backend):
     """The served path: a repeated pack signature is captured and replayed; results equal the eager
-    forward bit for bit, for every signature, with fresh pixels; a full cache captures no more."""
+    forward bit for bit, for every signature, with fresh pixels; a full cache captures no more. On the
+    SDPA backend a pack whose equal lengths are scattered (gathered with host-built indices) is never
+    captured."""
     from service.graphs import GraphedTower
 
-    cfg = preset("qwen3-vl-2b")
+    cfg = preset(name)
     tower = random_tower(cfg, "cuda", torch.bfloat16, seed=3)
-    tower._backend = "triton"
+    tower._backend = backend
     graphed = GraphedTower(tower, max_graphs=2, capture_after=2)
     assert graphed.enabled
+    scattered = [(1, 4, 4), (1, 8, 8)] * 10
     packs = [[(1, 28, 28)] * 3, [(1, 16, 40), (2, 8, 8)], [(1, 64, 64)]]
+    if backend == "sdpa":
+        packs.insert(0, scattered)
     with torch.inference_mode():
         for round_ in range(3):
             for grids in packs:
@@ -143,4 +149,5 @@ def test_cuda_graph_replay_equals_eager():
                 merged, ds = graphed(pixels, grids)
                 e_merged, e_ds = tower(pixels, tower.plan(grids))
                 assert torch.equal(merged, e_merged) and torch.equal(ds, e_ds), (round_, grids)
-    assert graphed.captures == 2 and graphed.replays == 4  # the third signature stays eager
+    assert graphed.captures == 2 and graphed.replays == 4  # the last signature stays eager
+    assert tuple(map(tuple, scattered)) not in graphed._graphs

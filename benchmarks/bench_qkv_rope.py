@@ -1,0 +1,49 @@
+"""The QKV projection with RoPE: cuBLAS (`F.linear`) plus the in-place Triton pass, against the fused
+Triton GEMM (bias and rotation in its epilogue) at each candidate tile, at the towers' shapes.
+
+Usage: python -m benchmarks.bench_qkv_rope  ->  qkv_rope.json under $OUT or benchmarks/results
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import bench, environment, print_table, write_results
+from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
+from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
+from service.config import PRESETS
+
+SHAPES = {"2b 32x448px": ("qwen3-vl-2b", 32 * 784), "2b 8x448px": ("qwen3-vl-2b", 8 * 784),
+          "2b 1x1024px": ("qwen3-vl-2b", 4096)}
+
+
+def main():
+    rows = []
+    for name, (preset, tokens) in SHAPES.items():
+        cfg = PRESETS[preset]
+        hidden, heads, head_dim = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(3 * hidden, hidden, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+        b = torch.randn(3 * hidden, device="cuda", dtype=torch.bfloat16)
+        cos, sin = vision_rope_cos_sin(torch.randint(0, 64, (tokens, 2), device="cuda"),
+                                       vision_rope_inv_freq(head_dim, device="cuda"))
+        flops = 2 * tokens * hidden * 3 * hidden
+        t_gemm = bench(lambda: F.linear(x, w, b))
+        qkv = F.linear(x, w, b).view(tokens, 3, heads, head_dim)
+        t_pass = bench(lambda: qkv_rope_(qkv, cos, sin, use_triton=True))
+        t_base = bench(lambda: qkv_rope_(F.linear(x, w, b).view(tokens, 3, heads, head_dim), cos, sin, use_triton=True))
+        rows.append({"shape": name, "path": "cublas + pass", "ms": t_base, "gemm ms": t_gemm, "pass ms": t_pass,
+                     "TFLOPS": flops / t_base / 1e9, "× base": 1.0})
+        for tile in gemm_candidates(hidden, head_dim):
+            t = bench(lambda tile=tile: qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile))
+            rows.append({"shape": name, "path": f"fused {tile}", "ms": t, "TFLOPS": flops / t / 1e9,
+                         "× base": t_base / t})
+        t = bench(lambda: qkv_rope_linear(x, w, b, cos, sin, heads))
+        rows.append({"shape": name, "path": "fused (tuned)", "ms": t, "TFLOPS": flops / t / 1e9, "× base": t_base / t})
+    print_table(rows, ["shape", "path", "ms", "gemm ms", "pass ms", "TFLOPS", "× base"])
+    write_results("qkv_rope", {"benchmark": "bench_qkv_rope", "env": environment(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
