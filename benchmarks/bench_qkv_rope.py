@@ -15,7 +15,7 @@ from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 from service.config import PRESETS
 
 SHAPES = {"2b 32x448px": ("qwen3-vl-2b", 32 * 784), "2b 8x448px": ("qwen3-vl-2b", 8 * 784),
-          "2b 1x1024px": ("qwen3-vl-2b", 4096)}
+          "2b 1x1024px": ("qwen3-vl-2b", 4096), "8b 32x448px": ("qwen3-vl-8b", 32 * 784)}
 
 
 def main():
@@ -33,15 +33,16 @@ def main():
         qkv = F.linear(x, w, b).view(tokens, 3, heads, head_dim)
         t_pass = bench(lambda: qkv_rope_(qkv, cos, sin, use_triton=True))
         t_base = bench(lambda: qkv_rope_(F.linear(x, w, b).view(tokens, 3, heads, head_dim), cos, sin, use_triton=True))
+        moved = 4 * tokens * 2 * hidden + 2 * cos.numel() * 4  # Q and K read and written, cos and sin read
         rows.append({"shape": name, "path": "cublas + pass", "ms": t_base, "gemm ms": t_gemm, "pass ms": t_pass,
-                     "TFLOPS": flops / t_base / 1e9, "× base": 1.0})
+                     "pass GB/s": moved / t_pass / 1e6, "TFLOPS": flops / t_base / 1e9, "× base": 1.0})
         for tile in gemm_candidates(hidden, head_dim):
             t = bench(lambda tile=tile: qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile))
             rows.append({"shape": name, "path": f"fused {tile}", "ms": t, "TFLOPS": flops / t / 1e9,
                          "× base": t_base / t})
         t = bench(lambda: qkv_rope_linear(x, w, b, cos, sin, heads))
         rows.append({"shape": name, "path": "fused (tuned)", "ms": t, "TFLOPS": flops / t / 1e9, "× base": t_base / t})
-    print_table(rows, ["shape", "path", "ms", "gemm ms", "pass ms", "TFLOPS", "× base"])
+    print_table(rows, ["shape", "path", "ms", "gemm ms", "pass ms", "pass GB/s", "TFLOPS", "× base"])
     write_results("qkv_rope", {"benchmark": "bench_qkv_rope", "env": environment(), "rows": rows})
 
 

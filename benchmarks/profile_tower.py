@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from benchmarks.bench_tower import WORKLOADS
 from benchmarks.common import bench, environment, write_results
 from kernels.add_layernorm import add_layernorm
-from kernels.qkv_rope import qkv_rope_
+from kernels.qkv_rope import qkv_rope_, qkv_rope_linear
 from service.config import preset
 from service.loader import random_tower
 
 CATEGORIES = [  # first match wins
     ("attention", r"varlen_attn|flash|fmha|cudnn|attention"),
     ("add+layernorm", r"add_layernorm"),
+    ("qkv gemm+rope (triton)", r"qkv_rope_gemm"),
     ("rope", r"rope"),
     ("gemm", r"gemm|nvjet|sm90_xmma|cutlass|cublas|matmul|splitK"),
     ("layernorm (torch)", r"layer_norm|LayerNorm"),
@@ -84,6 +85,9 @@ def micro(cfg, tokens: int) -> dict:
 
     gemm("qkv (bias)", lambda: F.linear(x, w["qkv"], b["qkv"]), tokens, 3 * h, h)
     gemm("qkv (no bias)", lambda: F.linear(x, w["qkv"]), tokens, 3 * h, h)
+    if cfg.head_dim & (cfg.head_dim - 1) == 0:
+        gemm("qkv + rope (triton, fused epilogue)",
+             lambda: qkv_rope_linear(x, w["qkv"], b["qkv"], cos, sin, cfg.num_heads), tokens, 3 * h, h)
     gemm("proj (bias)", lambda: F.linear(x, w["proj"], b["proj"]), tokens, h, h)
     gemm("proj (+residual, addmm beta=1)", lambda: torch.addmm(y, x, w["proj"].t()), tokens, h, h)
     gemm("fc1 (bias+gelu epilogue)", lambda: torch._addmm_activation(b["fc1"], x, w["fc1"].t(), use_gelu=True),
@@ -129,13 +133,15 @@ def main():
         for r in table:
             by_cat[r["category"]] += r["us_per_forward"]
         micro_res = micro(cfg, tokens)
-        # A/B: Q rotated in the attention kernel (served) vs in the K pass as well
+        # A/B of the QKV projection's RoPE: in its epilogue (served), by the pass, Q in the attention kernel
         from service.tower import Attention
 
-        Attention.rope_q_in_kernel = False
+        micro_res["tower wall, Q and K rotated in the QKV projection"] = {"ms": wall}
+        Attention.fused_qkv_rope = False
         micro_res["tower wall, Q and K rotated by the pass"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
         Attention.rope_q_in_kernel = True
         micro_res["tower wall, Q rotated in the attention kernel"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
+        Attention.rope_q_in_kernel, Attention.fused_qkv_rope = False, True
     busy = sum(by_cat.values()) / 1000
     print(f"{args.preset} {args.workload}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms")
     for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):

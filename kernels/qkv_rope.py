@@ -37,22 +37,29 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(QKV, COS, SIN, n_tokens, stride_t, stride_s, stride_h, stride_c,
-                         HALF: tl.constexpr, HALF_P2: tl.constexpr, BLOCK_T: tl.constexpr, FIRST: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                         FIRST: tl.constexpr):
+        """Rotates all heads of Q (or K) of BLOCK_T tokens: each token's heads are one flat run of WIDTH =
+        heads * head_dim elements, so loads and stores stay contiguous whatever the head dim (a per-head
+        tile of head_dim / 2 columns wastes most of each 128-byte line at 72). The rotate-half partner
+        and the cos/sin column are gathers within the same row; every load precedes every store."""
         pid_t = tl.program_id(0)
-        head = tl.program_id(1)
-        which = tl.program_id(2) + FIRST  # 0: Q, 1: K
+        which = tl.program_id(1) + FIRST  # 0: Q, 1: K
+        HALF: tl.constexpr = HEAD_DIM // 2
         rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tl.arange(0, HALF_P2)
-        mask = (rows < n_tokens)[:, None] & (cols < HALF)[None, :]
-        base = QKV + rows[:, None].to(tl.int64) * stride_t + which * stride_s + head * stride_h + cols[None, :]
-        x1 = tl.load(base, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF, mask=mask, other=0.0)
-        cs = rows[:, None] * stride_c + cols[None, :]
+        e = tl.arange(0, BLOCK_E)
+        j = e % HEAD_DIM
+        lower = j < HALF
+        head_off = (e // HEAD_DIM) * stride_h
+        mask = (rows < n_tokens)[:, None] & (e < WIDTH)[None, :]
+        base = QKV + rows[:, None].to(tl.int64) * stride_t + which * stride_s
+        x = tl.load(base + (head_off + j)[None, :], mask=mask, other=0.0)
+        xp = tl.load(base + (head_off + tl.where(lower, j + HALF, j - HALF))[None, :], mask=mask, other=0.0)
+        cs = rows[:, None] * stride_c + tl.where(lower, j, j - HALF)[None, :]
         c = tl.load(COS + cs, mask=mask, other=0.0)
         s = tl.load(SIN + cs, mask=mask, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(base, (a * c - b * s).to(x1.dtype), mask=mask)
-        tl.store(base + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+        xp = tl.where(lower[None, :], -xp.to(tl.float32), xp.to(tl.float32))
+        tl.store(base + (head_off + j)[None, :], (x.to(tl.float32) * c + xp * s).to(x.dtype), mask=mask)
 
 
 def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None,
@@ -72,11 +79,12 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
         for i in (1,) if k_only else (0, 1):
             qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
-    block_t = 64
-    grid = (triton.cdiv(tokens, block_t), heads, 1 if k_only else 2)
+    block_e = triton.next_power_of_2(heads * head_dim)
+    block_t = max(1, 4096 // block_e)  # ~32 elements per thread and array at 4 warps
+    grid = (triton.cdiv(tokens, block_t), 1 if k_only else 2)
     _qkv_rope_kernel[grid](qkv, cos, sin, tokens, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
-                           HALF=half, HALF_P2=triton.next_power_of_2(half), BLOCK_T=block_t, FIRST=int(k_only),
-                           num_warps=4)
+                           HEAD_DIM=head_dim, WIDTH=heads * head_dim, BLOCK_E=block_e, BLOCK_T=block_t,
+                           FIRST=int(k_only), num_warps=4)
     return qkv
 
 
@@ -121,7 +129,7 @@ if triton is not None:
 
 # (block_m, block_n, block_k, warps, stages) candidates, timed once per shape class on first use
 GEMM_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4),
-              (256, 128, 64, 8, 3), (64, 256, 64, 4, 4)]
+              (256, 128, 64, 8, 3), (64, 256, 64, 4, 4), (128, 256, 128, 8, 2), (256, 128, 128, 8, 2)]
 
 
 def gemm_candidates(hidden: int, head_dim: int) -> list[tuple]:

@@ -162,3 +162,27 @@ def test_qkv_rope_linear_every_tile(tokens, hidden, heads):
         out = qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile)
         torch.cuda.synchronize()
         assert rel_err(out, exact) <= 2 * ref_err, (tile, rel_err(out, exact), ref_err)
+
+
+@pytest.mark.parametrize("tokens", [1, 131, 25088])
+@pytest.mark.parametrize("heads,head_dim", [(16, 64), (16, 72), (16, 80)])
+@pytest.mark.parametrize("k_only", [False, True])
+def test_qkv_rope_pass(tokens, heads, head_dim, k_only):
+    """The in-place pass (bf16, the towers' widths) against PyTorch's rotation: equal up to the last
+    bit of a few elements (fused multiply-adds); V, and Q with k_only, untouched."""
+    from kernels.qkv_rope import qkv_rope_
+    from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
+
+    g = torch.Generator(device="cuda").manual_seed(tokens + head_dim)
+    qkv = torch.randn(tokens, 3, heads, head_dim, device="cuda", generator=g).bfloat16()
+    pos = torch.randint(0, 64, (tokens, 2), device="cuda", generator=g)
+    cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))
+    out = qkv_rope_(qkv.clone(), cos, sin, use_triton=True, k_only=k_only)
+    for i in (0, 1):
+        if i == 0 and k_only:
+            assert torch.equal(out[:, 0], qkv[:, 0])
+            continue
+        ref = apply_vision_rope(qkv[:, i], cos, sin)
+        assert rel_err(out[:, i], ref) <= 1e-3
+        assert (out[:, i] != ref).float().mean() <= 0.01
+    assert torch.equal(out[:, 2], qkv[:, 2])
