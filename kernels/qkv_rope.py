@@ -91,26 +91,21 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
 if triton is not None:
 
     @triton.jit
-    def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
-        """OUT[M, N] = A[M, K] @ B[N, K]^T + BIAS, with columns below ROPE_N (Q and K) rotated."""
-        pid = tl.program_id(0)
-        # grouped order: GROUP_M row blocks sweep the columns together, so their A tiles stay in L2
+    def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """Grouped order: GROUP_M row blocks sweep the columns together, so their A tiles stay in L2."""
         grid_m = tl.cdiv(M, BLOCK_M)
-        grid_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * grid_n
-        first_m = (pid // per_group) * GROUP_M
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_m = (tile // per_group) * GROUP_M
         group_m = min(grid_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kt in tl.range(0, K_TILES):
-            a = a_desc.load([off_m, kt * BLOCK_K])
-            b = b_desc.load([off_n, kt * BLOCK_K])
-            acc = tl.dot(a, b.T, acc)
+        pid_m = first_m + (tile % per_group) % group_m
+        pid_n = (tile % per_group) // group_m
+        return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+    @triton.jit
+    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The epilogue: + bias, rotate when the tile is in Q or K (whole heads: a column's rotate-half
+        partner is in the tile), round once, store the rows that exist."""
         cols = off_n + tl.arange(0, BLOCK_N)
         rows = off_m + tl.arange(0, BLOCK_M)
         acc += tl.load(BIAS + cols).to(tl.float32)[None, :]
@@ -126,10 +121,41 @@ if triton is not None:
         out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
 
+    @triton.jit
+    def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
+        """OUT[M, N] = A[M, K] @ B[N, K]^T + BIAS, with columns below ROPE_N (Q and K) rotated: one
+        program per output tile."""
+        off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kt in tl.range(0, K_TILES):
+            acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
+        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                         BLOCK_M, BLOCK_N)
 
-# (block_m, block_n, block_k, warps, stages) candidates, timed once per shape class on first use
-GEMM_TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 4),
-              (256, 128, 64, 8, 3), (64, 256, 64, 4, 4), (128, 256, 128, 8, 2), (256, 128, 128, 8, 2)]
+    @triton.jit
+    def _qkv_rope_gemm_persistent(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
+                                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
+                                  NUM_SMS: tl.constexpr):
+        """The same GEMM with one program per SM looping over tiles; the flattened loop lets the
+        pipeliner load the next tile's operands during this tile's epilogue."""
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+            off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for kt in range(K_TILES):
+                acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
+            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                             BLOCK_M, BLOCK_N)
+
+
+# (block_m, block_n, block_k, warps, stages, persistent) candidates, timed once per shape class on first use
+GEMM_TILES = [(128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
+              (128, 256, 64, 8, 4, False), (256, 128, 64, 8, 3, False), (64, 256, 64, 4, 4, False),
+              (128, 256, 128, 8, 2, False), (256, 128, 128, 8, 2, False),
+              (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (128, 128, 64, 8, 4, True)]
 
 
 def gemm_candidates(hidden: int, head_dim: int) -> list[tuple]:
@@ -169,6 +195,11 @@ def _interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
 def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
@@ -190,18 +221,23 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
     def launch(c):
-        bm, bn, bk, warps, stages = c
+        bm, bn, bk, warps, stages, persistent = c
         a_desc = TensorDescriptor(x, [tokens, k_dim], [x.stride(0), 1], [bm, bk])
         b_desc = TensorDescriptor(weight, [n, k_dim], [weight.stride(0), 1], [bn, bk])
-        grid = (triton.cdiv(tokens, bm) * triton.cdiv(n, bn),)
-        _qkv_rope_gemm[grid](a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0),
-                             2 * hidden, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                             K_TILES=triton.cdiv(k_dim, bk), num_warps=warps, num_stages=stages)
+        tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
+        args = (a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0), 2 * hidden)
+        meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=triton.cdiv(k_dim, bk),
+                    num_warps=warps, num_stages=stages)
+        if persistent:
+            sms = _sm_count(x.device) if x.is_cuda else 4
+            _qkv_rope_gemm_persistent[(min(sms, tiles),)](*args, NUM_SMS=min(sms, tiles), **meta)
+        else:
+            _qkv_rope_gemm[(tiles,)](*args, **meta)
 
     if bias is None:
         bias = torch.zeros(n, dtype=x.dtype, device=x.device)
     if tile is None and _interpreting():
-        tile = (32, head_dim, 32, 4, 2)  # small tiles: the interpreter's cost grows with the tile
+        tile = (32, head_dim, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     if tile is None:
         tile = choose(("qkv_rope_gemm", tokens > 4096, n, k_dim, head_dim, x.dtype, x.device),
                       lambda: gemm_candidates(hidden, head_dim), launch)

@@ -81,9 +81,11 @@ def test_pos_embed_add(tokens, hidden, side, dtype):
 
 
 @pytest.mark.parametrize("tokens,k_dim,heads,head_dim,tile", [
-    (131, 96, 2, 64, (32, 64, 32, 4, 2)),   # row tail, a K tail (TMA zero fill), one head per tile
-    (1, 64, 2, 32, (16, 64, 16, 4, 2)),     # one token, two heads per tile
-    (70, 48, 4, 16, (64, 32, 16, 4, 3)),    # head_dim 16, K = 3 tiles
+    (131, 96, 2, 64, (32, 64, 32, 4, 2, False)),  # row tail, a K tail (TMA zero fill), one head per tile
+    (1, 64, 2, 32, (16, 64, 16, 4, 2, False)),    # one token, two heads per tile
+    (70, 48, 4, 16, (64, 32, 16, 4, 3, False)),   # head_dim 16, K = 3 tiles
+    (131, 96, 2, 64, (32, 64, 32, 4, 2, True)),   # persistent: 4 programs loop over 30 tiles
+    (70, 48, 4, 16, (16, 32, 16, 4, 3, True)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_qkv_rope_linear_interpreted(tokens, k_dim, heads, head_dim, tile, dtype, monkeypatch):
