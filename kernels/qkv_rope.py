@@ -37,29 +37,28 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(QKV, COS, SIN, n_tokens, stride_t, stride_s, stride_h, stride_c,
-                         HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                         HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                          FIRST: tl.constexpr):
-        """Rotates all heads of Q (or K) of BLOCK_T tokens: each token's heads are one flat run of WIDTH =
-        heads * head_dim elements, so loads and stores stay contiguous whatever the head dim (a per-head
-        tile of head_dim / 2 columns wastes most of each 128-byte line at 72). The rotate-half partner
-        and the cos/sin column are gathers within the same row; every load precedes every store."""
+        """Rotates all heads of Q (or K) of BLOCK_T tokens. Lane p of a token is the rotate-half pair
+        (p // HALF's head, columns i and i + HALF with i = p % HALF), loaded, rotated and stored by the
+        one thread that owns it (in place: no thread may read what another writes). Lanes run over every
+        head of the token, so a head dim like 72 fills the tile instead of a 64-wide tile per head."""
         pid_t = tl.program_id(0)
         which = tl.program_id(1) + FIRST  # 0: Q, 1: K
-        HALF: tl.constexpr = HEAD_DIM // 2
         rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        e = tl.arange(0, BLOCK_E)
-        j = e % HEAD_DIM
-        lower = j < HALF
-        head_off = (e // HEAD_DIM) * stride_h
-        mask = (rows < n_tokens)[:, None] & (e < WIDTH)[None, :]
-        base = QKV + rows[:, None].to(tl.int64) * stride_t + which * stride_s
-        x = tl.load(base + (head_off + j)[None, :], mask=mask, other=0.0)
-        xp = tl.load(base + (head_off + tl.where(lower, j + HALF, j - HALF))[None, :], mask=mask, other=0.0)
-        cs = rows[:, None] * stride_c + tl.where(lower, j, j - HALF)[None, :]
+        p = tl.arange(0, BLOCK_P)
+        i = p % HALF
+        col = (p // HALF) * stride_h + i
+        mask = (rows < n_tokens)[:, None] & (p < PAIRS)[None, :]
+        lo = QKV + rows[:, None].to(tl.int64) * stride_t + which * stride_s + col[None, :]
+        x1 = tl.load(lo, mask=mask, other=0.0)
+        x2 = tl.load(lo + HALF, mask=mask, other=0.0)
+        cs = rows[:, None] * stride_c + i[None, :]
         c = tl.load(COS + cs, mask=mask, other=0.0)
         s = tl.load(SIN + cs, mask=mask, other=0.0)
-        xp = tl.where(lower[None, :], -xp.to(tl.float32), xp.to(tl.float32))
-        tl.store(base + (head_off + j)[None, :], (x.to(tl.float32) * c + xp * s).to(x.dtype), mask=mask)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        tl.store(lo, (a * c - b * s).to(x1.dtype), mask=mask)
+        tl.store(lo + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
 
 
 def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None,
@@ -79,12 +78,12 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
         for i in (1,) if k_only else (0, 1):
             qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
-    block_e = triton.next_power_of_2(heads * head_dim)
-    block_t = max(1, 4096 // block_e)  # ~32 elements per thread and array at 4 warps
+    block_p = triton.next_power_of_2(heads * half)
+    block_t = max(1, 2048 // block_p)  # ~16 pairs per thread at 4 warps
     grid = (triton.cdiv(tokens, block_t), 1 if k_only else 2)
     _qkv_rope_kernel[grid](qkv, cos, sin, tokens, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
-                           HEAD_DIM=head_dim, WIDTH=heads * head_dim, BLOCK_E=block_e, BLOCK_T=block_t,
-                           FIRST=int(k_only), num_warps=4)
+                           HALF=half, PAIRS=heads * half, BLOCK_P=block_p, BLOCK_T=block_t, FIRST=int(k_only),
+                           num_warps=4)
     return qkv
 
 
@@ -217,7 +216,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
     hidden = n // 3
     if not fused_qkv_rope_supported(x, weight, heads) or (
             tile is None and not _interpreting() and not gemm_candidates(hidden, head_dim)):
-        return reference_qkv_rope_linear(x, weight, bias, cos, sin, heads)
+        return qkv_rope_(F.linear(x, weight, bias).view(tokens, 3, heads, head_dim), cos, sin)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
     def launch(c):
@@ -239,7 +238,8 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
     if tile is None and _interpreting():
         tile = (32, head_dim, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     if tile is None:
-        tile = choose(("qkv_rope_gemm", tokens > 4096, n, k_dim, head_dim, x.dtype, x.device),
+        size_class = 0 if tokens <= 4096 else 1 if tokens <= 16384 else 2  # a new pack size never re-tunes
+        tile = choose(("qkv_rope_gemm", size_class, n, k_dim, head_dim, x.dtype, x.device),
                       lambda: gemm_candidates(hidden, head_dim), launch)
     elif tile[1] % head_dim or hidden % tile[1]:
         raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
