@@ -461,11 +461,10 @@ TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), 
 # GPU time, growing with the number of programs). Measured on H100 (benchmarks/profile_launch.py,
 # launch_profile.json): at 1x1024 d64 the kernel needs ~14 us of GPU time but ~75 us of host time with host
 # descriptors, ~45 us with device ones; from 64x256 up the GPU time dominates and host descriptors win.
-# "auto" therefore picks device descriptors for small calls launched eagerly, host ones otherwise (and
-# always under CUDA-graph capture, where host time is paid once). The default stays "host": the service's
-# throughput was measured with it, and auto's one service run found a bug (Triton's allocator is per
-# thread; fixed, see _set_scratch_allocator) with no GPU time left to measure the fix under load.
-# QWEN3VL_TMA_DESCRIPTORS=auto|host|device selects.
+# "auto" (the default) therefore picks device descriptors for small calls launched eagerly, host ones
+# otherwise (and always under CUDA-graph capture, where host time is paid once). Device descriptors need
+# Triton's allocator, which is per thread (see _set_scratch_allocator); the service ran with auto under
+# load without an error (benchmarks/results/service_h100_*autodesc*). QWEN3VL_TMA_DESCRIPTORS=auto|host|device.
 DEVICE_DESC_MAX_WORK = 2 * 2**30  # total_tokens * max_seqlen * heads * head_dim: 1x1024 d64 is 2**30
 
 
@@ -473,7 +472,7 @@ DEVICE_DESC_MAX_WORK = 2 * 2**30  # total_tokens * max_seqlen * heads * head_dim
 def tma_descriptors() -> str:
     import os
 
-    mode = os.environ.get("QWEN3VL_TMA_DESCRIPTORS", "host")
+    mode = os.environ.get("QWEN3VL_TMA_DESCRIPTORS", "auto")
     if mode not in ("auto", "host", "device"):
         raise ValueError(f"QWEN3VL_TMA_DESCRIPTORS={mode!r}: use auto, host or device")
     return mode
