@@ -5,9 +5,10 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
-- one Triton pass rotates Q and K in place in the fused QKV output, then attention runs through
-  `kernels.varlen_attention` (one Triton launch per block on CUDA; elsewhere SDPA, once per distinct
-  segment length);
+- on Hopper the QKV projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`,
+  power-of-two head dims); elsewhere one Triton pass rotates them in place in the projection's output.
+  Attention then runs through `kernels.varlen_attention` (one Triton launch per block on CUDA;
+  elsewhere SDPA, once per run of equal-length segments, on views of the fused QKV buffer);
 - the position embeddings are interpolated and added in one pass (`kernels.pos_embed`).
 """
 
@@ -140,8 +141,8 @@ class Attention(nn.Module):
         if (backend == "triton" and self.fused_qkv_rope and not self.rope_q_in_kernel
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
-            q, k, v = qkv.unbind(1)
-            out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
+            out = varlen_attention(*qkv.unbind(1), plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens,
+                                   backend=backend)
             return self.proj(out.view(tokens, -1))
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
