@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from .tuning import interpreting
 from .varlen_attention import sdpa_varlen_attention, triton, triton_varlen_attention
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def triton_supported(device: torch.device) -> tuple[bool, str]:
     if triton is None:
         return False, "triton is not installed"
     if device.type != "cuda":
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if interpreting():
             return True, "Triton interpreter (TRITON_INTERPRET=1), tests only"
         return False, f"device {device.type} is not CUDA"
     major, minor = torch.cuda.get_device_capability(device)

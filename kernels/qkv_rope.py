@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .rope import apply_vision_rope
-from .tuning import choose
+from .tuning import choose, interpreting, is_hopper
 
 try:
     import triton
@@ -61,6 +61,11 @@ if triton is not None:
         tl.store(lo + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
 
 
+def _check_tables(cos, sin, tokens: int, half: int):
+    if cos.shape != (tokens, half) or sin.shape != cos.shape or cos.dtype != torch.float32:
+        raise ValueError(f"cos/sin must be float32 ({tokens}, {half}); got {cos.dtype} {tuple(cos.shape)}")
+
+
 def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None,
               k_only: bool = False) -> torch.Tensor:
     """Rotate Q and K (only K with `k_only`: the attention kernel rotates Q as it loads it) of `qkv`
@@ -70,8 +75,7 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
                          f"strides {qkv.stride()}")
     tokens, _, heads, head_dim = qkv.shape
     half = head_dim // 2
-    if cos.shape != (tokens, half) or sin.shape != cos.shape or cos.dtype != torch.float32:
-        raise ValueError(f"cos/sin must be float32 ({tokens}, {half}); got {cos.dtype} {tuple(cos.shape)}")
+    _check_tables(cos, sin, tokens, half)
     if use_triton is None:
         use_triton = triton is not None and qkv.is_cuda
     if not use_triton:
@@ -169,7 +173,7 @@ def reference_qkv_rope_linear(x, weight, bias, cos, sin, heads):
 
 
 def fused_qkv_rope_supported(x, weight, heads) -> bool:
-    """Whether `qkv_rope_linear` runs its fused kernel for these operands (else it runs the reference):
+    """Whether `qkv_rope_linear` runs its fused kernel for these operands (else the projection and the pass):
     Hopper (TMA) or the interpreter, half precision (or float32 in the interpreter), power-of-two head
     dims; unpinned calls also need a candidate tile (`gemm_candidates`)."""
     if triton is None or TensorDescriptor is None or x.dim() != 2 or weight.dim() != 2:
@@ -183,14 +187,8 @@ def fused_qkv_rope_supported(x, weight, heads) -> bool:
     if x.data_ptr() % 16 or weight.data_ptr() % 16:  # tensor descriptors need 16-byte aligned bases
         return False
     if x.is_cuda:
-        return x.dtype in (torch.float16, torch.bfloat16) and _is_hopper(x.device.index or 0)
-    return _interpreting()
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+        return x.dtype in (torch.float16, torch.bfloat16) and is_hopper(x.device)
+    return interpreting()
 
 
 @functools.lru_cache(maxsize=None)
@@ -198,24 +196,18 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=None)
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, heads: int, *, tile: tuple | None = None) -> torch.Tensor:
     """`(T, 3, H, D)` = x `(T, hidden)` @ weight `(3 * hidden, hidden)`^T + bias, Q and K rotated with
     float32 `(T, D/2)` tables. One kernel where `fused_qkv_rope_supported`, else the projection and
-    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages) (tests, benchmarks)."""
+    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests, benchmarks)."""
     tokens, k_dim = x.shape
     n = weight.shape[0]
     head_dim = n // 3 // heads
-    if cos.shape != (tokens, head_dim // 2) or sin.shape != cos.shape or cos.dtype != torch.float32:
-        raise ValueError(f"cos/sin must be float32 ({tokens}, {head_dim // 2}); got {cos.dtype} {tuple(cos.shape)}")
+    _check_tables(cos, sin, tokens, head_dim // 2)
     hidden = n // 3
     if not fused_qkv_rope_supported(x, weight, heads) or (
-            tile is None and not _interpreting() and not gemm_candidates(hidden, head_dim)):
+            tile is None and not interpreting() and not gemm_candidates(hidden, head_dim)):
         return qkv_rope_(F.linear(x, weight, bias).view(tokens, 3, heads, head_dim), cos, sin)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
@@ -235,7 +227,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
 
     if bias is None:
         bias = torch.zeros(n, dtype=x.dtype, device=x.device)
-    if tile is None and _interpreting():
+    if tile is None and interpreting():
         tile = (32, head_dim, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     if tile is None:
         size_class = 0 if tokens <= 4096 else 1 if tokens <= 16384 else 2  # a new pack size never re-tunes

@@ -1,4 +1,4 @@
-"""Launch-configuration choice without `triton.autotune`.
+"""Launch-configuration choice without `triton.autotune`, and the launch environment the kernels check.
 
 One choice per key (kernel, size class, dims, dtype, device ...), timed once on the first call with
 that key (the service's warm-up covers the classes it serves); every later call launches the chosen
@@ -8,6 +8,9 @@ more host time than a small pack's whole kernel (docs/PERFORMANCE.md).
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 try:
@@ -16,6 +19,21 @@ except ImportError:  # pragma: no cover - machines without Triton never reach th
     triton = None
 
 _choices: dict[tuple, object] = {}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1, the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether the CUDA `device` is sm90 (TMA and wgmma)."""
+    return _is_hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def tuned_choices() -> dict[tuple, object]:

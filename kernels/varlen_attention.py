@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .rope import apply_vision_rope
-from .tuning import choose, tuned_choices  # noqa: F401 - tuned_choices is re-exported
+from .tuning import choose, interpreting, is_hopper, tuned_choices  # noqa: F401 - tuned_choices is re-exported
 
 try:
     import triton
@@ -105,25 +106,23 @@ def sdpa_gathers(seqlens) -> bool:
     """Whether the fallback gathers segments by length (index copies, host-built indices: not capturable
     in a CUDA graph) rather than viewing runs of equal lengths in place: only when runs far outnumber
     the distinct lengths, i.e. equal lengths are scattered through the pack."""
-    runs = len(segment_runs(seqlens))
-    return runs > max(8, 2 * len(set(seqlens)))
+    return _scattered(segment_runs(seqlens), seqlens)
+
+
+def _scattered(runs, seqlens) -> bool:
+    return len(runs) > max(8, 2 * len(set(seqlens)))
 
 
 # SDPA's backends in our order of preference on CUDA. PyTorch's default order puts flash first; cuDNN is
 # 1.3-1.5x faster on H100 at the tower's shapes (benchmarks/results/attention.json, batched-cudnn vs
 # batched-flash), and each backend declines inputs it cannot take, so the next one runs instead.
-_CUDA_SDPA_ORDER = None
+_CUDA_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
 
 
 def _sdpa(q, k, v, scale):
-    global _CUDA_SDPA_ORDER
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if _CUDA_SDPA_ORDER is None:
-        _CUDA_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                            SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     with sdpa_kernel(_CUDA_SDPA_ORDER, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
@@ -147,9 +146,9 @@ def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None
         bounds = cu_seqlens.tolist()
         seqlens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     total, heads, dim = q.shape
-    if sdpa_gathers(seqlens):
-        return _sdpa_gathered(q, k, v, seqlens, softmax_scale)
     runs = segment_runs(seqlens)
+    if _scattered(runs, seqlens):
+        return _sdpa_gathered(q, k, v, seqlens, softmax_scale)
     out = None if len(runs) == 1 else torch.empty((total, heads, dim), dtype=q.dtype, device=q.device)
     for start, count, length in runs:
         end = start + count * length
@@ -510,12 +509,6 @@ def _set_scratch_allocator():
     triton.set_allocator(_scratch)
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def tma_layout_ok(q, k, v) -> bool:
     """Whether k and v can be read through tensor descriptors: heads packed side by side in each token
     row (the fused QKV layout), 16-byte aligned rows and bases, half-precision data."""
@@ -530,14 +523,9 @@ def tma_layout_ok(q, k, v) -> bool:
 
 
 def _tma_default(q) -> bool:
-    if _interpreting() or not q.is_cuda:
+    if interpreting() or not q.is_cuda:
         return False
-    return _is_hopper(q.device.index if q.device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
+    return is_hopper(q.device)
 
 
 def _dv_split(head_dim: int, d0: int, mode: str) -> tuple[int, int]:
@@ -625,7 +613,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=rope, ROPE_K=k_rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
             num_warps=c.num_warps, num_stages=c.num_stages)
 
-    if config is None and (block_m is not None or _interpreting()):
+    if config is None and (block_m is not None or interpreting()):
         # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
         config = TileConfig(block_m or 32, block_n or 16, 4, 2 if head_dim > 64 else 3)
     launch(config or choose(("ptr", bucket, head_dim, rope, k_rope, q.dtype, q.device),

@@ -30,7 +30,7 @@ import torch
 
 from kernels.varlen_attention import sdpa_gathers
 
-from .tower import PackPlan, VisionTower
+from .tower import PackPlan, VisionTower, segment_lengths
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class GraphedTower:
         return captured.merged.clone(), captured.deepstack.clone()
 
     def _capturable(self, key: Signature) -> bool:
-        return self.tower.backend == "triton" or not sdpa_gathers([h * w for t, h, w in key for _ in range(t)])
+        return self.tower.backend == "triton" or not sdpa_gathers(segment_lengths(key))
 
     def _count(self, key: Signature) -> int:
         if len(self._seen) > 100_000:  # bound the bookkeeping of one-off signatures

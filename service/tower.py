@@ -30,6 +30,11 @@ from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linea
 from .config import TowerConfig
 
 
+def segment_lengths(grids) -> list[int]:
+    """Attention segment lengths of a pack of grids `(t, h, w)`: one segment of h * w per frame."""
+    return [h * w for t, h, w in grids for _ in range(t)]
+
+
 @dataclass
 class PackPlan:
     """Per-forward metadata for a pack of grids `(t, h, w)` (in patches)."""
@@ -54,7 +59,7 @@ class PackPlan:
         for t, h, w in grids:
             if t < 1 or h < m or w < m or h % m or w % m:
                 raise ValueError(f"grid {(t, h, w)} is not a positive multiple of the merge size {m}")
-        seqlens = [h * w for t, h, w in grids for _ in range(t)]
+        seqlens = segment_lengths(grids)
         total = sum(seqlens)
         # One host->device copy, from pinned memory: a copy from pageable memory would wait for the
         # stream to drain, stalling the GPU between back-to-back forwards.
@@ -138,23 +143,19 @@ class Attention(nn.Module):
 
     def forward(self, x, plan: PackPlan, backend: str):
         tokens = x.shape[0]
-        if (backend == "triton" and self.fused_qkv_rope and not self.rope_q_in_kernel
+        q_in_kernel = backend == "triton" and self.rope_q_in_kernel
+        if (backend == "triton" and self.fused_qkv_rope and not q_in_kernel
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
-            out = varlen_attention(*qkv.unbind(1), plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens,
-                                   backend=backend)
-            return self.proj(out.view(tokens, -1))
-        qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
-        q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
-        if backend == "triton" and self.rope_q_in_kernel:
-            # K is rotated in place by one pass (rotating each K tile inside the kernel, once per query
-            # tile, costs far more); Q is rotated by the attention kernel as it loads it, once.
-            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=True, k_only=True)
-            out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, cos=plan.cos, sin=plan.sin,
-                                   rotate_k=False, seqlens=plan.seqlens, backend=backend)
         else:
-            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend))
-            out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
+            qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
+            # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per
+            # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
+            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend), k_only=q_in_kernel)
+        q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
+        rope_q = dict(cos=plan.cos, sin=plan.sin, rotate_k=False) if q_in_kernel else {}
+        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend,
+                               **rope_q)
         return self.proj(out.view(tokens, -1))
 
 
