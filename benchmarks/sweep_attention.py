@@ -1,15 +1,14 @@
 """Tile-configuration sweep for the varlen attention kernels, against the best PyTorch path.
 
 For each case of the attention benchmark and each kernel variant (pointer or TMA kernel, tile sizes,
-warps, pipeline depth, warp specialisation, PV layout for non-power-of-two head dims) it checks the
+warps, pipeline depth, warp specialisation) it checks the
 output against batched SDPA on the same data and times it (median, CUDA events). One JSON object per
 (variant, case) is appended to the output file as it is measured, so a variant that crashes the
 process (a miscompile) loses only itself: run risky groups in their own process.
 
 Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
 Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
-tma-ws (warp-specialised TMA), tma-split16 (d72 with a 16-wide PV remainder), spec:<config> (one
-TMA configuration, see parse_spec).
+tma-ws (warp-specialised TMA), spec:<config> (one TMA configuration, see parse_spec).
 """
 
 from __future__ import annotations
@@ -27,16 +26,14 @@ from kernels.varlen_attention import TileConfig, sdpa_varlen_attention, triton_v
 
 
 def parse_spec(spec: str) -> TileConfig:
-    """'bm/bn/warps/stages[/ws][/tail][/dv=MODE]', e.g. 128/64/4/2/tail/dv=split16 (TMA kernel)."""
+    """'bm/bn/warps/stages[/ws][/tail]', e.g. 128/64/4/2/tail (TMA kernel)."""
     parts = spec.split("/")
     bm, bn, w, s = (int(x) for x in parts[:4])
     flags = parts[4:]
-    dv = next((f.split("=")[1] for f in flags if f.startswith("dv=")), "wide")
-    return TileConfig(bm, bn, w, s, tma=True, ws="ws" in flags, dv=dv, tail_in_loop="tail" in flags)
+    return TileConfig(bm, bn, w, s, tma=True, ws="ws" in flags, tail_in_loop="tail" in flags)
 
 
 def variants(group: str, head_dim: int):
-    pow2 = head_dim & (head_dim - 1) == 0
     if group.startswith("spec:"):
         cfg = parse_spec(group[5:])
         return [cfg]
@@ -45,13 +42,10 @@ def variants(group: str, head_dim: int):
     if group == "tma":
         tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
                  (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3), (256, 128, 8, 2)]
-        return [TileConfig(bm, bn, w, s, tma=True, dv="wide") for bm, bn, w, s in tiles]
+        return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in tiles]
     if group == "tma-ws":
-        return [TileConfig(bm, bn, w, s, tma=True, ws=True, dv="wide")
+        return [TileConfig(bm, bn, w, s, tma=True, ws=True)
                 for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]
-    if group == "tma-split16":
-        return [] if pow2 else [TileConfig(bm, bn, w, s, tma=True, dv="split16")
-                                for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)]]
     raise ValueError(group)
 
 

@@ -10,16 +10,18 @@ Kernel design:
   covers any mix of lengths without host syncs or per-segment launches;
 - online softmax in base 2 with fp32 state; each K/V tile is loaded once per query tile and shared by
   all its rows; full tiles run unmasked, only a segment's last tile is masked;
-- the head dim is split into a power-of-two chunk D0 and remainder chunks made of the *last*
-  columns (for 72: QK^T over [0, 64) + [56, 72), PV over [0, 64) + [8, 72)); the overlap is zeroed in
-  Q's registers and not stored from the output, so no load needs a column mask. See head_dim_split
-  for why the PV remainder is 64 wide;
+- the head dim is split into a power-of-two chunk D0 and a remainder. The pointer kernel reads the
+  remainder as the *last* columns (for 72: QK^T over [0, 64) + [56, 72), PV over [0, 64) + [8, 72));
+  the overlap is zeroed in Q's registers and not stored from the output, so no load needs a column
+  mask (see head_dim_split for why its PV remainder is 64 wide);
 - with `cos`/`sin`, Q (once per program) and, unless the caller rotated K already (`rotate_k=False`),
   each K tile are rotated as they are loaded: the rotate-half partner columns are a second (cached)
   load, the float32 cos/sin table is indexed by global token;
 - on Hopper a second kernel reads K and V through TMA tensor descriptors over the packed token rows
   (K/V in the fused QKV layout, K not rotated in the kernel), so tiles land in shared memory already
-  swizzled for wgmma; the pointer kernel serves every other case.
+  swizzled for wgmma; the remainder of K and V (72: columns [64, 72)) is first copied out transposed
+  and zero-padded to 16 rows (`kv_remainder_t`, one small launch), so 72 costs 64 + 16 lanes in both
+  dots. The pointer kernel serves every other case.
 """
 
 from __future__ import annotations
@@ -320,38 +322,57 @@ if triton is not None:
 
 
     @triton.jit
-    def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc0, k_desc1, v_desc0, v_desc1, row, col, start_n, seqlen,
-                  qk_scale, HEAD_DIM: tl.constexpr, D1: tl.constexpr, DV1: tl.constexpr, BLOCK_N: tl.constexpr,
-                  REM_QK: tl.constexpr, REM_V: tl.constexpr, MASK_N: tl.constexpr):
-        qk = tl.dot(q0, tl.trans(k_desc0.load([row, col])))
-        if REM_QK:
-            qk = tl.dot(q1, tl.trans(k_desc1.load([row, col + HEAD_DIM - D1])), qk)
+    def _load_q_rem(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM: tl.constexpr,
+                    D0: tl.constexpr, W1: tl.constexpr, ROPE_Q: tl.constexpr):
+        """Q's columns [D0, D0 + W1), zero past the head: the A operand against the transposed remainder.
+        D0 >= HEAD_DIM / 2, so every column here is in the second rotate-half, its partner `col - HALF`."""
+        cols = D0 + tl.arange(0, W1)
+        mask = m_mask[:, None] & (cols < HEAD_DIM)[None, :]
+        ptrs = q_base + rows_m[:, None] * stride_qt + cols[None, :]
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if ROPE_Q:
+            HALF: tl.constexpr = HEAD_DIM // 2
+            xp = tl.load(ptrs - HALF, mask=mask, other=0.0).to(tl.float32)
+            cs = (tok0 + rows_m)[:, None] * stride_c + (cols - HALF)[None, :]
+            c = tl.load(COS + cs, mask=mask, other=0.0)
+            s = tl.load(SIN + cs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) * c + xp * s).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_row, start_n, seqlen,
+                  qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr):
+        qk = tl.dot(q0, tl.trans(k_desc.load([row, col])))
+        if REM:  # + the remainder columns: K's arrive transposed, a [W1, BLOCK_N] tile (B operand as is)
+            qk = tl.dot(q1, r_desc.load([r_row, row]), qk)
         if MASK_N:  # the rows past the segment's end are the next segment's keys (or TMA's zero fill)
             qk = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen)[None, :], qk, float("-inf"))
         acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
-        v0 = v_desc0.load([row, col])
+        v0 = v_desc.load([row, col])
         p = p.to(v0.dtype)
         acc0 = tl.dot(p, v0, acc0)
-        if REM_V:
-            acc1 = tl.dot(p, v_desc1.load([row, col + HEAD_DIM - DV1]), acc1)
+        if REM:  # V's remainder, transposed [W1, BLOCK_N]: its transpose is a K-major B operand
+            acc1 = tl.dot(p, tl.trans(r_desc.load([r_row + R_V, row])), acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
     def _varlen_attn_fwd_tma(
-        Q, k_desc0, k_desc1, v_desc0, v_desc1, O, CU_SEQLENS, COS, SIN,
+        Q, k_desc, v_desc, r_desc, O, CU_SEQLENS, COS, SIN,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
-        K, V, stride_kt, stride_vt, total_tokens,
-        HEAD_DIM: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
+        K, V, R, stride_kt, stride_vt, stride_r, total_tokens,
+        HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
-        TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, ROW_WIDTH: tl.constexpr = 0,
+        TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
         going through registers. Q is loaded once per program by pointers, optionally rotated (ROPE_Q).
-        PV may run on one chunk wider than the head (DV0 > HEAD_DIM: the extra columns are the next
-        head's values or TMA's zero fill, computed and never stored).
-        DEVICE_DESC (power-of-two head dims): the program builds K's and V's descriptors itself from K, V
-        and their row strides, instead of receiving host-encoded ones (`k_desc0`..`v_desc1` unused)."""
+        Head dims past the power-of-two chunk D0 (72, 80, ...): the remainder columns of K and V come from
+        R, their transposed copy (`kv_remainder_t`: rows h * W1 + j for K, HEADS * W1 + h * W1 + j for V,
+        one column per token), so no operand is narrower than 16 rows of 128 bytes; Q's remainder is
+        zero past the head, and so are R's rows.
+        DEVICE_DESC: the program builds its descriptors itself from K, V, R and their row strides,
+        instead of receiving host-encoded ones (`k_desc`, `v_desc`, `r_desc` unused)."""
         start_m = tl.program_id(0)
         head = tl.program_id(1)
         seg = tl.program_id(2)
@@ -359,47 +380,94 @@ if triton is not None:
         seqlen = tl.load(CU_SEQLENS + seg + 1) - tok0
         if start_m * BLOCK_M >= seqlen:
             return
-        REM_QK: tl.constexpr = D0 < HEAD_DIM
-        REM_V: tl.constexpr = DV0 < HEAD_DIM
+        REM: tl.constexpr = D0 < HEAD_DIM
         if DEVICE_DESC:
-            kd0 = tl.make_tensor_descriptor(K, shape=[total_tokens, ROW_WIDTH], strides=[stride_kt, 1],
-                                            block_shape=[BLOCK_N, D0])
-            vd0 = tl.make_tensor_descriptor(V, shape=[total_tokens, ROW_WIDTH], strides=[stride_vt, 1],
-                                            block_shape=[BLOCK_N, DV0])
+            kd = tl.make_tensor_descriptor(K, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, D0])
+            vd = tl.make_tensor_descriptor(V, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_vt, 1],
+                                           block_shape=[BLOCK_N, D0])
+            if REM:
+                rd = tl.make_tensor_descriptor(R, shape=[2 * HEADS * W1, total_tokens], strides=[stride_r, 1],
+                                               block_shape=[W1, BLOCK_N])
+            else:
+                rd = kd
         else:
-            kd0 = k_desc0
-            vd0 = v_desc0
+            kd = k_desc
+            vd = v_desc
+            rd = r_desc
         rows_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
-        q0, q1 = _load_q(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, D1, REM_QK, ROPE_Q)
+        q0, q1 = _load_q(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, 16, False,
+                         ROPE_Q)
+        if REM:
+            q1 = _load_q_rem(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, W1, ROPE_Q)
         col = head * HEAD_DIM
+        r_row = head * W1
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc0 = tl.zeros([BLOCK_M, DV0], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, W1], tl.float32)
         # TAIL_IN_LOOP: every step masked, one code path (no separate peeled tail step)
         n_full = tl.cdiv(seqlen, BLOCK_N) * BLOCK_N if TAIL_IN_LOOP else (seqlen // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
-            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd0, k_desc1, vd0, v_desc1,
-                                             tok0 + start_n, col, start_n, seqlen, qk_scale, HEAD_DIM, D1, DV1,
-                                             BLOCK_N, REM_QK, REM_V, TAIL_IN_LOOP)
+            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
+                                             start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1, TAIL_IN_LOOP)
         if n_full < seqlen:
-            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd0, k_desc1, vd0, v_desc1,
-                                             tok0 + n_full, col, n_full, seqlen, qk_scale, HEAD_DIM, D1, DV1,
-                                             BLOCK_N, REM_QK, REM_V, True)
+            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col, r_row,
+                                             n_full, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1, True)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
-        _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, DV0, DV1, REM_V)
+        inv_l = 1.0 / l_i
+        tl.store(o_rows + tl.arange(0, D0)[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty),
+                 mask=m_mask[:, None])
+        if REM:
+            cols1 = D0 + tl.arange(0, W1)
+            tl.store(o_rows + cols1[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
+                     mask=m_mask[:, None] & (cols1 < HEAD_DIM)[None, :])
+
+    @triton.jit
+    def _remainder_t_kernel(K, V, R, total, stride_kt, stride_kh, stride_vt, stride_vh, stride_r,
+                            HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr,
+                            BLOCK_T: tl.constexpr):
+        """R[h * W1 + j, t] = K[t, h, D0 + j] and R[(HEADS + h) * W1 + j, t] = V[t, h, D0 + j]; zero for
+        D0 + j >= HEAD_DIM."""
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        h = tl.program_id(1)
+        j = tl.arange(0, W1)
+        t_ok = (t < total)[:, None]
+        mask = t_ok & (D0 + j < HEAD_DIM)[None, :]
+        src = t[:, None].to(tl.int64)
+        k = tl.load(K + src * stride_kt + h * stride_kh + D0 + j[None, :], mask=mask, other=0.0)
+        v = tl.load(V + src * stride_vt + h * stride_vh + D0 + j[None, :], mask=mask, other=0.0)
+        dst = R + (h * W1 + j)[None, :].to(tl.int64) * stride_r + t[:, None]
+        tl.store(dst, k, mask=t_ok)
+        tl.store(dst + HEADS * W1 * stride_r, v, mask=t_ok)
+
+
+def kv_remainder_t(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The columns of k and v `(T, H, D)` past the power-of-two chunk, transposed for the Hopper kernel:
+    `(2 * H * W1, T rounded up to 8)`, K's rows `h * W1 + j` then V's, zero past the head (W1 = the D1 of
+    `head_dim_split`). One launch; the tower's 8B blocks (T = 25088) spend ~10 us on it."""
+    total, heads, head_dim = k.shape
+    d0, w1, _ = head_dim_split(head_dim)
+    r = torch.empty((2 * heads * w1, -(-total // 8) * 8), dtype=k.dtype, device=k.device)
+    block_t = 32 if interpreting() else 128
+    _remainder_t_kernel[(triton.cdiv(total, block_t), heads)](
+        k, v, r, total, k.stride(0), k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads,
+        HEAD_DIM=head_dim, D0=d0, W1=w1, BLOCK_T=block_t)
+    return r
 
 
 def head_dim_split(head_dim: int) -> tuple[int, int, int]:
-    """(D0, D1, DV1): a power-of-two chunk D0 plus, for other head dims, the last D1 columns for QK^T
-    and the last DV1 columns for PV (0, 0 when head_dim is a power of two).
+    """(D0, D1, DV1): a power-of-two chunk D0 plus, for other head dims, a remainder D1 columns wide
+    (the smallest power of two >= 16 covering it) and the pointer kernel's PV remainder DV1 (0, 0, 0
+    when head_dim is a power of two).
 
-    D1 is the smallest power of two >= 16 covering the remainder. DV1 is at least 64: Triton 3.6 on
-    sm90 miscompiles a second PV dot narrower than 64 columns (out-of-range shared-memory accesses,
-    seen on H100 for N = 16 and 32, whether V's remainder is loaded row- or column-major), so 72 costs
-    64 + 16 lanes in QK^T and 64 + 64 in PV -- and loses to cuDNN; see kernels/attention.py.
+    The pointer kernel reads the last D1 / DV1 columns of each row; DV1 is at least 64 because Triton 3.6
+    on sm90 miscompiles a PV dot whose V operand has rows narrower than 64 columns (out-of-range
+    shared-memory accesses, seen on H100 for N = 16 and 32). The Hopper kernel avoids narrow rows
+    altogether: it reads the remainder of K and V transposed (`kv_remainder_t`), 16 rows of one column
+    per token, so 72 costs 64 + 16 lanes in both QK^T and PV.
     """
     if head_dim < 16 or head_dim > 256 or head_dim % 8:
         raise ValueError(f"head_dim must be a multiple of 8 in [16, 256]; got {head_dim}")
@@ -418,12 +486,17 @@ def seq_bucket(max_seqlen: int) -> int:
     return 0 if max_seqlen <= 256 else 1 if max_seqlen <= 1024 else 2 if max_seqlen <= 4096 else 3
 
 
+def load_class(total_tokens: int, heads: int) -> int:
+    """Whether a call fills the GPU (1) or not (0), for the tuning key: the best tiles for one 1024-token
+    image (128 programs of 128 rows: a fraction of a wave) are ~7% slower on 32 images of 784 tokens than
+    the best there (benchmarks/results/sweeps/sweep_h100_rev86c9ecc.jsonl), and full packs are what the
+    service encodes most. 4096 tokens of 16 heads is 512 programs of 128 rows."""
+    return int(total_tokens * heads > 4096 * 16)
+
+
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch configuration. `tma` picks the Hopper kernel (K/V by tensor descriptors); `dv` is
-    its PV layout for head dims that are not powers of two: "wide" (one chunk of the next power of two),
-    "split64" (64 + last 64 columns) or "split16" (64 + last 16). The TMA kernel with a non-power-of-two
-    head dim is for experiments only (benchmarks/sweep_attention.py): see TMA_TILES."""
+    """One launch configuration. `tma` picks the Hopper kernel (K/V by tensor descriptors)."""
 
     block_m: int
     block_n: int
@@ -431,7 +504,6 @@ class TileConfig:
     num_stages: int = 2
     tma: bool = False
     ws: bool = False
-    dv: str = "wide"
     tail_in_loop: bool = False
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
 
@@ -448,10 +520,9 @@ def ptr_candidates(head_dim: int) -> list[TileConfig]:
 
 
 # The TMA kernel's candidates (block_m, block_n, warps, stages), chosen by
-# benchmarks/sweep_attention.py on H100/H200. Powers of two only: with Triton 3.6 on sm90, a 16-wide
-# operand loaded by TMA (the QK^T remainder of 72/80) is read out of shared-memory bounds
-# (compute-sanitizer, benchmarks/check_attention_memory.py), and the 16-wide PV remainder gives
-# wrong results with 8 warps. Those head dims use the pointer kernel or SDPA (kernels/attention.py).
+# benchmarks/sweep_attention.py on H100/H200. (An earlier version read the remainder of 72/80 by TMA as
+# [BLOCK_N, 16] row tiles: compute-sanitizer found out-of-bounds shared-memory reads in that QK^T dot and
+# the PV dot gave wrong results with 8 warps, hence the transposed remainder.)
 TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2)]
 
 
@@ -479,8 +550,6 @@ def tma_descriptors() -> str:
 
 def tma_candidates(head_dim: int) -> list[TileConfig]:
     """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each)."""
-    if head_dim & (head_dim - 1):
-        return []
     device = tma_descriptors() == "device"
     return [TileConfig(bm, bn, w, s, tma=True, device_desc=device) for bm, bn, w, s in TMA_TILES]
 
@@ -528,14 +597,6 @@ def _tma_default(q) -> bool:
     return is_hopper(q.device)
 
 
-def _dv_split(head_dim: int, d0: int, mode: str) -> tuple[int, int]:
-    if d0 == head_dim:
-        return d0, 16
-    if mode == "wide":
-        return 1 << (head_dim - 1).bit_length(), 16
-    return d0, int(mode.removeprefix("split"))
-
-
 def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
                             seqlens=None, out=None, rotate_k=True, block_m=None, block_n=None,
                             config: TileConfig | None = None):
@@ -572,34 +633,33 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if use_tma and (k_rope or not tma_layout_ok(q, k, v)):
             raise ValueError("the TMA kernel needs K/V in the fused QKV layout and K rotated by the caller")
     else:
-        use_tma = (block_m is None and not k_rope and head_dim & (head_dim - 1) == 0 and _tma_default(q)
-                   and tma_layout_ok(q, k, v))
+        use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v)
 
     if use_tma:
+        rem = kv_remainder_t(k, v) if d1 else q  # q: a placeholder, never read without a remainder
+
         def launch(c: TileConfig):
-            dv0, dv1_ = _dv_split(head_dim, d0, c.dv)
             if c.device_desc:
-                if d1:
-                    raise ValueError("device-side descriptors are for power-of-two head dims")
                 _set_scratch_allocator()
-                descs = [None] * 4
+                descs = [None] * 3
             else:
-                # the remainder chunks' descriptors only exist where the kernel reads them (None is a
-                # constexpr there): each descriptor costs host time at every launch
-                descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, w])
-                         if w else None
-                         for t, w in ((k, d0), (k, d1), (v, dv0), (v, dv1_ if dv0 < head_dim else 0))]
+                # R's descriptor only exists where the kernel reads it (None is a constexpr there): each
+                # descriptor costs host time at every launch
+                descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, d0])
+                         for t in (k, v)]
+                descs.append(TensorDescriptor(rem, [2 * heads * d1, total], [rem.stride(0), 1], [d1, c.block_n])
+                             if d1 else None)
             grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
             _varlen_attn_fwd_tma[grid](
                 q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                stride_c, scale, k, v, k.stride(0), v.stride(0), total, HEAD_DIM=head_dim, D0=d0, D1=max(d1, 16),
-                DV0=dv0, DV1=dv1_, ROPE_Q=rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws,
-                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, ROW_WIDTH=heads * head_dim,
-                num_warps=c.num_warps, num_stages=c.num_stages)
+                stride_c, scale, k, v, rem, k.stride(0), v.stride(0), rem.stride(0), total, HEAD_DIM=head_dim,
+                D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws,
+                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, num_warps=c.num_warps,
+                num_stages=c.num_stages)
 
         if config is None:
-            config = choose(("tma", bucket, head_dim, rope, q.dtype, q.device), lambda: tma_candidates(head_dim),
-                             launch)
+            key = ("tma", bucket, load_class(total, heads), head_dim, rope, q.dtype, q.device)
+            config = choose(key, lambda: tma_candidates(head_dim), launch)
             if not config.device_desc and _device_descriptors(total * max_seqlen * heads * head_dim):
                 config = _with_device_desc(config)
         launch(config)
@@ -616,6 +676,6 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if config is None and (block_m is not None or interpreting()):
         # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
         config = TileConfig(block_m or 32, block_n or 16, 4, 2 if head_dim > 64 else 3)
-    launch(config or choose(("ptr", bucket, head_dim, rope, k_rope, q.dtype, q.device),
+    launch(config or choose(("ptr", bucket, load_class(total, heads), head_dim, rope, k_rope, q.dtype, q.device),
                              lambda: ptr_candidates(head_dim), launch))
     return out

@@ -539,8 +539,10 @@ def frontend_app() -> FastAPI:
 
 
 def warmup(enc: Encoder, settings: Settings):
-    """Run representative packs once so kernels compile and autotune before traffic: one per attention
-    length class (<=256, <=1024, <=4096, longer), within the batch budget."""
+    """Run representative packs once so kernels compile and tune before traffic. The kernels' tuning keys
+    are coarse classes (kernels.varlen_attention.seq_bucket and load_class, the QKV projection's token
+    classes), so per attention length class (<=256, <=1024, <=4096, longer) one image alone and one pack
+    as full as the batch limits allow cover them."""
     from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
     rng = np.random.default_rng(0)
@@ -551,7 +553,10 @@ def warmup(enc: Encoder, settings: Settings):
             break
         px = side * enc.preprocessor.config.patch_size
         img = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
-        enc.encode([enc.preprocess(img, min_pixels=px * px, max_pixels=px * px)])
+        item = enc.preprocess(img, min_pixels=px * px, max_pixels=px * px)
+        full = min(settings.max_batch_patches // (side * side), settings.max_batch_items)
+        for count in sorted({1, full}) if enc.device.type == "cuda" else [1]:
+            enc.encode([item] * count)
     log.info("warm-up done (multiples of %d px)", factor)
 
 
