@@ -340,11 +340,11 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_row, start_n, seqlen,
+    def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_row, r_col, start_n, seqlen,
                   qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr):
         qk = tl.dot(q0, tl.trans(k_desc.load([row, col])))
         if REM:  # + the remainder columns: K's arrive transposed, a [W1, BLOCK_N] tile (B operand as is)
-            qk = tl.dot(q1, r_desc.load([r_row, row]), qk)
+            qk = tl.dot(q1, r_desc.load([r_row, r_col]), qk)
         if MASK_N:  # the rows past the segment's end are the next segment's keys (or TMA's zero fill)
             qk = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen)[None, :], qk, float("-inf"))
         acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
@@ -352,7 +352,7 @@ if triton is not None:
         p = p.to(v0.dtype)
         acc0 = tl.dot(p, v0, acc0)
         if REM:  # V's remainder, transposed [W1, BLOCK_N]: its transpose is a K-major B operand
-            acc1 = tl.dot(p, tl.trans(r_desc.load([r_row + R_V, row])), acc1)
+            acc1 = tl.dot(p, tl.trans(r_desc.load([r_row + R_V, r_col])), acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -369,8 +369,8 @@ if triton is not None:
         going through registers. Q is loaded once per program by pointers, optionally rotated (ROPE_Q).
         Head dims past the power-of-two chunk D0 (72, 80, ...): the remainder columns of K and V come from
         R, their transposed copy (`kv_remainder_t`: rows h * W1 + j for K, HEADS * W1 + h * W1 + j for V,
-        one column per token), so no operand is narrower than 16 rows of 128 bytes; Q's remainder is
-        zero past the head, and so are R's rows.
+        one column per token, each segment from an aligned column `_r_start`), so no operand is narrower
+        than 16 rows of 128 bytes; Q's remainder is zero past the head, and so are R's rows.
         DEVICE_DESC: the program builds its descriptors itself from K, V, R and their row strides,
         instead of receiving host-encoded ones (`k_desc`, `v_desc`, `r_desc` unused)."""
         start_m = tl.program_id(0)
@@ -387,7 +387,7 @@ if triton is not None:
             vd = tl.make_tensor_descriptor(V, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_vt, 1],
                                            block_shape=[BLOCK_N, D0])
             if REM:
-                rd = tl.make_tensor_descriptor(R, shape=[2 * HEADS * W1, total_tokens], strides=[stride_r, 1],
+                rd = tl.make_tensor_descriptor(R, shape=[2 * HEADS * W1, stride_r], strides=[stride_r, 1],
                                                block_shape=[W1, BLOCK_N])
             else:
                 rd = kd
@@ -404,6 +404,7 @@ if triton is not None:
             q1 = _load_q_rem(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, W1, ROPE_Q)
         col = head * HEAD_DIM
         r_row = head * W1
+        r_col0 = _r_start(tok0, seg)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
@@ -412,10 +413,11 @@ if triton is not None:
         n_full = tl.cdiv(seqlen, BLOCK_N) * BLOCK_N if TAIL_IN_LOOP else (seqlen // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
-                                             start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1, TAIL_IN_LOOP)
+                                             r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1,
+                                             TAIL_IN_LOOP)
         if n_full < seqlen:
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col, r_row,
-                                             n_full, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1, True)
+                                             r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1, True)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
         inv_l = 1.0 / l_i
         tl.store(o_rows + tl.arange(0, D0)[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty),
@@ -426,34 +428,51 @@ if triton is not None:
                      mask=m_mask[:, None] & (cols1 < HEAD_DIM)[None, :])
 
     @triton.jit
-    def _remainder_t_kernel(K, V, R, total, stride_kt, stride_kh, stride_vt, stride_vh, stride_r,
+    def _r_start(tok0, seg):
+        """R's column of a segment's first token: 16-byte aligned (a TMA box's start in the contiguous dim
+        must be; an unaligned one is an illegal instruction on H100), and past the previous segment's
+        columns: round_up(tok0, 8) + 8 * seg."""
+        return (tok0 + 7) // 8 * 8 + 8 * seg
+
+    @triton.jit
+    def _remainder_t_kernel(K, V, R, CU_SEQLENS, stride_kt, stride_kh, stride_vt, stride_vh, stride_r,
                             HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr,
                             BLOCK_T: tl.constexpr):
-        """R[h * W1 + j, t] = K[t, h, D0 + j] and R[(HEADS + h) * W1 + j, t] = V[t, h, D0 + j]; zero for
-        D0 + j >= HEAD_DIM."""
-        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        """R[h * W1 + j, c] = K[t, h, D0 + j] and R[(HEADS + h) * W1 + j, c] = V[t, h, D0 + j] with
+        c = _r_start(segment) + (t - its first token); zero for D0 + j >= HEAD_DIM and in the gap up to
+        the next segment's start (the attention kernel's last tile of a segment reads into it)."""
+        blk = tl.program_id(0)
         h = tl.program_id(1)
+        seg = tl.program_id(2)
+        tok0 = tl.load(CU_SEQLENS + seg)
+        seqlen = tl.load(CU_SEQLENS + seg + 1) - tok0
+        c0 = _r_start(tok0, seg)
+        span = _r_start(tok0 + seqlen, seg + 1) - c0  # this segment's columns and the gap after them
+        i = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        if blk * BLOCK_T >= span:
+            return
         j = tl.arange(0, W1)
-        t_ok = (t < total)[:, None]
-        mask = t_ok & (D0 + j < HEAD_DIM)[None, :]
-        src = t[:, None].to(tl.int64)
+        mask = (i < seqlen)[:, None] & (D0 + j < HEAD_DIM)[None, :]
+        src = (tok0 + i)[:, None].to(tl.int64)
         k = tl.load(K + src * stride_kt + h * stride_kh + D0 + j[None, :], mask=mask, other=0.0)
         v = tl.load(V + src * stride_vt + h * stride_vh + D0 + j[None, :], mask=mask, other=0.0)
-        dst = R + (h * W1 + j)[None, :].to(tl.int64) * stride_r + t[:, None]
-        tl.store(dst, k, mask=t_ok)
-        tl.store(dst + HEADS * W1 * stride_r, v, mask=t_ok)
+        dst = R + (h * W1 + j)[None, :].to(tl.int64) * stride_r + (c0 + i)[:, None]
+        tl.store(dst, k, mask=(i < span)[:, None])
+        tl.store(dst + HEADS * W1 * stride_r, v, mask=(i < span)[:, None])
 
 
-def kv_remainder_t(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """The columns of k and v `(T, H, D)` past the power-of-two chunk, transposed for the Hopper kernel:
-    `(2 * H * W1, T rounded up to 8)`, K's rows `h * W1 + j` then V's, zero past the head (W1 = the D1 of
-    `head_dim_split`). One launch; the tower's 8B blocks (T = 25088) spend ~10 us on it."""
+    `(2 * H * W1, round_up(T, 8) + 8 * segments)`, K's rows `h * W1 + j` then V's, zero past the head
+    (W1 = the D1 of `head_dim_split`); each segment starts at an aligned column (`_r_start`). One launch;
+    the 8B tower's blocks (T = 25088) spend ~10 us on it."""
     total, heads, head_dim = k.shape
     d0, w1, _ = head_dim_split(head_dim)
-    r = torch.empty((2 * heads * w1, -(-total // 8) * 8), dtype=k.dtype, device=k.device)
+    segments = cu_seqlens.numel() - 1
+    r = torch.empty((2 * heads * w1, -(-total // 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
     block_t = 32 if interpreting() else 128
-    _remainder_t_kernel[(triton.cdiv(total, block_t), heads)](
-        k, v, r, total, k.stride(0), k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads,
+    _remainder_t_kernel[(triton.cdiv(max_seqlen + 16, block_t), heads, segments)](
+        k, v, r, cu_seqlens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads,
         HEAD_DIM=head_dim, D0=d0, W1=w1, BLOCK_T=block_t)
     return r
 
@@ -636,7 +655,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v)
 
     if use_tma:
-        rem = kv_remainder_t(k, v) if d1 else q  # q: a placeholder, never read without a remainder
+        rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder
 
         def launch(c: TileConfig):
             if c.device_desc:
@@ -647,7 +666,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 # descriptor costs host time at every launch
                 descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, d0])
                          for t in (k, v)]
-                descs.append(TensorDescriptor(rem, [2 * heads * d1, total], [rem.stride(0), 1], [d1, c.block_n])
+                descs.append(TensorDescriptor(rem, [2 * heads * d1, rem.shape[1]], [rem.stride(0), 1], [d1, c.block_n])
                              if d1 else None)
             grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
             _varlen_attn_fwd_tma[grid](

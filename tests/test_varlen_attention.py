@@ -55,11 +55,8 @@ def test_triton_kernel_interpreted(lengths, head_dim, rope, dtype):
     assert rel_err(out, ref) <= max(2 * torch_err, 2e-6), (rel_err(out, ref), torch_err)
 
 
-# Past a power-of-two chunk the remainder is read transposed, one column per token, and Triton's
-# interpreter asserts 16-byte aligned offsets in a descriptor's last dim (the hardware takes any): those
-# packs start every segment at a multiple of 8 tokens here; tests/gpu runs them with awkward lengths.
-@pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([8, 32, 16], 72), ([24, 40], 72), ([16, 8, 40], 80),
-                                              ([8, 24], 96), ([40, 1, 17], 128)])
+@pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72), ([19, 5, 1], 80),
+                                              ([3, 18], 96), ([40, 1, 17], 128)])
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("tail_in_loop", [False, True])
 def test_tma_kernel_interpreted(lengths, head_dim, rope, tail_in_loop):
@@ -76,6 +73,30 @@ def test_tma_kernel_interpreted(lengths, head_dim, rope, tail_in_loop):
     ref = reference_varlen_attention(qr, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
     assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
+
+
+@pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
+def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
+    """The transposed remainder the Hopper kernel reads: every column written (data, or zeros in the gaps
+    between segments and past the head), each segment from a 16-byte aligned column."""
+    from kernels.varlen_attention import kv_remainder_t
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v, cu, _, _ = make_inputs(lengths, 3, head_dim, torch.float16, False, seed=head_dim)
+    d0, w1, _ = head_dim_split(head_dim)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))  # poisoned
+    r = kv_remainder_t(k, v, cu, max(lengths))
+    monkeypatch.undo()
+    heads, rest = 3, head_dim - d0
+    expected = torch.zeros(2, heads, w1, r.shape[1], dtype=r.dtype)
+    start = 0
+    for seg, (tok0, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
+        start = -(-tok0 // 8) * 8 + 8 * seg
+        assert start * r.element_size() % 16 == 0
+        for which, t in enumerate((k, v)):
+            expected[which, :, :rest, start:start + n] = t[tok0:tok0 + n, :, d0:].permute(1, 2, 0)
+    assert torch.equal(r.view(2, heads, w1, -1), expected)
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])
