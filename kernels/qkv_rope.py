@@ -105,12 +105,10 @@ if triton is not None:
         return pid_m * BLOCK_M, pid_n * BLOCK_N
 
     @triton.jit
-    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, o_desc, COS, SIN, M, stride_om, stride_c, ROPE_N,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         TMA_STORE: tl.constexpr):
+    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """The epilogue: + bias, rotate when the tile is in Q or K (whole heads: a column's rotate-half
-        partner is in the tile), round once, store the rows that exist (by pointers, or by TMA through
-        shared memory with TMA_STORE)."""
+        partner is in the tile), round once, store the rows that exist."""
         cols = off_n + tl.arange(0, BLOCK_N)
         rows = off_m + tl.arange(0, BLOCK_M)
         acc += tl.load(BIAS + cols).to(tl.float32)[None, :]
@@ -123,31 +121,27 @@ if triton is not None:
             s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
             y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
             acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
-        if TMA_STORE:
-            o_desc.store([off_m, off_n], acc.to(OUT.dtype.element_ty))
-        else:
-            out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-            tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
+        out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
 
     @triton.jit
-    def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, o_desc, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
+    def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
-                       TMA_STORE: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
         """OUT[M, N] = A[M, K] @ B[N, K]^T + BIAS, with columns below ROPE_N (Q and K) rotated: one
         program per output tile."""
         off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in tl.range(0, K_TILES):
             acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, o_desc, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, TMA_STORE)
+        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                         BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _qkv_rope_gemm_persistent(a_desc, b_desc, BIAS, OUT, o_desc, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
+    def _qkv_rope_gemm_persistent(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
-                                  TMA_STORE: tl.constexpr, NUM_SMS: tl.constexpr):
+                                  NUM_SMS: tl.constexpr):
         """The same GEMM with one program per SM looping over tiles; the flattened loop lets the
         pipeliner load the next tile's operands during this tile's epilogue."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -156,19 +150,15 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kt in range(K_TILES):
                 acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, o_desc, COS, SIN, M, stride_om, stride_c, ROPE_N,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, TMA_STORE)
+            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                             BLOCK_M, BLOCK_N)
 
 
-# (block_m, block_n, block_k, warps, stages, persistent[, tma_store]) candidates, timed once per shape class
-# on first use. tma_store: the epilogue stores through shared memory by TMA (one more tile of shared
-# memory, so fewer stages) instead of by pointers.
+# (block_m, block_n, block_k, warps, stages, persistent) candidates, timed once per shape class on first use
 GEMM_TILES = [(128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
               (128, 256, 64, 8, 4, False), (256, 128, 64, 8, 3, False), (64, 256, 64, 4, 4, False),
               (128, 256, 128, 8, 2, False), (256, 128, 128, 8, 2, False),
-              (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (128, 128, 64, 8, 4, True),
-              (128, 256, 64, 8, 2, False, True), (128, 128, 64, 8, 4, False, True), (128, 256, 64, 8, 2, True, True),
-              (128, 128, 64, 8, 4, True, True)]
+              (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (128, 128, 64, 8, 4, True)]
 
 
 def gemm_candidates(hidden: int, head_dim: int) -> list[tuple]:
@@ -210,7 +200,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
                     sin: torch.Tensor, heads: int, *, tile: tuple | None = None) -> torch.Tensor:
     """`(T, 3, H, D)` = x `(T, hidden)` @ weight `(3 * hidden, hidden)`^T + bias, Q and K rotated with
     float32 `(T, D/2)` tables. One kernel where `fused_qkv_rope_supported`, else the projection and
-    the in-place pass. `tile` pins a `GEMM_TILES` entry (tests, benchmarks)."""
+    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests, benchmarks)."""
     tokens, k_dim = x.shape
     n = weight.shape[0]
     head_dim = n // 3 // heads
@@ -222,15 +212,13 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
     def launch(c):
-        bm, bn, bk, warps, stages, persistent, *rest = c
-        tma_store = bool(rest and rest[0])
+        bm, bn, bk, warps, stages, persistent = c
         a_desc = TensorDescriptor(x, [tokens, k_dim], [x.stride(0), 1], [bm, bk])
         b_desc = TensorDescriptor(weight, [n, k_dim], [weight.stride(0), 1], [bn, bk])
-        o_desc = TensorDescriptor(out, [tokens, n], [out.stride(0), 1], [bm, bn]) if tma_store else None
         tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
-        args = (a_desc, b_desc, bias, out, o_desc, cos, sin, tokens, n, out.stride(0), cos.stride(0), 2 * hidden)
+        args = (a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0), 2 * hidden)
         meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=triton.cdiv(k_dim, bk),
-                    TMA_STORE=tma_store, num_warps=warps, num_stages=stages)
+                    num_warps=warps, num_stages=stages)
         if persistent:
             sms = _sm_count(x.device) if x.is_cuda else 4
             _qkv_rope_gemm_persistent[(min(sms, tiles),)](*args, NUM_SMS=min(sms, tiles), **meta)
