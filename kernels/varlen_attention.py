@@ -574,8 +574,8 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
 
 
 @functools.lru_cache(maxsize=None)
-def _with_device_desc(config: TileConfig) -> TileConfig:
-    return dataclasses.replace(config, device_desc=True)
+def _with_descriptors(config: TileConfig, device_desc: bool) -> TileConfig:
+    return config if config.device_desc == device_desc else dataclasses.replace(config, device_desc=device_desc)
 
 
 def _device_descriptors(work: int) -> bool:
@@ -677,10 +677,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 num_stages=c.num_stages)
 
         if config is None:
+            # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
+            # time than GPU time, and the timings would rank launch overhead, not tiles.
+            device_desc = _device_descriptors(total * max_seqlen * heads * head_dim)
             key = ("tma", bucket, load_class(total, heads), head_dim, rope, q.dtype, q.device)
-            config = choose(key, lambda: tma_candidates(head_dim), launch)
-            if not config.device_desc and _device_descriptors(total * max_seqlen * heads * head_dim):
-                config = _with_device_desc(config)
+            config = _with_descriptors(choose(key, lambda: [_with_descriptors(c, device_desc)
+                                                            for c in tma_candidates(head_dim)], launch), device_desc)
         launch(config)
         return out
 
