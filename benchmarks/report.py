@@ -31,7 +31,7 @@ def tower(path):
     print(f"GPU {d['env']['gpu']}, torch {d['env']['torch']}, transformers {d['env']['transformers']}, "
           f"rev {d['env']['git_revision']}, {d['env']['date']}\n")
     ours = "ours" if "ours" in d["rows"][0]["results"] else "ours-triton"
-    keys = [k for k in d["rows"][0]["results"] if k != ours]
+    keys = list(dict.fromkeys(k for r in d["rows"] for k in r["results"] if k != ours))  # every row's columns
     print(f"| preset | workload | {ours} ms | " + " | ".join(f"{k} ms" for k in keys) +
           " | img/s | TFLOPS | MFU | × eager | × compile | floor/ours |")
     print("|" + "---|" * (len(keys) + 9))

@@ -64,9 +64,10 @@ def _resolve(device_type: str, device_index: int | None, forced: str | None) -> 
 def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> str:
     """'triton' or 'sdpa' for this device (and head dim), honouring QWEN3VL_ATTN_BACKEND.
 
-    Unforced, head dims that are not powers of two go to SDPA: the pointer kernel must run their PV
-    remainder 64 wide (kernels.varlen_attention.head_dim_split) and the TMA kernel cannot take them
-    (TMA_TILES), so both lose to cuDNN there (docs/PERFORMANCE.md).
+    Unforced, head dims that are not powers of two go to SDPA. On Hopper the TMA kernel takes them
+    (the remainder read transposed, kernels.varlen_attention.kv_remainder_t) and ties cuDNN in the 8B
+    tower, but loses on small packs and single images; elsewhere the pointer kernel runs their PV
+    remainder 64 wide (head_dim_split) and loses everywhere (docs/PERFORMANCE.md).
     """
     device = torch.device(device)
     index = device.index if device.type != "cuda" else (device.index if device.index is not None else
@@ -74,8 +75,8 @@ def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> 
     forced = _forced()
     choice = _resolve(device.type, index, forced)
     if choice == "triton" and forced is None and head_dim is not None and head_dim & (head_dim - 1):
-        log.info("attention backend for head_dim %d: sdpa (the Triton kernels are slower for non-power-of-two "
-                 "head dims on this Triton version)", head_dim)
+        log.info("attention backend for head_dim %d: sdpa (cuDNN is as fast or faster than the Triton kernels "
+                 "at non-power-of-two head dims)", head_dim)
         return "sdpa"
     return choice
 
