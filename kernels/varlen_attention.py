@@ -264,20 +264,18 @@ if triton is not None:
         return q0, q1
 
     @triton.jit
-    def _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
-                   REM_V: tl.constexpr):
-        """Normalise and store: chunk 0 (columns past the head are dropped when DV0 > HEAD_DIM), then the
-        remainder's columns that chunk 0 did not cover."""
+    def _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM: tl.constexpr,
+                   REM_COL: tl.constexpr, W1: tl.constexpr):
+        """Normalise and store: chunk 0 (columns [0, D0)), then the remainder accumulator's columns
+        [REM_COL, REM_COL + W1) that are neither in chunk 0 nor past the head (the pointer kernel's
+        remainder is the last W1 columns, the TMA kernel's starts at D0)."""
         inv_l = 1.0 / l_i
-        cols0 = tl.arange(0, DV0)
-        mask0 = m_mask[:, None]
-        if DV0 > HEAD_DIM:
-            mask0 = mask0 & (cols0 < HEAD_DIM)[None, :]
-        tl.store(o_rows + cols0[None, :], (acc0 * inv_l[:, None]).to(o_rows.dtype.element_ty), mask=mask0)
-        if REM_V:
-            cols1 = (HEAD_DIM - DV1) + tl.arange(0, DV1)
+        tl.store(o_rows + tl.arange(0, D0)[None, :], (acc0 * inv_l[:, None]).to(o_rows.dtype.element_ty),
+                 mask=m_mask[:, None])
+        if REM:
+            cols1 = REM_COL + tl.arange(0, W1)
             tl.store(o_rows + cols1[None, :], (acc1 * inv_l[:, None]).to(o_rows.dtype.element_ty),
-                     mask=m_mask[:, None] & (cols1 >= DV0)[None, :])
+                     mask=m_mask[:, None] & ((cols1 >= D0) & (cols1 < HEAD_DIM))[None, :])
 
     @triton.jit
     def _varlen_attn_fwd(
@@ -318,7 +316,7 @@ if triton is not None:
                                               qk_scale, HEAD_DIM, D0, REM, D1, DV1, BLOCK_N, True, ROPE_K)
 
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
-        _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, DV1, REM)
+        _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, HEAD_DIM - DV1, DV1)
 
 
     @triton.jit
@@ -398,8 +396,9 @@ if triton is not None:
         rows_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
-        q0, q1 = _load_q(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, 16, False,
-                         ROPE_Q)
+        q0 = _load_tile(q_base, rows_m, tl.arange(0, D0), stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
+                        True, ROPE_Q)
+        q1 = q0
         if REM:
             q1 = _load_q_rem(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM, D0, W1, ROPE_Q)
         col = head * HEAD_DIM
@@ -419,13 +418,7 @@ if triton is not None:
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col, r_row,
                                              r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1, True)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
-        inv_l = 1.0 / l_i
-        tl.store(o_rows + tl.arange(0, D0)[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty),
-                 mask=m_mask[:, None])
-        if REM:
-            cols1 = D0 + tl.arange(0, W1)
-            tl.store(o_rows + cols1[None, :], (acc1 * inv_l[:, None]).to(O.dtype.element_ty),
-                     mask=m_mask[:, None] & (cols1 < HEAD_DIM)[None, :])
+        _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, D0, W1)
 
     @triton.jit
     def _r_start(tok0, seg):
