@@ -6,6 +6,8 @@ Usage: python -m benchmarks.bench_qkv_rope  ->  qkv_rope.json under $OUT or benc
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +18,11 @@ from service.config import PRESETS
 
 SHAPES = {"2b 32x448px": ("qwen3-vl-2b", 32 * 784), "2b 8x448px": ("qwen3-vl-2b", 8 * 784),
           "2b 1x1024px": ("qwen3-vl-2b", 4096), "8b 32x448px": ("qwen3-vl-8b", 32 * 784)}
+
+
+# Tiles to time beside the candidates: QKV_EXTRA_TILES="128,256,64,8,3,1,1;..." (block_m, block_n, block_k,
+# warps, stages, persistent, warp-specialised)
+EXTRA_TILES = [tuple(int(x) for x in t.split(",")) for t in os.environ.get("QKV_EXTRA_TILES", "").split(";") if t]
 
 
 def main():
@@ -36,8 +43,13 @@ def main():
         moved = 4 * tokens * 2 * hidden + 2 * cos.numel() * 4  # Q and K read and written, cos and sin read
         rows.append({"shape": name, "path": "cublas + pass", "ms": t_base, "gemm ms": t_gemm, "pass ms": t_pass,
                      "pass GB/s": moved / t_pass / 1e6, "TFLOPS": flops / t_base / 1e9, "× base": 1.0})
-        for tile in gemm_candidates(hidden, head_dim):
-            t = bench(lambda tile=tile: qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile))
+        for tile in gemm_candidates(hidden, head_dim) + [t for t in EXTRA_TILES if t[1] % head_dim == 0
+                                                         and hidden % t[1] == 0]:
+            try:
+                t = bench(lambda tile=tile: qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile))
+            except Exception as e:  # noqa: BLE001 - an extra tile that does not compile is a result
+                rows.append({"shape": name, "path": f"fused {tile}", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
             rows.append({"shape": name, "path": f"fused {tile}", "ms": t, "TFLOPS": flops / t / 1e9,
                          "× base": t_base / t})
         t = bench(lambda: qkv_rope_linear(x, w, b, cos, sin, heads))

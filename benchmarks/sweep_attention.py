@@ -8,12 +8,13 @@ process (a miscompile) loses only itself: run risky groups in their own process.
 
 Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
 Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
-tma-ws (warp-specialised TMA), spec:<config> (one TMA configuration, see parse_spec).
+tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), spec:<config> (one TMA configuration, see parse_spec).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import ATTENTION_CASES, HEADS, bench
-from kernels.varlen_attention import TileConfig, sdpa_varlen_attention, triton_varlen_attention
+from kernels.varlen_attention import TileConfig, sdpa_varlen_attention, tma_candidates, triton_varlen_attention
 
 
 def parse_spec(spec: str) -> TileConfig:
@@ -43,6 +44,8 @@ def variants(group: str, head_dim: int):
         tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
                  (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3), (256, 128, 8, 2)]
         return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in tiles]
+    if group == "tma-tail":  # the TMA candidates with a segment's last keys in one masked tile or narrow steps
+        return [dataclasses.replace(c, tail_n=t) for c in tma_candidates(head_dim) for t in (0, 16, 32)]
     if group == "tma-ws":
         return [TileConfig(bm, bn, w, s, tma=True, ws=True)
                 for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]

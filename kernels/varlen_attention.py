@@ -354,13 +354,39 @@ if triton is not None:
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
+    def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, stride_kt, stride_vt, stride_r, start_n,
+                     seqlen, qk_scale, D0: tl.constexpr, W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr,
+                     R_V: tl.constexpr):
+        """A masked step over TAIL_N keys, loaded by pointers (the tensor descriptors' boxes are BLOCK_N
+        rows): the last keys of a segment cost TAIL_N / BLOCK_N of a full step. `k_rows`/`v_rows` point at
+        the segment's first key of this head, `r_cols` at its first column in R's K rows."""
+        n = start_n + tl.arange(0, TAIL_N)
+        n_mask = n < seqlen
+        d = tl.arange(0, D0)
+        k = tl.load(k_rows + n[:, None].to(tl.int64) * stride_kt + d[None, :], mask=n_mask[:, None], other=0.0)
+        qk = tl.dot(q0, tl.trans(k))
+        if REM:
+            j = tl.arange(0, W1)
+            rk = tl.load(r_cols + j[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
+            qk = tl.dot(q1, rk, qk)
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
+        v = tl.load(v_rows + n[:, None].to(tl.int64) * stride_vt + d[None, :], mask=n_mask[:, None], other=0.0)
+        p = p.to(v.dtype)
+        acc0 = tl.dot(p, v, acc0)
+        if REM:
+            rv = tl.load(r_cols + (R_V + j)[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
+            acc1 = tl.dot(p, tl.trans(rv), acc1)
+        return acc0, acc1, l_i, m_ij
+
+    @triton.jit
     def _varlen_attn_fwd_tma(
         Q, k_desc, v_desc, r_desc, O, CU_SEQLENS, COS, SIN,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
         K, V, R, stride_kt, stride_vt, stride_r, total_tokens,
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
-        TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False,
+        TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -370,7 +396,10 @@ if triton is not None:
         one column per token, each segment from an aligned column `_r_start`), so no operand is narrower
         than 16 rows of 128 bytes; Q's remainder is zero past the head, and so are R's rows.
         DEVICE_DESC: the program builds its descriptors itself from K, V, R and their row strides,
-        instead of receiving host-encoded ones (`k_desc`, `v_desc`, `r_desc` unused)."""
+        instead of receiving host-encoded ones (`k_desc`, `v_desc`, `r_desc` unused).
+        TAIL_N: a segment's last keys, when they fill at most half a tile, go in steps of TAIL_N keys
+        (`_narrow_step`) instead of one masked full tile: a 448px image's 784 tokens are 6 tiles of 128
+        and 16 keys."""
         start_m = tl.program_id(0)
         head = tl.program_id(1)
         seg = tl.program_id(2)
@@ -415,8 +444,18 @@ if triton is not None:
                                              r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1,
                                              TAIL_IN_LOOP)
         if n_full < seqlen:
-            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col, r_row,
-                                             r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1, True)
+            if TAIL_N > 0 and seqlen - n_full <= BLOCK_N // 2:
+                k_rows = K + tok0.to(tl.int64) * stride_kt + col
+                v_rows = V + tok0.to(tl.int64) * stride_vt + col
+                r_cols = R + r_row * stride_r + r_col0
+                for start_n in range(n_full, seqlen, TAIL_N):
+                    acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols,
+                                                        stride_kt, stride_vt, stride_r, start_n, seqlen, qk_scale,
+                                                        D0, W1, TAIL_N, REM, HEADS * W1)
+            else:
+                acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
+                                                 r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,
+                                                 HEADS * W1, True)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
         _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, D0, W1)
 
@@ -518,6 +557,7 @@ class TileConfig:
     ws: bool = False
     tail_in_loop: bool = False
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
+    tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -535,6 +575,8 @@ def ptr_candidates(head_dim: int) -> list[TileConfig]:
 # benchmarks/sweep_attention.py on H100/H200. (An earlier version read the remainder of 72/80 by TMA as
 # [BLOCK_N, 16] row tiles: compute-sanitizer found out-of-bounds shared-memory reads in that QK^T dot and
 # the PV dot gave wrong results with 8 warps, hence the transposed remainder.)
+# A segment's last keys, where they fill at most half a K tile, go in narrow steps of TAIL_N keys.
+TAIL_N = 32
 TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2)]
 
 
@@ -563,7 +605,7 @@ def tma_descriptors() -> str:
 def tma_candidates(head_dim: int) -> list[TileConfig]:
     """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each)."""
     device = tma_descriptors() == "device"
-    return [TileConfig(bm, bn, w, s, tma=True, device_desc=device) for bm, bn, w, s in TMA_TILES]
+    return [TileConfig(bm, bn, w, s, tma=True, device_desc=device, tail_n=TAIL_N) for bm, bn, w, s in TMA_TILES]
 
 
 @functools.lru_cache(maxsize=None)
@@ -666,7 +708,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 stride_c, scale, k, v, rem, k.stride(0), v.stride(0), rem.stride(0), total, HEAD_DIM=head_dim,
                 D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws,
-                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, num_warps=c.num_warps,
+                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n, num_warps=c.num_warps,
                 num_stages=c.num_stages)
 
         if config is None:

@@ -55,19 +55,22 @@ def test_triton_kernel_interpreted(lengths, head_dim, rope, dtype):
     assert rel_err(out, ref) <= max(2 * torch_err, 2e-6), (rel_err(out, ref), torch_err)
 
 
-@pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72), ([19, 5, 1], 80),
+@pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72), ([19, 5, 1, 45], 80),
                                               ([3, 18], 96), ([40, 1, 17], 128)])
 @pytest.mark.parametrize("rope", [False, True])
-@pytest.mark.parametrize("tail_in_loop", [False, True])
-def test_tma_kernel_interpreted(lengths, head_dim, rope, tail_in_loop):
+@pytest.mark.parametrize("tail", ["masked", "in_loop", "narrow"])
+def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
     """The Hopper kernel (K/V through tensor descriptors, Q rotated in the kernel, K by the caller; past
-    a power-of-two chunk, K's and V's remaining columns read transposed)."""
+    a power-of-two chunk, K's and V's remaining columns read transposed). A segment's last keys go in one
+    masked tile, in the loop, or in narrow steps of 8 keys after 32-key tiles (where at most 16 remain:
+    one step for 1, 3, 5, 7, 8, 33 and 40, two for 16 and 45; 17 to 23 stay one masked tile)."""
     q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim)
     if rope:
         k.copy_(apply_vision_rope(k, cos, sin))  # k is a view of the fused buffer: rotated in place
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
-                            config=TileConfig(32, 16, tma=True, tail_in_loop=tail_in_loop))
+                            config=TileConfig(32, 32 if tail == "narrow" else 16, tma=True,
+                                              tail_in_loop=tail == "in_loop", tail_n=8 if tail == "narrow" else 0))
     assert not out.isnan().any()
     qr = apply_vision_rope(q, cos, sin) if rope else q
     ref = reference_varlen_attention(qr, k, v, cu)
