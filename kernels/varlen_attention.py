@@ -576,7 +576,7 @@ def ptr_candidates(head_dim: int) -> list[TileConfig]:
 # [BLOCK_N, 16] row tiles: compute-sanitizer found out-of-bounds shared-memory reads in that QK^T dot and
 # the PV dot gave wrong results with 8 warps, hence the transposed remainder.)
 # A segment's last keys, where they fill at most half a K tile, go in narrow steps of TAIL_N keys.
-TAIL_N = 32
+TAIL_N = 16
 TMA_TILES = [(64, 128, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 4, 3), (128, 64, 4, 2)]
 
 

@@ -98,8 +98,9 @@ def _fused(backend: str) -> bool | None:
     return True if backend == "triton" else None
 
 
-def _add_norm(x, y, norm: nn.LayerNorm, backend: str):
-    return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend))
+def _add_norm(x, y, norm: nn.LayerNorm, backend: str, merged_norm: nn.LayerNorm | None = None):
+    merged = None if merged_norm is None else (merged_norm.weight, merged_norm.bias, merged_norm.eps)
+    return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged)
 
 
 def _bilinear_taps(index, size, side):
@@ -222,7 +223,14 @@ class PatchMerger(nn.Module):
 
     def forward(self, x):
         x = self.norm(x.view(-1, self.merged)) if self.postshuffle_norm else self.norm(x).view(-1, self.merged)
-        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+        return self.project(x)
+
+    def project(self, x, out=None):
+        """The MLP on normalised merged tokens `[T / merge_unit, merged]`, optionally into `out`."""
+        h = self.act_fn(self.linear_fc1(x))
+        if out is None:
+            return self.linear_fc2(h)
+        return torch.addmm(self.linear_fc2.bias, h, self.linear_fc2.weight.t(), out=out)
 
 
 class VisionTower(nn.Module):
@@ -255,18 +263,19 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         pos_embed_add_(x, self.pos_embed.weight, plan.interp_index, plan.interp_weight, use_triton=_fused(self.backend))
         taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
-        deepstack = []
+        unit = self.config.merge_unit
+        deepstack = x.new_empty((len(taps), x.shape[0] // unit, self.config.out_hidden_size))
         blocks = self.blocks
         h = blocks[0].norm1(x)
         for layer, block in enumerate(blocks):
             x, h = _add_norm(x, block.attn(h, plan, self.backend), block.norm2, self.backend)
             m = block.mlp(h)
-            if layer + 1 < len(blocks):
-                x, h = _add_norm(x, m, blocks[layer + 1].norm1, self.backend)  # residual + next block's norm
-            else:
-                x = x + m
-            if layer in taps:
-                deepstack.append(self.deepstack_merger_list[taps[layer]](x))
-        merged = self.merger(x)
-        deepstack = torch.stack(deepstack) if deepstack else merged.new_empty((0, *merged.shape))
+            # the residual add, fused with the next norm: the next block's, or after the last block the
+            # merger's (pre-shuffle); at a DeepStack tap also that merger's post-shuffle norm, same pass
+            norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
+            tap = self.deepstack_merger_list[taps[layer]] if layer in taps else None
+            x, h, *tapped = _add_norm(x, m, norm, self.backend, tap.norm if tap is not None else None)
+            if tap is not None:
+                tap.project(tapped[0], out=deepstack[taps[layer]])
+        merged = self.merger.project(h.view(-1, self.merger.merged))
         return merged, deepstack

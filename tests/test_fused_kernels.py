@@ -59,6 +59,34 @@ def test_add_layernorm(rows, cols, dtype):
     assert err <= 2 * torch_err + 1e-7, (err, torch_err)
 
 
+@pytest.mark.parametrize("rows,cols,group", [(4, 64, 4), (28, 1024, 4), (132, 1152, 4), (12, 72, 4), (6, 80, 2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_add_layernorm_merged_norm(rows, cols, group, dtype):
+    """The DeepStack merger's post-shuffle LayerNorm (over `group` consecutive rows) from the same pass,
+    against float64; the sum and the per-row norm as without it."""
+    g = torch.Generator().manual_seed(rows * cols + group)
+    x, y = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(2))
+    x[::3] += 2.0  # rows of one merged token with different means: the group's statistics must be shared
+    w, b = 1 + 0.1 * torch.randn(cols, generator=g), 0.1 * torch.randn(cols, generator=g)
+    w2, b2 = 1 + 0.1 * torch.randn(group * cols, generator=g), 0.1 * torch.randn(group * cols, generator=g)
+    merged = (w2.to(dtype), b2.to(dtype), 1e-5)
+    s, out, out2 = add_layernorm(x, y, w.to(dtype), b.to(dtype), 1e-6, use_triton=True, merged_norm=merged)
+    rs, rout, rout2 = reference_add_layernorm(x, y, w.to(dtype), b.to(dtype), 1e-6, merged)
+    assert torch.equal(s, rs) and torch.equal(out, add_layernorm(x, y, w.to(dtype), b.to(dtype), 1e-6,
+                                                                 use_triton=True)[1])
+    assert out2.shape == (rows // group, group * cols)
+    exact = F.layer_norm(rs.double().view(-1, group * cols), (group * cols,), w2.double(), b2.double(), 1e-5)
+    err = (out2.double() - exact).norm() / exact.norm()
+    torch_err = (rout2.double() - exact).norm() / exact.norm()
+    assert err <= 2 * torch_err + 1e-7, (err, torch_err)
+
+
+def test_add_layernorm_merged_norm_validates():
+    x = torch.randn(6, 64)
+    with pytest.raises(ValueError, match="merged norm"):
+        add_layernorm(x, x, torch.ones(64), torch.zeros(64), 1e-6, merged_norm=(torch.ones(256), torch.zeros(256), 1e-6))
+
+
 @pytest.mark.parametrize("tokens,hidden,side", [(1, 64, 4), (131, 96, 7), (300, 1152, 48)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_pos_embed_add(tokens, hidden, side, dtype):
