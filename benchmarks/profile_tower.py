@@ -8,6 +8,7 @@ Writes profile_<preset>_<workload>.json.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections import defaultdict
 
@@ -19,6 +20,7 @@ from benchmarks.common import bench, environment, write_results
 from kernels.add_layernorm import add_layernorm
 from kernels.qkv_rope import qkv_rope_, qkv_rope_linear
 from service.config import preset
+from service.graphs import GraphedTower
 from service.loader import random_tower
 
 CATEGORIES = [  # first match wins
@@ -62,6 +64,51 @@ def kernel_table(fn, iters: int) -> list[dict]:
         rows.append({"kernel": e.key[:160], "category": category(e.key), "us_per_forward": us / iters,
                      "calls_per_forward": e.count / iters})
     return sorted(rows, key=lambda r: -r["us_per_forward"])
+
+
+def idle_gaps(ops):
+    """ops: (start, stop, name) sorted by start -> (busy time, [(gap, op before, op after)])."""
+    end, prev = ops[0][1], ops[0][2]
+    busy, gaps = ops[0][1] - ops[0][0], []
+    for start, stop, name in ops[1:]:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    return busy, gaps
+
+
+def timeline(fn, iters: int) -> dict:
+    """The GPU timeline of `iters` calls (the served, graphed forward): the span from the first kernel's
+    start to the last one's end, the time some kernel (or memset/memcpy) runs, and the largest idle
+    gaps with the operations on either side, so launch and dependency latency show apart from kernels."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    busy, gaps = idle_gaps(ops)
+    by_next = defaultdict(lambda: [0.0, 0])
+    for gap, _, nxt in gaps:
+        key = category(nxt) if category(nxt) != "other" else nxt[:40]
+        by_next[key][0] += gap
+        by_next[key][1] += 1
+    span = max(stop for _, stop, _ in ops) - ops[0][0]
+    return {"span_us_per_forward": span / iters, "busy_us_per_forward": busy / iters,
+            "idle_us_per_forward": (span - busy) / iters, "ops_per_forward": len(ops) / iters,
+            "idle_by_next_op_us_per_forward": {k: [v[0] / iters, v[1] / iters]
+                                               for k, v in sorted(by_next.items(), key=lambda kv: -kv[1][0])},
+            "largest_gaps_us": [(round(g, 1), a[:60], b[:60]) for g, a, b in sorted(gaps, reverse=True)[:15]]}
 
 
 def micro(cfg, tokens: int) -> dict:
@@ -124,9 +171,14 @@ def main():
     def fwd():
         return tower(pixels, tower.plan(grids))
 
+    graphed = GraphedTower(tower)
     with torch.inference_mode():
         fwd()
         torch.cuda.synchronize()
+        for _ in range(3):
+            graphed(pixels, grids)  # captured on the third call
+        graphed_wall = bench(lambda: graphed(pixels, grids), warmup_ms=200, rep_ms=1000)
+        graph_timeline = timeline(lambda: graphed(pixels, grids), args.iters)
         wall = bench(fwd, warmup_ms=200, rep_ms=1000)
         table = kernel_table(fwd, args.iters)
         by_cat = defaultdict(float)
@@ -143,7 +195,8 @@ def main():
         micro_res["tower wall, Q rotated in the attention kernel"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
         Attention.rope_q_in_kernel, Attention.fused_qkv_rope = False, True
     busy = sum(by_cat.values()) / 1000
-    print(f"{args.preset} {args.workload}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms")
+    print(f"{args.preset} {args.workload}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms; graphed {graphed_wall:.2f} ms")
+    print(f"  graphed timeline: {json.dumps(graph_timeline, indent=1)}")
     for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"  {cat:24s} {us / 1000:7.2f} ms")
     for r in table[:25]:
@@ -153,7 +206,8 @@ def main():
     write_results(f"profile_{args.preset}_{args.workload}", {
         "benchmark": "profile_tower", "env": environment(), "preset": args.preset, "workload": args.workload,
         "tokens": tokens, "wall_ms": wall, "gpu_busy_ms": busy, "by_category_ms": {k: v / 1000 for k, v in by_cat.items()},
-        "kernels": table, "micro": micro_res}, args.out)
+        "kernels": table, "micro": micro_res, "graphed_wall_ms": graphed_wall, "graphed_timeline": graph_timeline},
+        args.out)
 
 
 if __name__ == "__main__":
