@@ -73,7 +73,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "git_revision": os.environ.get("GIT_REVISION", rev),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "settings": {k: v for k, v in os.environ.items() if k.startswith("QWEN3VL_")},
+        "settings": {k: v for k, v in os.environ.items() if k.startswith(("QWEN3VL_", "CUBLAS"))},
     }
 
 

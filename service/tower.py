@@ -15,6 +15,7 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,14 @@ from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
 
 from .config import TowerConfig
+
+# No cuBLASLt workspace: with one (PyTorch's default is 32 MiB on Hopper), the tower's GEMMs run
+# stream-K kernels that need zeroed semaphores, one memset before each GEMM: 81 per 2B forward, with
+# ~0.66 ms of idle GPU around them in a CUDA-graph replay. Without, cuBLASLt picks statically scheduled
+# kernels of the same tile shapes; 2B 32x448px graphed, back to back on H100: 35.9 ms against 36.3 ms
+# (benchmarks/probe_graph_launch.py, benchmarks/results/cublaslt_workspace_h100.txt). PyTorch reads the
+# variable at its first cuBLASLt call in the process; an explicit setting wins.
+os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
 
 
 def segment_lengths(grids) -> list[int]:
