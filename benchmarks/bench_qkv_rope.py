@@ -20,8 +20,8 @@ SHAPES = {"2b 32x448px": ("qwen3-vl-2b", 32 * 784), "2b 8x448px": ("qwen3-vl-2b"
           "2b 1x1024px": ("qwen3-vl-2b", 4096), "8b 32x448px": ("qwen3-vl-8b", 32 * 784)}
 
 
-# Tiles to time beside the candidates: QKV_EXTRA_TILES="128,256,64,8,3,1,1;..." (block_m, block_n, block_k,
-# warps, stages, persistent, warp-specialised)
+# Tiles to time beside the candidates: QKV_EXTRA_TILES="128,256,64,8,3,1;..." (block_m, block_n, block_k,
+# warps, stages, persistent)
 EXTRA_TILES = [tuple(int(x) for x in t.split(",")) for t in os.environ.get("QKV_EXTRA_TILES", "").split(";") if t]
 
 

@@ -62,22 +62,23 @@ def main():
             torch.cuda.synchronize()
             res[f"{name}: ms per forward, 20 back to back"] = start.elapsed_time(end) / 20
             res[f"{name}: do_bench median ms"] = do_bench(fn, warmup=200, rep=1000, return_mode="median")
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
-            for s, e in evs:  # per-call events, no cache flush
-                s.record()
-                fn()
-                e.record()
-            torch.cuda.synchronize()
-            res[f"{name}: per-call events, median ms"] = statistics.median(s.elapsed_time(e) for s, e in evs)
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
-            for s, e in evs:  # a host sync before each call: the launch latency lands inside the window
-                torch.cuda.synchronize()
-                s.record()
-                fn()
-                e.record()
-            torch.cuda.synchronize()
-            res[f"{name}: per-call events after a sync, median ms"] = statistics.median(s.elapsed_time(e) for s, e in evs)
+            res[f"{name}: per-call events, median ms"] = per_call_ms(fn, sync=False)
+            res[f"{name}: per-call events after a sync, median ms"] = per_call_ms(fn, sync=True)
     print(json.dumps(res, indent=1))
+
+
+def per_call_ms(fn, sync: bool, calls: int = 20) -> float:
+    """Median of CUDA events around each call, no cache flush; `sync`: the host waits for the GPU before
+    each call, so its launch latency lands inside the window."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        if sync:
+            torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 if __name__ == "__main__":

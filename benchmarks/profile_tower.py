@@ -83,7 +83,6 @@ def timeline(fn, iters: int) -> dict:
     """The GPU timeline of `iters` calls (the served, graphed forward): the span from the first kernel's
     start to the last one's end, the time some kernel (or memset/memcpy) runs, and the largest idle
     gaps with the operations on either side, so launch and dependency latency show apart from kernels."""
-    import json
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -94,7 +93,8 @@ def timeline(fn, iters: int) -> dict:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        with open(f.name) as exported:
+            trace = json.load(exported)
     ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
     busy, gaps = idle_gaps(ops)

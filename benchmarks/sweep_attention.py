@@ -8,7 +8,8 @@ process (a miscompile) loses only itself: run risky groups in their own process.
 
 Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
 Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
-tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), spec:<config> (one TMA configuration, see parse_spec).
+tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), spec:<config> (one
+TMA configuration, see parse_spec).
 """
 
 from __future__ import annotations

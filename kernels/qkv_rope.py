@@ -127,13 +127,12 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
-                       WS: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
         """OUT[M, N] = A[M, K] @ B[N, K]^T + BIAS, with columns below ROPE_N (Q and K) rotated: one
-        program per output tile. WS: a producer warp issues the TMA loads (warp specialisation)."""
+        program per output tile."""
         off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kt in tl.range(0, K_TILES, warp_specialize=WS):
+        for kt in tl.range(0, K_TILES):
             acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
         _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
                          BLOCK_M, BLOCK_N)
@@ -142,11 +141,11 @@ if triton is not None:
     def _qkv_rope_gemm_persistent(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
-                                  NUM_SMS: tl.constexpr, WS: tl.constexpr = False):
+                                  NUM_SMS: tl.constexpr):
         """The same GEMM with one program per SM looping over tiles; the flattened loop lets the
-        pipeliner load the next tile's operands during this tile's epilogue (WS: warp-specialised)."""
+        pipeliner load the next tile's operands during this tile's epilogue."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True, warp_specialize=WS):
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kt in range(K_TILES):
@@ -155,8 +154,7 @@ if triton is not None:
                              BLOCK_M, BLOCK_N)
 
 
-# (block_m, block_n, block_k, warps, stages, persistent[, warp-specialised]) candidates, timed once per
-# shape class on first use
+# (block_m, block_n, block_k, warps, stages, persistent) candidates, timed once per shape class on first use
 GEMM_TILES = [(128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 128, 64, 8, 4, False),
               (128, 256, 64, 8, 4, False), (256, 128, 64, 8, 3, False), (64, 256, 64, 4, 4, False),
               (128, 256, 128, 8, 2, False), (256, 128, 128, 8, 2, False),
@@ -202,8 +200,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
                     sin: torch.Tensor, heads: int, *, tile: tuple | None = None) -> torch.Tensor:
     """`(T, 3, H, D)` = x `(T, hidden)` @ weight `(3 * hidden, hidden)`^T + bias, Q and K rotated with
     float32 `(T, D/2)` tables. One kernel where `fused_qkv_rope_supported`, else the projection and
-    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent[, ws]) (tests,
-    benchmarks)."""
+    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests, benchmarks)."""
     tokens, k_dim = x.shape
     n = weight.shape[0]
     head_dim = n // 3 // heads
@@ -215,13 +212,13 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
     def launch(c):
-        bm, bn, bk, warps, stages, persistent, *ws = c
+        bm, bn, bk, warps, stages, persistent = c
         a_desc = TensorDescriptor(x, [tokens, k_dim], [x.stride(0), 1], [bm, bk])
         b_desc = TensorDescriptor(weight, [n, k_dim], [weight.stride(0), 1], [bn, bk])
         tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
         args = (a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0), 2 * hidden)
         meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=triton.cdiv(k_dim, bk),
-                    num_warps=warps, num_stages=stages, WS=bool(ws and ws[0]))
+                    num_warps=warps, num_stages=stages)
         if persistent:
             sms = _sm_count(x.device) if x.is_cuda else 4
             _qkv_rope_gemm_persistent[(min(sms, tiles),)](*args, NUM_SMS=min(sms, tiles), **meta)

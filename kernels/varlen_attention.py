@@ -354,16 +354,16 @@ if triton is not None:
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
-    def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, stride_kt, stride_vt, stride_r, start_n,
-                     seqlen, qk_scale, D0: tl.constexpr, W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr,
-                     R_V: tl.constexpr):
+    def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS, SIN, stride_kt, stride_vt,
+                     stride_r, stride_c, tok0, start_n, seqlen, qk_scale, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
+                     W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr):
         """A masked step over TAIL_N keys, loaded by pointers (the tensor descriptors' boxes are BLOCK_N
         rows): the last keys of a segment cost TAIL_N / BLOCK_N of a full step. `k_rows`/`v_rows` point at
         the segment's first key of this head, `r_cols` at its first column in R's K rows."""
         n = start_n + tl.arange(0, TAIL_N)
         n_mask = n < seqlen
         d = tl.arange(0, D0)
-        k = tl.load(k_rows + n[:, None].to(tl.int64) * stride_kt + d[None, :], mask=n_mask[:, None], other=0.0)
+        k = _load_tile(k_rows, n, d, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
         qk = tl.dot(q0, tl.trans(k))
         if REM:
             j = tl.arange(0, W1)
@@ -371,7 +371,7 @@ if triton is not None:
             qk = tl.dot(q1, rk, qk)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
-        v = tl.load(v_rows + n[:, None].to(tl.int64) * stride_vt + d[None, :], mask=n_mask[:, None], other=0.0)
+        v = _load_tile(v_rows, n, d, stride_vt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
         p = p.to(v.dtype)
         acc0 = tl.dot(p, v, acc0)
         if REM:
@@ -449,9 +449,9 @@ if triton is not None:
                 v_rows = V + tok0.to(tl.int64) * stride_vt + col
                 r_cols = R + r_row * stride_r + r_col0
                 for start_n in range(n_full, seqlen, TAIL_N):
-                    acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols,
-                                                        stride_kt, stride_vt, stride_r, start_n, seqlen, qk_scale,
-                                                        D0, W1, TAIL_N, REM, HEADS * W1)
+                    acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS,
+                                                        SIN, stride_kt, stride_vt, stride_r, stride_c, tok0, start_n,
+                                                        seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEADS * W1)
             else:
                 acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
                                                  r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,

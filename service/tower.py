@@ -32,7 +32,7 @@ from .config import TowerConfig
 
 # No cuBLASLt workspace: with one (PyTorch's default is 32 MiB on Hopper), the tower's GEMMs run
 # stream-K kernels that need zeroed semaphores, one memset before each GEMM: 81 per 2B forward, with
-# ~0.66 ms of idle GPU around them in a CUDA-graph replay. Without, cuBLASLt picks statically scheduled
+# ~0.31 ms of idle GPU around them in a CUDA-graph replay. Without, cuBLASLt picks statically scheduled
 # kernels of the same tile shapes; 2B 32x448px graphed, back to back on H100: 35.9 ms against 36.3 ms
 # (benchmarks/probe_graph_launch.py, benchmarks/results/cublaslt_workspace_h100.txt). PyTorch reads the
 # variable at its first cuBLASLt call in the process; an explicit setting wins.
