@@ -19,6 +19,8 @@ for step in "${@:-all}"; do
         | tee "$OUT/gpu_$step.log" | tail -n 15 ;;
     kernel-tests-c) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py \
                       -k "not every_candidate" 2>&1 | tee "$OUT/gpu_kernel-tests-c.log" | tail -n 15 ;;
+    qkv-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k qkv_rope 2>&1 \
+                 | tee "$OUT/gpu_qkv_tests.log" | tail -n 15 ;;
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;
     attention|all) python -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" ;;&
     qkv) python -m benchmarks.bench_qkv_rope 2>&1 | tee "$OUT/bench_qkv_rope.log" ;;
