@@ -118,22 +118,23 @@ if triton is not None:
         cols = off_n + tl.arange(0, BLOCK_N)
         rows = off_m + tl.arange(0, BLOCK_M)
         acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if off_n < ROPE_N and PAIRED:
-            x1, x2 = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))  # columns 2j and 2j + 1
-            pair = ((off_n + 2 * tl.arange(0, BLOCK_N // 2)) % HEAD_DIM) // 2  # the pair's angle in its head
-            cs = rows[:, None] * stride_c + pair[None, :]
-            c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)
-            s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)
-            acc = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [BLOCK_M, BLOCK_N])
-        elif off_n < ROPE_N:
-            HALF: tl.constexpr = HEAD_DIM // 2
-            x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
-            x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
-            cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
-            c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-            s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-            y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
-            acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
+        if off_n < ROPE_N:
+            if PAIRED:  # (constexpr: only one branch is compiled)
+                x1, x2 = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))  # columns 2j and 2j + 1
+                pair = ((off_n + 2 * tl.arange(0, BLOCK_N // 2)) % HEAD_DIM) // 2  # the pair's angle in its head
+                cs = rows[:, None] * stride_c + pair[None, :]
+                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)
+                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)
+                acc = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [BLOCK_M, BLOCK_N])
+            else:
+                HALF: tl.constexpr = HEAD_DIM // 2
+                x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
+                x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
+                cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+                acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
         out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
