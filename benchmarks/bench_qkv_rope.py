@@ -1,6 +1,5 @@
 """The QKV projection with RoPE: cuBLAS (`F.linear`) plus the in-place Triton pass, against the fused
-Triton GEMM (bias and rotation in its epilogue) at each candidate tile, at the towers' shapes; Q and K
-in transformers' channel order (power-of-two head dims) and in pair order (the tower's).
+Triton GEMM (bias and rotation in its epilogue) at each candidate tile, at the towers' shapes.
 
 Usage: python -m benchmarks.bench_qkv_rope  ->  qkv_rope.json under $OUT or benchmarks/results
 """
@@ -53,23 +52,8 @@ def main():
                 continue
             rows.append({"shape": name, "path": f"fused {tile}", "ms": t, "TFLOPS": flops / t / 1e9,
                          "× base": t_base / t})
-        if gemm_candidates(hidden, head_dim):
-            t = bench(lambda: qkv_rope_linear(x, w, b, cos, sin, heads))
-            rows.append({"shape": name, "path": "fused (tuned)", "ms": t, "TFLOPS": flops / t / 1e9,
-                         "× base": t_base / t})
-        # Q and K in pair order (the tower's layout): the rotation of adjacent columns, any head dim
-        t_pass = bench(lambda: qkv_rope_(qkv, cos, sin, use_triton=True, paired=True))
-        t = bench(lambda: qkv_rope_(F.linear(x, w, b).view(tokens, 3, heads, head_dim), cos, sin, use_triton=True,
-                                    paired=True))
-        rows.append({"shape": name, "path": "cublas + pass, pair order", "ms": t, "pass ms": t_pass,
-                     "pass GB/s": moved / t_pass / 1e6, "TFLOPS": flops / t / 1e9, "× base": t_base / t})
-        for tile in gemm_candidates(hidden, head_dim, paired=True):
-            t = bench(lambda tile=tile: qkv_rope_linear(x, w, b, cos, sin, heads, paired=True, tile=tile))
-            rows.append({"shape": name, "path": f"fused pair order {tile}", "ms": t, "TFLOPS": flops / t / 1e9,
-                         "× base": t_base / t})
-        t = bench(lambda: qkv_rope_linear(x, w, b, cos, sin, heads, paired=True))
-        rows.append({"shape": name, "path": "fused pair order (tuned)", "ms": t, "TFLOPS": flops / t / 1e9,
-                     "× base": t_base / t})
+        t = bench(lambda: qkv_rope_linear(x, w, b, cos, sin, heads))
+        rows.append({"shape": name, "path": "fused (tuned)", "ms": t, "TFLOPS": flops / t / 1e9, "× base": t_base / t})
     print_table(rows, ["shape", "path", "ms", "gemm ms", "pass ms", "pass GB/s", "TFLOPS", "× base"])
     write_results("qkv_rope", {"benchmark": "bench_qkv_rope", "env": environment(), "rows": rows})
 

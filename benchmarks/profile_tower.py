@@ -135,8 +135,6 @@ def micro(cfg, tokens: int) -> dict:
     if cfg.head_dim & (cfg.head_dim - 1) == 0:
         gemm("qkv + rope (triton, fused epilogue)",
              lambda: qkv_rope_linear(x, w["qkv"], b["qkv"], cos, sin, cfg.num_heads), tokens, 3 * h, h)
-    gemm("qkv + rope (triton, fused epilogue, pair order)",
-         lambda: qkv_rope_linear(x, w["qkv"], b["qkv"], cos, sin, cfg.num_heads, paired=True), tokens, 3 * h, h)
     gemm("proj (bias)", lambda: F.linear(x, w["proj"], b["proj"]), tokens, h, h)
     gemm("proj (+residual, addmm beta=1)", lambda: torch.addmm(y, x, w["proj"].t()), tokens, h, h)
     gemm("fc1 (bias+gelu epilogue)", lambda: torch._addmm_activation(b["fc1"], x, w["fc1"].t(), use_gelu=True),
@@ -153,8 +151,6 @@ def micro(cfg, tokens: int) -> dict:
     passes("add+layernorm (triton)", lambda: add_layernorm(x, y, ln_w, ln_b, 1e-6), 4 * act)
     passes("layernorm (torch)", lambda: F.layer_norm(x, (h,), ln_w, ln_b, 1e-6), 2 * act)
     passes("qkv rope (triton, in place)", lambda: qkv_rope_(qkv, cos, sin), 4 * act + 2 * cos.numel() * 4)
-    passes("qkv rope (triton, in place, pair order)", lambda: qkv_rope_(qkv, cos, sin, paired=True),
-           4 * act + 2 * cos.numel() * 4)
     passes("copy (torch, reference bandwidth)", lambda: y.copy_(x), 2 * act)
     return res
 
@@ -189,13 +185,15 @@ def main():
         for r in table:
             by_cat[r["category"]] += r["us_per_forward"]
         micro_res = micro(cfg, tokens)
-        # A/B of the QKV projection's RoPE: in its epilogue (served), by the pass
+        # A/B of the QKV projection's RoPE: in its epilogue (served), by the pass, Q in the attention kernel
         from service.tower import Attention
 
         micro_res["tower wall, Q and K rotated in the QKV projection"] = {"ms": wall}
         Attention.fused_qkv_rope = False
         micro_res["tower wall, Q and K rotated by the pass"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
-        Attention.fused_qkv_rope = True
+        Attention.rope_q_in_kernel = True
+        micro_res["tower wall, Q rotated in the attention kernel"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
+        Attention.rope_q_in_kernel, Attention.fused_qkv_rope = False, True
     busy = sum(by_cat.values()) / 1000
     print(f"{args.preset} {args.workload}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms; graphed {graphed_wall:.2f} ms")
     print(f"  graphed timeline: {json.dumps(graph_timeline, indent=1)}")

@@ -8,10 +8,8 @@ with cos/sin): rotating every K tile once per query tile costs far more than one
 
 `qkv_rope_linear` goes one step further on Hopper: the projection itself (TMA + wgmma GEMM) adds the
 bias and rotates Q and K in its epilogue, from the float32 accumulator, so the pass and its read and
-write of Q and K disappear. A column's rotation partner must be in the same tile: either each tile
-covers whole heads (block_n a multiple of head_dim: power-of-two head dims), or Q and K come out in
-pair order (`paired`, kernels.rope.qk_pair_order: partners in adjacent columns), which any even head
-dim allows, 72 and 80 included.
+write of Q and K disappear. Each output tile covers whole heads (block_n a multiple of head_dim), so a
+column's rotate-half partner is in the same tile.
 """
 
 from __future__ import annotations
@@ -40,29 +38,27 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(QKV, COS, SIN, n_tokens, stride_t, stride_s, stride_h, stride_c,
                          HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
-                         FIRST: tl.constexpr, PAIRED: tl.constexpr):
-        """Rotates all heads of Q (or K) of BLOCK_T tokens. Lane p of a token is the rotation pair
-        (p // HALF's head, columns i and i + HALF with i = p % HALF; 2i and 2i + 1 when PAIRED), loaded,
-        rotated and stored by the one thread that owns it (in place: no thread may read what another
-        writes). Lanes run over every head of the token, so a head dim like 72 fills the tile instead of
-        a 64-wide tile per head."""
+                         FIRST: tl.constexpr):
+        """Rotates all heads of Q (or K) of BLOCK_T tokens. Lane p of a token is the rotate-half pair
+        (p // HALF's head, columns i and i + HALF with i = p % HALF), loaded, rotated and stored by the
+        one thread that owns it (in place: no thread may read what another writes). Lanes run over every
+        head of the token, so a head dim like 72 fills the tile instead of a 64-wide tile per head."""
         pid_t = tl.program_id(0)
         which = tl.program_id(1) + FIRST  # 0: Q, 1: K
         rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         p = tl.arange(0, BLOCK_P)
         i = p % HALF
-        col = (p // HALF) * stride_h + (2 * i if PAIRED else i)
-        partner = 1 if PAIRED else HALF
+        col = (p // HALF) * stride_h + i
         mask = (rows < n_tokens)[:, None] & (p < PAIRS)[None, :]
         lo = QKV + rows[:, None].to(tl.int64) * stride_t + which * stride_s + col[None, :]
         x1 = tl.load(lo, mask=mask, other=0.0)
-        x2 = tl.load(lo + partner, mask=mask, other=0.0)
+        x2 = tl.load(lo + HALF, mask=mask, other=0.0)
         cs = rows[:, None] * stride_c + i[None, :]
         c = tl.load(COS + cs, mask=mask, other=0.0)
         s = tl.load(SIN + cs, mask=mask, other=0.0)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         tl.store(lo, (a * c - b * s).to(x1.dtype), mask=mask)
-        tl.store(lo + partner, (b * c + a * s).to(x1.dtype), mask=mask)
+        tl.store(lo + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
 
 
 def _check_tables(cos, sin, tokens: int, half: int):
@@ -71,10 +67,9 @@ def _check_tables(cos, sin, tokens: int, half: int):
 
 
 def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None,
-              k_only: bool = False, paired: bool = False) -> torch.Tensor:
+              k_only: bool = False) -> torch.Tensor:
     """Rotate Q and K (only K with `k_only`: the attention kernel rotates Q as it loads it) of `qkv`
-    `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv. `paired`: Q and K are in pair
-    order (kernels.rope.qk_pair_order)."""
+    `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv."""
     if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be (T, 3, H, D) with a contiguous last dim; got {tuple(qkv.shape)} "
                          f"strides {qkv.stride()}")
@@ -85,14 +80,14 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
         use_triton = triton is not None and qkv.is_cuda
     if not use_triton:
         for i in (1,) if k_only else (0, 1):
-            qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin, paired=paired)
+            qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
     block_p = triton.next_power_of_2(heads * half)
     block_t = max(1, 2048 // block_p)  # ~16 pairs per thread at 4 warps
     grid = (triton.cdiv(tokens, block_t), 1 if k_only else 2)
     _qkv_rope_kernel[grid](qkv, cos, sin, tokens, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
                            HALF=half, PAIRS=heads * half, BLOCK_P=block_p, BLOCK_T=block_t, FIRST=int(k_only),
-                           PAIRED=paired, num_warps=4)
+                           num_warps=4)
     return qkv
 
 
@@ -110,52 +105,43 @@ if triton is not None:
         return pid_m * BLOCK_M, pid_n * BLOCK_N
 
     @triton.jit
-    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAIRED: tl.constexpr):
-        """The epilogue: + bias, rotate when the tile is in Q or K (a column's partner is in the tile:
-        the adjacent column when PAIRED, else the tile holds whole heads), round once, store the rows
-        and columns that exist."""
+    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The epilogue: + bias, rotate when the tile is in Q or K (whole heads: a column's rotate-half
+        partner is in the tile), round once, store the rows that exist."""
         cols = off_n + tl.arange(0, BLOCK_N)
         rows = off_m + tl.arange(0, BLOCK_M)
-        acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + cols).to(tl.float32)[None, :]
         if off_n < ROPE_N:
-            if PAIRED:  # (constexpr: only one branch is compiled)
-                x1, x2 = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))  # columns 2j and 2j + 1
-                pair = ((off_n + 2 * tl.arange(0, BLOCK_N // 2)) % HEAD_DIM) // 2  # the pair's angle in its head
-                cs = rows[:, None] * stride_c + pair[None, :]
-                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)
-                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)
-                acc = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [BLOCK_M, BLOCK_N])
-            else:
-                HALF: tl.constexpr = HEAD_DIM // 2
-                x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
-                x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
-                cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
-                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
-                acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
+            HALF: tl.constexpr = HEAD_DIM // 2
+            x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
+            x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
+            cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+            c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+            s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+            y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+            acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
         out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
 
     @triton.jit
     def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr, PAIRED: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
         """OUT[M, N] = A[M, K] @ B[N, K]^T + BIAS, with columns below ROPE_N (Q and K) rotated: one
         program per output tile."""
         off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in tl.range(0, K_TILES):
             acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N, HEAD_DIM,
-                         BLOCK_M, BLOCK_N, PAIRED)
+        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                         BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _qkv_rope_gemm_persistent(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
-                                  PAIRED: tl.constexpr, NUM_SMS: tl.constexpr):
+                                  NUM_SMS: tl.constexpr):
         """The same GEMM with one program per SM looping over tiles; the flattened loop lets the
         pipeliner load the next tile's operands during this tile's epilogue."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
@@ -164,8 +150,8 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kt in range(K_TILES):
                 acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, PAIRED)
+            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                             BLOCK_M, BLOCK_N)
 
 
 # (block_m, block_n, block_k, warps, stages, persistent) candidates, timed once per shape class on first use
@@ -175,32 +161,26 @@ GEMM_TILES = [(128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 12
               (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (128, 128, 64, 8, 4, True)]
 
 
-def gemm_candidates(hidden: int, head_dim: int, paired: bool = False) -> list[tuple]:
-    """The tiles that never straddle Q|K and K|V and (unless `paired`) cover whole heads."""
-    if paired:
-        return [c for c in GEMM_TILES if (2 * hidden) % c[1] == 0]
+def gemm_candidates(hidden: int, head_dim: int) -> list[tuple]:
+    """The tiles that cover whole heads and never straddle Q, K and V."""
     return [c for c in GEMM_TILES if c[1] % head_dim == 0 and hidden % c[1] == 0]
 
 
-def _tile_fits(tile, hidden: int, head_dim: int, paired: bool) -> bool:
-    return (2 * hidden) % tile[1] == 0 if paired else tile[1] % head_dim == 0 and hidden % tile[1] == 0
-
-
-def reference_qkv_rope_linear(x, weight, bias, cos, sin, heads, paired: bool = False):
+def reference_qkv_rope_linear(x, weight, bias, cos, sin, heads):
     """The unfused computation: the projection (rounded to x's dtype), then the in-place rotation."""
     qkv = F.linear(x, weight, bias).view(x.shape[0], 3, heads, -1)
-    return qkv_rope_(qkv, cos, sin, use_triton=False, paired=paired)
+    return qkv_rope_(qkv, cos, sin, use_triton=False)
 
 
-def fused_qkv_rope_supported(x, weight, heads, paired: bool = False) -> bool:
+def fused_qkv_rope_supported(x, weight, heads) -> bool:
     """Whether `qkv_rope_linear` runs its fused kernel for these operands (else the projection and the pass):
     Hopper (TMA) or the interpreter, half precision (or float32 in the interpreter), power-of-two head
-    dims, or any even head dim `paired`; unpinned calls also need a candidate tile (`gemm_candidates`)."""
+    dims; unpinned calls also need a candidate tile (`gemm_candidates`)."""
     if triton is None or TensorDescriptor is None or x.dim() != 2 or weight.dim() != 2:
         return False
     hidden = weight.shape[0] // 3
     head_dim = hidden // heads if heads and hidden % heads == 0 else 0
-    if head_dim < 16 or (head_dim % 2 if paired else head_dim & (head_dim - 1)) or x.shape[1] % 16:
+    if head_dim < 16 or head_dim & (head_dim - 1) or x.shape[1] % 16:
         return False
     if x.dtype != weight.dtype or not x.is_contiguous() or not weight.is_contiguous():
         return False
@@ -217,20 +197,18 @@ def _sm_count(device) -> int:
 
 
 def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, heads: int, *, paired: bool = False, tile: tuple | None = None) -> torch.Tensor:
+                    sin: torch.Tensor, heads: int, *, tile: tuple | None = None) -> torch.Tensor:
     """`(T, 3, H, D)` = x `(T, hidden)` @ weight `(3 * hidden, hidden)`^T + bias, Q and K rotated with
-    float32 `(T, D/2)` tables; `paired`: the weight's Q and K rows are in pair order
-    (kernels.rope.qk_pair_order) and so are the results. One kernel where `fused_qkv_rope_supported`,
-    else the projection and the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages,
-    persistent) (tests, benchmarks)."""
+    float32 `(T, D/2)` tables. One kernel where `fused_qkv_rope_supported`, else the projection and
+    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests, benchmarks)."""
     tokens, k_dim = x.shape
     n = weight.shape[0]
     head_dim = n // 3 // heads
     _check_tables(cos, sin, tokens, head_dim // 2)
     hidden = n // 3
-    if not fused_qkv_rope_supported(x, weight, heads, paired) or (
-            tile is None and not interpreting() and not gemm_candidates(hidden, head_dim, paired)):
-        return qkv_rope_(F.linear(x, weight, bias).view(tokens, 3, heads, head_dim), cos, sin, paired=paired)
+    if not fused_qkv_rope_supported(x, weight, heads) or (
+            tile is None and not interpreting() and not gemm_candidates(hidden, head_dim)):
+        return qkv_rope_(F.linear(x, weight, bias).view(tokens, 3, heads, head_dim), cos, sin)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
     def launch(c):
@@ -240,7 +218,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
         tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
         args = (a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0), 2 * hidden)
         meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=triton.cdiv(k_dim, bk),
-                    PAIRED=paired, num_warps=warps, num_stages=stages)
+                    num_warps=warps, num_stages=stages)
         if persistent:
             sms = _sm_count(x.device) if x.is_cuda else 4
             _qkv_rope_gemm_persistent[(min(sms, tiles),)](*args, NUM_SMS=min(sms, tiles), **meta)
@@ -249,14 +227,13 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
 
     if bias is None:
         bias = torch.zeros(n, dtype=x.dtype, device=x.device)
-    if tile is None and interpreting():  # small tiles: the interpreter's cost grows with the tile
-        tile = (32, min(64, (2 * hidden) & -(2 * hidden)) if paired else head_dim, 32, 4, 2, False)
+    if tile is None and interpreting():
+        tile = (32, head_dim, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     if tile is None:
         size_class = 0 if tokens <= 4096 else 1 if tokens <= 16384 else 2  # a new pack size never re-tunes
-        tile = choose(("qkv_rope_gemm", size_class, n, k_dim, head_dim, paired, x.dtype, x.device),
-                      lambda: gemm_candidates(hidden, head_dim, paired), launch)
-    elif not _tile_fits(tile, hidden, head_dim, paired):
-        raise ValueError(f"tile {tile}: block_n must divide {2 * hidden}" + (
-            "" if paired else f" and be a multiple of head_dim {head_dim}"))
+        tile = choose(("qkv_rope_gemm", size_class, n, k_dim, head_dim, x.dtype, x.device),
+                      lambda: gemm_candidates(hidden, head_dim), launch)
+    elif tile[1] % head_dim or hidden % tile[1]:
+        raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
     launch(tile)
     return out.view(tokens, 3, heads, head_dim)

@@ -5,12 +5,6 @@ share one angle; the first D/4 angles come from the token's row, the next D/4 fr
 whole table is `(total_tokens, D/2)`, stored in float32: `cos_half`, `sin_half`. transformers builds
 the full-width `cat(half, half)` and upcasts Q and K to float32 to apply it; the result is cast back
 to the input dtype. Our kernels compute the same float32 expression and round once.
-
-Pair order: the tower may store each Q and K head's channels with the rotate-half partners side by
-side, channel i at 2i and channel i + D/2 at 2i + 1 (`qk_pair_order`, a permutation of the QKV
-projection's output rows). Q·K is unchanged when both carry the same permutation, so attention needs no
-change, and the rotation becomes one of adjacent pairs: a GEMM epilogue can apply it to any
-power-of-two column tile, whatever the head dim (72 and 80 included).
 """
 
 from __future__ import annotations
@@ -31,25 +25,10 @@ def vision_rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tupl
     return freqs.cos(), freqs.sin()
 
 
-def apply_vision_rope(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor,
-                      paired: bool = False) -> torch.Tensor:
-    """Rotate `x` `(T, H, D)` with float32 `(T, D/2)` tables; float32 arithmetic, result in x.dtype.
-    `paired`: x's channels are in pair order (partners at 2i, 2i + 1) and so is the result."""
+def apply_vision_rope(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `(T, H, D)` with float32 `(T, D/2)` tables; float32 arithmetic, result in x.dtype."""
     half = x.shape[-1] // 2
     xf = x.float()
-    c, s = cos_half[:, None, :], sin_half[:, None, :]
-    if paired:
-        x1, x2 = xf.unflatten(-1, (half, 2)).unbind(-1)
-        return torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2).to(x.dtype)
     x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos_half[:, None, :], sin_half[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-
-def qk_pair_order(heads: int, head_dim: int) -> torch.Tensor:
-    """Row order of a QKV projection `(3 * heads * head_dim, ...)` whose Q and K heads come out in pair
-    order: `weight[order]` (and `bias[order]`); V keeps its order. `argsort` inverts it."""
-    half = head_dim // 2
-    within = torch.stack((torch.arange(half), torch.arange(half) + half), 1).flatten()  # 0, D/2, 1, D/2+1, ...
-    order = torch.arange(3 * heads * head_dim).view(3, heads, head_dim)
-    order[:2] = order[:2, :, within]
-    return order.flatten()

@@ -5,10 +5,8 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
-- the QKV projection's Q and K rows are stored in pair order (`kernels.rope.qk_pair_order`: each
-  rotate-half pair in adjacent channels; the state dict keeps the checkpoint's order). On Hopper the
-  projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`), at any head dim;
-  elsewhere one Triton pass rotates them in place in the projection's output.
+- on Hopper the QKV projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`,
+  power-of-two head dims); elsewhere one Triton pass rotates them in place in the projection's output.
   Attention then runs through `kernels.varlen_attention` (one Triton launch per block on CUDA;
   elsewhere SDPA, once per run of equal-length segments, on views of the fused QKV buffer);
 - the position embeddings are interpolated and added in one pass (`kernels.pos_embed`).
@@ -26,7 +24,6 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
-from kernels.rope import qk_pair_order
 from kernels.add_layernorm import add_layernorm
 from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
@@ -139,55 +136,37 @@ class PatchEmbed(nn.Module):
 
 
 class Attention(nn.Module):
+    # Triton backend: rotate Q inside the attention kernel (True) or in the in-place pass with K
+    # (False). Measured on H100, 2B 32x448px: the pass rotating both is 0.7 ms faster per forward
+    # (benchmarks/results/profile_*.json): in the kernel, 16 heads re-read the cos/sin rows.
+    rope_q_in_kernel = False
     # Triton backend: the QKV projection adds its bias and rotates Q and K in its own epilogue
-    # (kernels.qkv_rope.qkv_rope_linear, Hopper) instead of cuBLAS plus the in-place pass.
+    # (kernels.qkv_rope.qkv_rope_linear, Hopper, power-of-two head dims) instead of cuBLAS plus the
+    # in-place pass.
     fused_qkv_rope = True
-    # Store the QKV projection's Q and K rows in pair order (read at construction). The fused epilogue
-    # needs it for head dims that are not a power of two (72, 80); for all head dims it makes the
-    # rotation one of adjacent columns (docs/PERFORMANCE.md).
-    qk_pairs = True
 
     def __init__(self, cfg: TowerConfig):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.paired = self.qk_pairs
-        if self.paired:  # checkpoint order at the state-dict boundary, pair order inside
-            self.register_load_state_dict_pre_hook(_qkv_to_pairs)
-            self.register_state_dict_post_hook(_qkv_from_pairs)
 
     def forward(self, x, plan: PackPlan, backend: str):
         tokens = x.shape[0]
-        if (backend == "triton" and self.fused_qkv_rope
-                and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads, self.paired)):
-            qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads,
-                                  paired=self.paired)
+        q_in_kernel = backend == "triton" and self.rope_q_in_kernel
+        if (backend == "triton" and self.fused_qkv_rope and not q_in_kernel
+                and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
+            qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
         else:
             qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
-            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend), paired=self.paired)
-        # 3 x [T, H, D] strided views; the kernel reads them in place. Q and K carry the same channel
-        # order, so Q·K, and the attention output, are those of transformers' order.
-        q, k, v = qkv.unbind(1)
-        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend)
+            # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per
+            # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
+            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend), k_only=q_in_kernel)
+        q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
+        rope_q = dict(cos=plan.cos, sin=plan.sin, rotate_k=False) if q_in_kernel else {}
+        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend,
+                               **rope_q)
         return self.proj(out.view(tokens, -1))
-
-
-def _qkv_reorder(module: Attention, state_dict, prefix: str, inverse: bool):
-    order = qk_pair_order(module.num_heads, module.head_dim)
-    if inverse:
-        order = torch.argsort(order)
-    for key in (prefix + "qkv.weight", prefix + "qkv.bias"):
-        if key in state_dict:
-            state_dict[key] = state_dict[key][order.to(state_dict[key].device)]
-
-
-def _qkv_to_pairs(module, state_dict, prefix, *_):
-    _qkv_reorder(module, state_dict, prefix, inverse=False)
-
-
-def _qkv_from_pairs(module, state_dict, prefix, _metadata):
-    _qkv_reorder(module, state_dict, prefix, inverse=True)
 
 
 class MLP(nn.Module):

@@ -61,28 +61,6 @@ def test_vision_only_checkpoint(hf_model, tmp_path):
     _tower_matches(tower, hf_model.model.visual)
 
 
-def test_qkv_rows_in_pair_order_inside_checkpoint_order_outside(hf_model, tmp_path):
-    """The tower keeps Q and K rows of each QKV projection in pair order; state_dict() gives back the
-    checkpoint's order, so save -> load round-trips and the weights copy into transformers unchanged."""
-    from kernels.rope import qk_pair_order
-
-    visual = hf_model.model.visual
-    visual.save_pretrained(tmp_path)
-    tower, _ = load_tower(str(tmp_path))
-    ref = visual.blocks[1].attn.qkv
-    order = qk_pair_order(tower.config.num_heads, tower.config.head_dim)
-    assert torch.equal(tower.blocks[1].attn.qkv.weight, ref.weight[order])
-    assert torch.equal(tower.blocks[1].attn.qkv.bias, ref.bias[order])
-    assert not torch.equal(tower.blocks[1].attn.qkv.weight, ref.weight)
-    state = tower.state_dict()
-    assert torch.equal(state["blocks.1.attn.qkv.weight"], ref.weight)
-    assert torch.equal(state["blocks.1.attn.qkv.bias"], ref.bias)
-    again = type(tower)(tower.config)
-    again.load_state_dict(state)
-    assert torch.equal(again.blocks[1].attn.qkv.weight, tower.blocks[1].attn.qkv.weight)
-    _tower_matches(again, visual)
-
-
 def test_moe_checkpoint(tmp_path):
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 

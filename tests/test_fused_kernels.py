@@ -10,20 +10,7 @@ import torch.nn.functional as F
 from kernels.add_layernorm import add_layernorm, reference_add_layernorm
 from kernels.pos_embed import pos_embed_add_, reference_pos_embed
 from kernels.qkv_rope import qkv_rope_
-from kernels.rope import apply_vision_rope, qk_pair_order, vision_rope_cos_sin, vision_rope_inv_freq
-
-
-def exact_qkv_rope(x, w, b, cos, sin, heads):
-    """float64 projection + rotate-half RoPE of Q and K (transformers' layout): `(T, 3, H, D)`."""
-    tokens = x.shape[0]
-    lin = (x.double() @ w.double().T + b.double()).view(tokens, 3, heads, -1)
-    half = lin.shape[-1] // 2
-    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
-    exact = lin.clone()
-    for i in (0, 1):
-        x1, x2 = lin[:, i, :, :half], lin[:, i, :, half:]
-        exact[:, i] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
-    return exact
+from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 
 
 @pytest.mark.parametrize("tokens,heads,head_dim", [(1, 2, 64), (131, 3, 72), (70, 2, 80), (65, 1, 16)])
@@ -46,29 +33,6 @@ def test_qkv_rope_in_place(tokens, heads, head_dim, dtype):
     qkv_rope_(k_only, cos, sin, use_triton=True, k_only=True)
     assert torch.equal(k_only[:, 1], out[:, 1])
     assert torch.equal(k_only[:, 0], qkv[:, 0]) and torch.equal(k_only[:, 2], qkv[:, 2])
-
-
-@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 2, 64), (131, 3, 72), (70, 2, 80)])
-@pytest.mark.parametrize("use_triton", [True, False])
-def test_qkv_rope_in_place_paired(tokens, heads, head_dim, use_triton):
-    """Pair order: rotating the pair-ordered Q and K equals rotating transformers' layout, then
-    reordering; V untouched."""
-    g = torch.Generator().manual_seed(tokens + head_dim)
-    qkv = torch.randn(tokens, 3, heads, head_dim, generator=g).to(torch.float16)
-    cos, sin = vision_rope_cos_sin(torch.randint(0, 50, (tokens, 2), generator=g), vision_rope_inv_freq(head_dim))
-    order = qk_pair_order(heads, head_dim)
-    paired = qkv.view(tokens, -1)[:, order].view_as(qkv).contiguous()
-    out = qkv_rope_(paired.clone(), cos, sin, use_triton=use_triton, paired=True)
-    ref = qkv_rope_(qkv.clone(), cos, sin, use_triton=False)
-    assert torch.equal(out.view(tokens, -1), ref.view(tokens, -1)[:, order])
-    assert not torch.equal(out, paired)
-
-
-def test_qk_pair_order():
-    order = qk_pair_order(2, 6)
-    assert order[:6].tolist() == [0, 3, 1, 4, 2, 5] and order[6:12].tolist() == [6, 9, 7, 10, 8, 11]
-    assert order[24:].tolist() == list(range(24, 36))  # V keeps its order
-    assert torch.equal(order.sort().values, torch.arange(36))
 
 
 def test_qkv_rope_validates():
@@ -179,36 +143,6 @@ def test_qkv_rope_linear_interpreted(tokens, k_dim, heads, head_dim, tile, dtype
     torch_err = (ref.double() - exact).norm() / exact.norm()
     assert err <= 2 * torch_err + 1e-7, (err, torch_err)
     assert not out.isnan().any()
-
-
-@pytest.mark.parametrize("tokens,k_dim,heads,head_dim,tile", [
-    (131, 96, 2, 72, (32, 32, 32, 4, 2, False)),   # N = 432: a partial last column tile
-    (70, 48, 4, 72, (16, 64, 16, 4, 3, True)),     # 64-wide tiles straddle the 72-wide heads
-    (1, 64, 2, 64, (16, 64, 16, 4, 2, False)),     # one token, one head per tile
-    (70, 48, 3, 80, (16, 32, 16, 4, 3, True)),     # N = 720: partial, persistent
-])
-def test_qkv_rope_linear_paired_interpreted(tokens, k_dim, heads, head_dim, tile, monkeypatch):
-    """The fused projection with pair-ordered Q/K rows (any even head dim) equals transformers' rotation
-    of the unpermuted projection, reordered; against float64, at most 2x the error of PyTorch's
-    projection then rotation."""
-    from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_linear, reference_qkv_rope_linear
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    g = torch.Generator().manual_seed(tokens * head_dim)
-    hidden = heads * head_dim
-    x = torch.randn(tokens, k_dim, generator=g).half()
-    w = (torch.randn(3 * hidden, k_dim, generator=g) / k_dim**0.5).half()
-    b = torch.randn(3 * hidden, generator=g).half()
-    cos, sin = vision_rope_cos_sin(torch.randint(0, 50, (tokens, 2), generator=g), vision_rope_inv_freq(head_dim))
-    order = qk_pair_order(heads, head_dim)
-    assert fused_qkv_rope_supported(x, w[order], heads, paired=True)
-    out = qkv_rope_linear(x, w[order], b[order], cos, sin, heads, paired=True, tile=tile).reshape(tokens, -1)
-    exact = exact_qkv_rope(x, w, b, cos, sin, heads).reshape(tokens, -1)[:, order]
-    ref = reference_qkv_rope_linear(x, w[order], b[order], cos, sin, heads, paired=True).reshape(tokens, -1)
-    err = (out.double() - exact).norm() / exact.norm()
-    torch_err = (ref.double() - exact).norm() / exact.norm()
-    assert err <= 2 * torch_err + 1e-7, (err, torch_err)
-    assert torch_err < 1e-2  # the reference itself is the right function
 
 
 def test_qkv_rope_linear_falls_back():

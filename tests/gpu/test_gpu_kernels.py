@@ -137,14 +137,12 @@ def test_run_to_run_deterministic():
 
 @hopper
 @pytest.mark.parametrize("tokens", [1, 131, 6272, 25088])
-@pytest.mark.parametrize("hidden,heads,paired", [(1024, 16, False), (2048, 16, False), (1024, 16, True),
-                                                 (1152, 16, True), (1280, 16, True)])
-def test_qkv_rope_linear_every_tile(tokens, hidden, heads, paired):
+@pytest.mark.parametrize("hidden,heads", [(1024, 16), (2048, 16)])
+def test_qkv_rope_linear_every_tile(tokens, hidden, heads):
     """The QKV projection with bias and RoPE in its epilogue (bf16), at every candidate tile and the
-    tuned call, against float64; at most 2x the error of cuBLAS's projection followed by the pass.
-    `paired`: Q/K rows in pair order (head dims 64, 72, 80), compared in transformers' order."""
+    tuned call, against float64; at most 2x the error of cuBLAS's projection followed by the pass."""
     from kernels.qkv_rope import gemm_candidates, qkv_rope_linear, reference_qkv_rope_linear
-    from kernels.rope import qk_pair_order, vision_rope_cos_sin, vision_rope_inv_freq
+    from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 
     g = torch.Generator(device="cuda").manual_seed(tokens + hidden)
     head_dim = hidden // heads
@@ -160,25 +158,18 @@ def test_qkv_rope_linear_every_tile(tokens, hidden, heads, paired):
         x1, x2 = lin[:, i, :, :head_dim // 2], lin[:, i, :, head_dim // 2:]
         exact[:, i] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
     ref_err = rel_err(reference_qkv_rope_linear(x, w, b, cos, sin, heads), exact)
-    inverse = torch.argsort(qk_pair_order(heads, head_dim)).cuda()
-    if paired:
-        order = qk_pair_order(heads, head_dim).cuda()
-        w, b = w[order], b[order]
-    for tile in [*gemm_candidates(hidden, head_dim, paired), None]:
-        out = qkv_rope_linear(x, w, b, cos, sin, heads, paired=paired, tile=tile)
+    for tile in [*gemm_candidates(hidden, head_dim), None]:
+        out = qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile)
         torch.cuda.synchronize()
-        if paired:
-            out = out.reshape(tokens, -1)[:, inverse].view_as(exact)
         assert rel_err(out, exact) <= 2 * ref_err, (tile, rel_err(out, exact), ref_err)
 
 
 @pytest.mark.parametrize("tokens", [1, 131, 25088])
 @pytest.mark.parametrize("heads,head_dim", [(16, 64), (16, 72), (16, 80)])
-@pytest.mark.parametrize("k_only,paired", [(False, False), (True, False), (False, True)])
-def test_qkv_rope_pass(tokens, heads, head_dim, k_only, paired):
+@pytest.mark.parametrize("k_only", [False, True])
+def test_qkv_rope_pass(tokens, heads, head_dim, k_only):
     """The in-place pass (bf16, the towers' widths) against PyTorch's rotation: equal up to the last
-    bit of a few elements (fused multiply-adds); V, and Q with k_only, untouched. `paired`: Q and K in
-    pair order."""
+    bit of a few elements (fused multiply-adds); V, and Q with k_only, untouched."""
     from kernels.qkv_rope import qkv_rope_
     from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 
@@ -186,12 +177,12 @@ def test_qkv_rope_pass(tokens, heads, head_dim, k_only, paired):
     qkv = torch.randn(tokens, 3, heads, head_dim, device="cuda", generator=g).bfloat16()
     pos = torch.randint(0, 64, (tokens, 2), device="cuda", generator=g)
     cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))
-    out = qkv_rope_(qkv.clone(), cos, sin, use_triton=True, k_only=k_only, paired=paired)
+    out = qkv_rope_(qkv.clone(), cos, sin, use_triton=True, k_only=k_only)
     for i in (0, 1):
         if i == 0 and k_only:
             assert torch.equal(out[:, 0], qkv[:, 0])
             continue
-        ref = apply_vision_rope(qkv[:, i], cos, sin, paired=paired)
+        ref = apply_vision_rope(qkv[:, i], cos, sin)
         assert rel_err(out[:, i], ref) <= 1e-3
         assert (out[:, i] != ref).float().mean() <= 0.01
     assert torch.equal(out[:, 2], qkv[:, 2])
