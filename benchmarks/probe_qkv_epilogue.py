@@ -8,12 +8,15 @@ epilogue, at the 2B and 8B QKV shapes (32x448px), and reports registers and spil
             allows): reshape/split/join + a cos/sin gather [BM, BN/2] (tried at rev 476a548);
   pairs-c1  pair order, reshape/split/join only (angle 0: no cos/sin loads);
   gather    the cos/sin gather at full width, no reshape (wrong result: cost only);
+  *-early   bias (and cos/sin) loaded before the tile's K loop, so their latency hides under the MMAs;
   two-acc   two accumulators, one per pair member (weight rows split even/odd), rotation elementwise,
             two column-strided stores.
 Usage: python -m benchmarks.probe_qkv_epilogue  ->  qkv_epilogue_probe.json under $OUT or benchmarks/results
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -33,7 +36,7 @@ def qk_pair_order(heads: int, head_dim: int) -> torch.Tensor:
     return order.flatten()
 
 
-MODES = {"bias": 0, "halves": 1, "pairs": 2, "pairs-c1": 3, "gather": 4}
+MODES = {"bias": 0, "halves": 1, "pairs": 2, "pairs-c1": 3, "gather": 4, "bias-early": 5, "halves-early": 6}
 
 
 @triton.jit
@@ -45,15 +48,32 @@ def _probe_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, 
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
         off_m = (tile // grid_n) * BLOCK_M
         off_n = (tile % grid_n) * BLOCK_N
+        cols = off_n + tl.arange(0, BLOCK_N)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        if MODE >= 5:
+            bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if MODE == 6:
+            early = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+            rope_rows = (rows < M)[:, None] & (off_n < ROPE_N)
+            c_early = tl.load(COS + early, mask=rope_rows, other=0.0)
+            s_early = tl.load(SIN + early, mask=rope_rows, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in range(K_TILES):
             acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-        cols = off_n + tl.arange(0, BLOCK_N)
-        rows = off_m + tl.arange(0, BLOCK_M)
-        acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if MODE >= 5:
+            acc += bias[None, :]
+        else:
+            acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if off_n < ROPE_N:
-            if MODE == 1:
-                HALF: tl.constexpr = HEAD_DIM // 2
+            if MODE == 6:
+                x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
+                x1, x2 = tl.split(x)
+                c = c_early[:, None, :]
+                s = s_early[:, None, :]
+                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+                acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
+            elif MODE == 1:
                 x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
                 x1, x2 = tl.split(x)
                 cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
@@ -112,6 +132,12 @@ def _probe_two_acc(a_desc, b1_desc, b2_desc, BIAS, OUT, COS, SIN, M, N, stride_o
         tl.store(out + 1, acc2.to(OUT.dtype.element_ty), mask=mask)
 
 
+# the served 2B pick first; EPILOGUE_PROBE_FULL=1 adds the pair-order study's other tiles
+TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)] + (
+    [(128, 128, 64, 8, 4), (128, 128, 64, 4, 4)] if os.environ.get("EPILOGUE_PROBE_FULL") else [])
+MODE_FILTER = os.environ.get("EPILOGUE_PROBE_MODES", "").split(",")
+
+
 def main():
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -126,19 +152,21 @@ def main():
                                        vision_rope_inv_freq(hd, device="cuda"))
         wp, bp = w[qk_pair_order(heads, hd).cuda()], b[qk_pair_order(heads, hd).cuda()]
         flops = 2 * tokens * n * k
-        for bm, bn, bk, warps, stages in [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4)]:
+        for bm, bn, bk, warps, stages in TILES:
             tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
             grid = (min(sms, tiles),)
             ref = None
             for mode, code in MODES.items():
-                if mode == "halves" and (bn % hd or hd & (hd - 1)):
+                if MODE_FILTER != [""] and mode not in MODE_FILTER:
+                    continue
+                if mode in ("halves", "halves-early") and (bn % hd or hd & (hd - 1)):
                     continue
                 if mode in ("pairs", "pairs-c1", "gather") and (2 * hidden) % bn:
                     continue
                 out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
                 a_desc = TensorDescriptor(x, [tokens, k], [k, 1], [bm, bk])
-                b_desc = TensorDescriptor(wp if mode != "halves" else w, [n, k], [k, 1], [bn, bk])
-                bias = bp if mode != "halves" else b
+                b_desc = TensorDescriptor(w if mode.startswith("halves") else wp, [n, k], [k, 1], [bn, bk])
+                bias = b if mode.startswith("halves") else bp
                 fn = lambda: _probe_gemm[grid](a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0),  # noqa: E731
                                                cos.stride(0), 2 * hidden, HEAD_DIM=hd, BLOCK_M=bm, BLOCK_N=bn,
                                                BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), NUM_SMS=grid[0], MODE=code,
@@ -147,9 +175,13 @@ def main():
                 ms = bench(fn)
                 if mode == "pairs":
                     ref = out.clone()
+                if mode == "halves":
+                    halves = out.clone()
+                if mode == "halves-early":
+                    assert torch.equal(out, halves), "early loads changed the result"
                 rows.append({"shape": name, "tile": f"{bm}x{bn}x{bk} w{warps} s{stages}", "epilogue": mode, "ms": ms,
                              "TFLOPS": flops / ms / 1e9, "regs": kern.n_regs, "spills": kern.n_spills})
-            if (2 * hidden) % bn == 0:
+            if (2 * hidden) % bn == 0 and (MODE_FILTER == [""] or "two-acc" in MODE_FILTER):
                 out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
                 w1, w2 = wp[0::2].contiguous(), wp[1::2].contiguous()
                 a_desc = TensorDescriptor(x, [tokens, k], [k, 1], [bm, bk])
