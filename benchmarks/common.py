@@ -47,6 +47,56 @@ def wait_until_ready(url: str, server, timeout_s: float, interval_s: float = 0.5
         time.sleep(interval_s)
 
 
+class ClockLog:
+    """Samples the GPU's SM clock, power draw and active clock-limit reasons with `nvidia-smi -lms`
+    while the block runs; `summary()` gives their medians (MHz, W) and the reasons seen. Empty where
+    nvidia-smi is missing."""
+
+    QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+    def __init__(self, interval_ms: int = 50):
+        self.interval_ms = interval_ms
+        self.proc = None
+        self.lines: list[str] = []
+
+    def __enter__(self):
+        if not torch.cuda.is_available():
+            return self
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+                 f"-lms={self.interval_ms}", f"--id={torch.cuda.current_device()}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except (FileNotFoundError, RuntimeError):
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            out, _ = self.proc.communicate(timeout=10)
+            self.lines = [line for line in out.splitlines() if line.strip()]
+
+    def summary(self) -> dict:
+        samples = []
+        for line in self.lines:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                samples.append((float(parts[0]), float(parts[1]), parts[2]))
+            except (ValueError, IndexError):
+                continue
+        if not samples:
+            return {}
+
+        def median(xs):
+            xs = sorted(xs)
+            return xs[len(xs) // 2]
+
+        return {"sm_mhz_median": median([s[0] for s in samples]), "sm_mhz_min": min(s[0] for s in samples),
+                "power_w_median": median([s[1] for s in samples]), "samples": len(samples),
+                "clock_event_reasons": sorted({s[2] for s in samples})}
+
+
 def bench(fn, warmup_ms=100, rep_ms=500) -> float:
     """Median milliseconds over many runs, timed with CUDA events (triton.testing.do_bench)."""
     from triton.testing import do_bench

@@ -60,6 +60,13 @@ def choose(key: tuple, candidates, launch):
                 error = e
         if min(times) == float("inf"):
             raise error
+        # Candidates within 5% of the best are re-timed, longer and back to back: 40 ms of runs does
+        # not separate tiles 2-3% apart (the QKV GEMM's two persistent tiles, 0.261 vs 0.268 ms, were
+        # picked either way).
+        close = [c for c, t in zip(candidates, times) if t <= 1.05 * min(times)]
+        if len(close) > 1:
+            times = [triton.testing.do_bench(lambda c=c: launch(c), warmup=25, rep=200) for c in close]
+            candidates = close
         choice = candidates[times.index(min(times))]
     _choices[key] = choice
     return choice
