@@ -9,6 +9,9 @@ epilogue, at the 2B and 8B QKV shapes (32x448px), and reports registers and spil
   pairs-c1  pair order, reshape/split/join only (angle 0: no cos/sin loads);
   gather    the cos/sin gather at full width, no reshape (wrong result: cost only);
   *-early   bias (and cos/sin) loaded before the tile's K loop, so their latency hides under the MMAs;
+  ln-halves the served epilogue, with the block's first LayerNorm applied to A as it is loaded (per-row
+            mean and rstd from the add+LayerNorm pass, per-column weight and bias), so that pass need
+            not write the normalised activations;
   two-acc   two accumulators, one per pair member (weight rows split even/odd), rotation elementwise,
             two column-strided stores.
 Usage: python -m benchmarks.probe_qkv_epilogue  ->  qkv_epilogue_probe.json under $OUT or benchmarks/results
@@ -36,13 +39,15 @@ def qk_pair_order(heads: int, head_dim: int) -> torch.Tensor:
     return order.flatten()
 
 
-MODES = {"bias": 0, "halves": 1, "pairs": 2, "pairs-c1": 3, "gather": 4, "bias-early": 5, "halves-early": 6}
+MODES = {"bias": 0, "halves": 1, "pairs": 2, "pairs-c1": 3, "gather": 4, "bias-early": 5, "halves-early": 6,
+         "ln-halves": 7}
 
 
 @triton.jit
 def _probe_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                K_TILES: tl.constexpr, NUM_SMS: tl.constexpr, MODE: tl.constexpr):
+                K_TILES: tl.constexpr, NUM_SMS: tl.constexpr, MODE: tl.constexpr,
+                MEAN=None, RSTD=None, LNW=None, LNB=None):
     grid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.cdiv(M, BLOCK_M) * grid_n
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
@@ -60,13 +65,26 @@ def _probe_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, 
             s_early = tl.load(SIN + early, mask=rope_rows, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in range(K_TILES):
-            acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-        if MODE >= 5:
+            a = a_desc.load([off_m, kt * BLOCK_K])
+            if MODE == 7:
+                ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+                mu = tl.load(MEAN + rows, mask=rows < M, other=0.0)
+                rs = tl.load(RSTD + rows, mask=rows < M, other=0.0)
+                g = tl.load(LNW + ks).to(tl.float32)
+                be = tl.load(LNB + ks).to(tl.float32)
+                a = ((a.to(tl.float32) - mu[:, None]) * rs[:, None] * g[None, :] + be[None, :]).to(a.dtype)
+            acc = tl.dot(a, b_desc.load([off_n, kt * BLOCK_K]).T, acc)
+        if MODE == 5 or MODE == 6:
             acc += bias[None, :]
         else:
             acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if off_n < ROPE_N:
-            if MODE == 6:
+            if MODE == 6 or MODE == 7:
+                if MODE == 7:
+                    c_early = tl.load(COS + rows[:, None] * stride_c + tl.arange(0, HALF)[None, :],
+                                      mask=(rows < M)[:, None], other=0.0)
+                    s_early = tl.load(SIN + rows[:, None] * stride_c + tl.arange(0, HALF)[None, :],
+                                      mask=(rows < M)[:, None], other=0.0)
                 x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
                 x1, x2 = tl.split(x)
                 c = c_early[:, None, :]
@@ -151,6 +169,8 @@ def main():
         cos, sin = vision_rope_cos_sin(torch.randint(0, 64, (tokens, 2), device="cuda"),
                                        vision_rope_inv_freq(hd, device="cuda"))
         wp, bp = w[qk_pair_order(heads, hd).cuda()], b[qk_pair_order(heads, hd).cuda()]
+        ln = (x.float().mean(1), torch.rsqrt(x.float().var(1, unbiased=False) + 1e-6),
+              (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16(), (0.1 * torch.randn(hidden, device="cuda")).bfloat16())
         flops = 2 * tokens * n * k
         for bm, bn, bk, warps, stages in TILES:
             tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
@@ -159,17 +179,18 @@ def main():
             for mode, code in MODES.items():
                 if MODE_FILTER != [""] and mode not in MODE_FILTER:
                     continue
-                if mode in ("halves", "halves-early") and (bn % hd or hd & (hd - 1)):
+                if mode in ("halves", "halves-early", "ln-halves") and (bn % hd or hd & (hd - 1)):
                     continue
                 if mode in ("pairs", "pairs-c1", "gather") and (2 * hidden) % bn:
                     continue
                 out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
                 a_desc = TensorDescriptor(x, [tokens, k], [k, 1], [bm, bk])
-                b_desc = TensorDescriptor(w if mode.startswith("halves") else wp, [n, k], [k, 1], [bn, bk])
-                bias = b if mode.startswith("halves") else bp
+                b_desc = TensorDescriptor(w if "halves" in mode else wp, [n, k], [k, 1], [bn, bk])
+                bias = b if "halves" in mode else bp
                 fn = lambda: _probe_gemm[grid](a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0),  # noqa: E731
                                                cos.stride(0), 2 * hidden, HEAD_DIM=hd, BLOCK_M=bm, BLOCK_N=bn,
                                                BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), NUM_SMS=grid[0], MODE=code,
+                                               MEAN=ln[0], RSTD=ln[1], LNW=ln[2], LNB=ln[3],
                                                num_warps=warps, num_stages=stages)
                 kern = fn()
                 ms = bench(fn)
@@ -179,8 +200,18 @@ def main():
                     halves = out.clone()
                 if mode == "halves-early":
                     assert torch.equal(out, halves), "early loads changed the result"
+                if mode == "ln-halves":  # the same GEMM on the normalised activations, materialised
+                    x_ln = ((x.float() - ln[0][:, None]) * ln[1][:, None] * ln[2].float() + ln[3].float()).bfloat16()
+                    ref_desc = TensorDescriptor(x_ln, [tokens, k], [k, 1], [bm, bk])
+                    ref_out = torch.empty_like(out)
+                    _probe_gemm[grid](ref_desc, b_desc, bias, ref_out, cos, sin, tokens, n, out.stride(0),
+                                      cos.stride(0), 2 * hidden, HEAD_DIM=hd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                      K_TILES=triton.cdiv(k, bk), NUM_SMS=grid[0], MODE=1, num_warps=warps,
+                                      num_stages=stages)
                 rows.append({"shape": name, "tile": f"{bm}x{bn}x{bk} w{warps} s{stages}", "epilogue": mode, "ms": ms,
                              "TFLOPS": flops / ms / 1e9, "regs": kern.n_regs, "spills": kern.n_spills})
+                if mode == "ln-halves":
+                    rows[-1]["max diff vs materialised LN"] = (out.float() - ref_out.float()).abs().max().item()
             if (2 * hidden) % bn == 0 and (MODE_FILTER == [""] or "two-acc" in MODE_FILTER):
                 out = torch.empty(tokens, n, device="cuda", dtype=torch.bfloat16)
                 w1, w2 = wp[0::2].contiguous(), wp[1::2].contiguous()
@@ -199,7 +230,8 @@ def main():
                              "max diff vs pairs": err})
         t = bench(lambda: torch.nn.functional.linear(x, w, b))
         rows.append({"shape": name, "tile": "cuBLAS", "epilogue": "bias", "ms": t, "TFLOPS": flops / t / 1e9})
-    print_table(rows, ["shape", "tile", "epilogue", "ms", "TFLOPS", "regs", "spills", "max diff vs pairs"])
+    print_table(rows, ["shape", "tile", "epilogue", "ms", "TFLOPS", "regs", "spills", "max diff vs pairs",
+                       "max diff vs materialised LN"])
     write_results("qkv_epilogue_probe", {"benchmark": "probe_qkv_epilogue", "env": environment(), "rows": rows})
 
 
