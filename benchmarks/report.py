@@ -32,16 +32,23 @@ def tower(path):
           f"rev {d['env']['git_revision']}, {d['env']['date']}\n")
     ours = "ours" if "ours" in d["rows"][0]["results"] else "ours-triton"
     keys = list(dict.fromkeys(k for r in d["rows"] for k in r["results"] if k != ours))  # every row's columns
+    clocks = "gpu" in d["rows"][0]["results"][ours]  # SM clock and power logged during each measurement
     print(f"| preset | workload | {ours} ms | " + " | ".join(f"{k} ms" for k in keys) +
-          " | img/s | TFLOPS | MFU | × eager | × compile | floor/ours |")
-    print("|" + "---|" * (len(keys) + 9))
+          " | img/s | TFLOPS | MFU | × eager | × compile | floor/ours |" +
+          (f" {ours} MHz / W | hf-eager MHz / W |" if clocks else ""))
+    print("|" + "---|" * (len(keys) + 9 + 2 * clocks))
     for r in d["rows"]:
         res = r["results"]
         o = res[ours]
         print(f"| {r['preset'].removeprefix('qwen3-vl-')} | {r['workload']} | {o['ms']:.1f} | " +
               " | ".join(_f(res.get(k, {}).get("ms"), 1) for k in keys) +
               f" | {o['images_per_s']:.0f} | {o['tflops']:.0f} | {o['mfu']:.2f} | {r['speedup_vs_hf_eager']:.2f} | "
-              f"{_f(r.get('speedup_vs_hf_compile'), 2)} | {r['fraction_of_floor']:.2f} |")
+              f"{_f(r.get('speedup_vs_hf_compile'), 2)} | {r['fraction_of_floor']:.2f} |" +
+              ("".join(f" {_clock(res.get(k, {}).get('gpu'))} |" for k in (ours, "hf-eager")) if clocks else ""))
+
+
+def _clock(g):
+    return "–" if not g else f"{g['sm_mhz_median']:.0f} / {g['power_w_median']:.0f}"
 
 
 def service():
