@@ -9,6 +9,8 @@ epilogue, at the 2B and 8B QKV shapes (32x448px), and reports registers and spil
   pairs-c1  pair order, reshape/split/join only (angle 0: no cos/sin loads);
   gather    the cos/sin gather at full width, no reshape (wrong result: cost only);
   *-early   bias (and cos/sin) loaded before the tile's K loop, so their latency hides under the MMAs;
+  halves-lastk  the served epilogue, its cos/sin loaded inside the K loop on the last iteration
+            (masked off before), so the load overlaps the last MMAs instead of following them;
   ln-halves the served epilogue, with the block's first LayerNorm applied to A as it is loaded (per-row
             mean and rstd from the add+LayerNorm pass, per-column weight and bias), so that pass need
             not write the normalised activations;
@@ -40,7 +42,7 @@ def qk_pair_order(heads: int, head_dim: int) -> torch.Tensor:
 
 
 MODES = {"bias": 0, "halves": 1, "pairs": 2, "pairs-c1": 3, "gather": 4, "bias-early": 5, "halves-early": 6,
-         "ln-halves": 7}
+         "ln-halves": 7, "halves-lastk": 8}
 
 
 @triton.jit
@@ -50,13 +52,16 @@ def _probe_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, 
                 MEAN=None, RSTD=None, LNW=None, LNB=None):
     grid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.cdiv(M, BLOCK_M) * grid_n
+    HALF0: tl.constexpr = HEAD_DIM // 2
+    c_keep = tl.zeros([BLOCK_M, HALF0], tl.float32)
+    s_keep = tl.zeros([BLOCK_M, HALF0], tl.float32)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
         off_m = (tile // grid_n) * BLOCK_M
         off_n = (tile % grid_n) * BLOCK_N
         cols = off_n + tl.arange(0, BLOCK_N)
         rows = off_m + tl.arange(0, BLOCK_M)
         HALF: tl.constexpr = HEAD_DIM // 2
-        if MODE >= 5:
+        if MODE == 5 or MODE == 6:
             bias = tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)
         if MODE == 6:
             early = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
@@ -74,12 +79,21 @@ def _probe_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, 
                 be = tl.load(LNB + ks).to(tl.float32)
                 a = ((a.to(tl.float32) - mu[:, None]) * rs[:, None] * g[None, :] + be[None, :]).to(a.dtype)
             acc = tl.dot(a, b_desc.load([off_n, kt * BLOCK_K]).T, acc)
+            if MODE == 8:
+                last = kt == K_TILES - 1
+                lm = (rows < M)[:, None] & (last & (off_n < ROPE_N))
+                cs8 = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+                c_keep = tl.where(last, tl.load(COS + cs8, mask=lm, other=0.0), c_keep)
+                s_keep = tl.where(last, tl.load(SIN + cs8, mask=lm, other=0.0), s_keep)
         if MODE == 5 or MODE == 6:
             acc += bias[None, :]
         else:
             acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if off_n < ROPE_N:
-            if MODE == 6 or MODE == 7:
+            if MODE == 6 or MODE == 7 or MODE == 8:
+                if MODE == 8:
+                    c_early = c_keep
+                    s_early = s_keep
                 if MODE == 7:
                     c_early = tl.load(COS + rows[:, None] * stride_c + tl.arange(0, HALF)[None, :],
                                       mask=(rows < M)[:, None], other=0.0)
@@ -179,7 +193,7 @@ def main():
             for mode, code in MODES.items():
                 if MODE_FILTER != [""] and mode not in MODE_FILTER:
                     continue
-                if mode in ("halves", "halves-early", "ln-halves") and (bn % hd or hd & (hd - 1)):
+                if mode in ("halves", "halves-early", "ln-halves", "halves-lastk") and (bn % hd or hd & (hd - 1)):
                     continue
                 if mode in ("pairs", "pairs-c1", "gather") and (2 * hidden) % bn:
                     continue
@@ -198,8 +212,8 @@ def main():
                     ref = out.clone()
                 if mode == "halves":
                     halves = out.clone()
-                if mode == "halves-early":
-                    assert torch.equal(out, halves), "early loads changed the result"
+                if mode in ("halves-early", "halves-lastk"):
+                    assert torch.equal(out, halves), f"{mode} changed the result"
                 if mode == "ln-halves":  # the same GEMM on the normalised activations, materialised
                     x_ln = ((x.float() - ln[0][:, None]) * ln[1][:, None] * ln[2].float() + ln[3].float()).bfloat16()
                     ref_desc = TensorDescriptor(x_ln, [tokens, k], [k, 1], [bm, bk])
