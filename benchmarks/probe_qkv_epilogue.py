@@ -52,9 +52,9 @@ def _probe_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, 
                 MEAN=None, RSTD=None, LNW=None, LNB=None):
     grid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.cdiv(M, BLOCK_M) * grid_n
-    HALF0: tl.constexpr = HEAD_DIM // 2
-    c_keep = tl.zeros([BLOCK_M, HALF0], tl.float32)
-    s_keep = tl.zeros([BLOCK_M, HALF0], tl.float32)
+    if MODE == 8:
+        c_keep = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+        s_keep = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
     for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
         off_m = (tile // grid_n) * BLOCK_M
         off_n = (tile % grid_n) * BLOCK_N
