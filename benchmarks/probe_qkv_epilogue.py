@@ -1,4 +1,4 @@
-"""Probe: why the pair-order RoPE epilogue of the QKV GEMM is slower than the rotate-half one.
+"""Probe: what the QKV GEMM's RoPE epilogue costs, and which alternatives would cost less.
 
 Times variants of one persistent TMA GEMM (the served kernel's structure) that differ only in the
 epilogue, at the 2B and 8B QKV shapes (32x448px), and reports registers and spills of each:
@@ -17,6 +17,8 @@ epilogue, at the 2B and 8B QKV shapes (32x448px), and reports registers and spil
   two-acc   two accumulators, one per pair member (weight rows split even/odd), rotation elementwise,
             two column-strided stores.
 Usage: python -m benchmarks.probe_qkv_epilogue  ->  qkv_epilogue_probe.json under $OUT or benchmarks/results
+(EPILOGUE_PROBE_MODES=bias,halves,... picks modes; EPILOGUE_PROBE_FULL=1 adds two 128x128 tiles).
+Results: docs/PERFORMANCE.md, "Tried and dropped: the QKV projection's epilogue".
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from benchmarks.common import bench, environment, print_table, write_results
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 from service.config import PRESETS
+
 
 def qk_pair_order(heads: int, head_dim: int) -> torch.Tensor:
     """QKV projection row order with each Q and K head's rotate-half partners (i, i + D/2) side by side."""
@@ -183,8 +186,9 @@ def main():
         cos, sin = vision_rope_cos_sin(torch.randint(0, 64, (tokens, 2), device="cuda"),
                                        vision_rope_inv_freq(hd, device="cuda"))
         wp, bp = w[qk_pair_order(heads, hd).cuda()], b[qk_pair_order(heads, hd).cuda()]
-        ln = (x.float().mean(1), torch.rsqrt(x.float().var(1, unbiased=False) + 1e-6),
-              (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16(), (0.1 * torch.randn(hidden, device="cuda")).bfloat16())
+        ln = (x.float().mean(1), torch.rsqrt(x.float().var(1, unbiased=False) + 1e-6),  # mean, rstd, weight, bias
+              (1 + 0.1 * torch.randn(hidden, device="cuda")).bfloat16(),
+              (0.1 * torch.randn(hidden, device="cuda")).bfloat16())
         flops = 2 * tokens * n * k
         for bm, bn, bk, warps, stages in TILES:
             tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
@@ -201,7 +205,8 @@ def main():
                 a_desc = TensorDescriptor(x, [tokens, k], [k, 1], [bm, bk])
                 b_desc = TensorDescriptor(w if "halves" in mode else wp, [n, k], [k, 1], [bn, bk])
                 bias = b if "halves" in mode else bp
-                fn = lambda: _probe_gemm[grid](a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0),  # noqa: E731
+                fn = lambda: _probe_gemm[grid](  # noqa: E731
+                    a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0),
                                                cos.stride(0), 2 * hidden, HEAD_DIM=hd, BLOCK_M=bm, BLOCK_N=bn,
                                                BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), NUM_SMS=grid[0], MODE=code,
                                                MEAN=ln[0], RSTD=ln[1], LNW=ln[2], LNB=ln[3],
@@ -232,7 +237,8 @@ def main():
                 a_desc = TensorDescriptor(x, [tokens, k], [k, 1], [bm, bk])
                 b1 = TensorDescriptor(w1, [n // 2, k], [k, 1], [bn // 2, bk])
                 b2 = TensorDescriptor(w2, [n // 2, k], [k, 1], [bn // 2, bk])
-                fn = lambda: _probe_two_acc[grid](a_desc, b1, b2, bp, out, cos, sin, tokens, n, out.stride(0),  # noqa: E731
+                fn = lambda: _probe_two_acc[grid](  # noqa: E731
+                    a_desc, b1, b2, bp, out, cos, sin, tokens, n, out.stride(0),
                                                   cos.stride(0), 2 * hidden, HEAD_DIM=hd, BLOCK_M=bm, BLOCK_N=bn,
                                                   BLOCK_K=bk, K_TILES=triton.cdiv(k, bk), NUM_SMS=grid[0],
                                                   num_warps=warps, num_stages=stages)
