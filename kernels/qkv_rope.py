@@ -116,7 +116,8 @@ if triton is not None:
     def _rotated(acc, rows, M, COS, SIN, stride_c, C0: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr):
         """acc `[BLOCK_M, BLOCK_N]` as blocks of SUB columns, each SUB/2 rotate-half pairs (columns i and
-        i + SUB/2) at the angles C0 .. C0 + SUB/2 of cos/sin: rotated, `[BLOCK_M, blocks, 2, SUB/2]`."""
+        i + SUB/2) at the angles C0 .. C0 + SUB/2 of cos/sin: rotated, `[BLOCK_M, blocks, 2, SUB/2]` (the
+        columns' order: reshaped, the tile as it came)."""
         W: tl.constexpr = SUB // 2
         x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // SUB, 2, W]), [0, 1, 3, 2])
         x1, x2 = tl.split(x)  # [BLOCK_M, blocks, W]: each block's first and second half
@@ -126,11 +127,11 @@ if triton is not None:
         return tl.permute(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [0, 1, 3, 2])
 
     @triton.jit
-    def _store_blocks(y, OUT, rows, M, stride_om, base, HALF: tl.constexpr, W: tl.constexpr):
-        """y `[BLOCK_M, blocks, 2, W]` -> columns base + h * HALF + i of each block (h: which half)."""
+    def _block_cols(base, HALF: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The output columns of a tile of blocks `[blocks, 2, W]` (the order `_rotated` returns), flattened:
+        block b's column h * W + i goes to base[b] + h * HALF + i."""
         cols = base[:, None, None] + (tl.arange(0, 2) * HALF)[None, :, None] + tl.arange(0, W)[None, None, :]
-        out = OUT + rows.to(tl.int64)[:, None, None, None] * stride_om + cols[None, :, :, :]
-        tl.store(out, y.to(OUT.dtype.element_ty), mask=(rows < M)[:, None, None, None])
+        return tl.reshape(cols, [BLOCK_N])
 
     @triton.jit
     def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, heads, ROPE_N,
@@ -144,26 +145,24 @@ if triton is not None:
         HALF: tl.constexpr = HEAD_DIM // 2
         if REM == 0:
             if off_n < ROPE_N:
-                y = _rotated(acc, rows, M, COS, SIN, stride_c, 0, HEAD_DIM, BLOCK_M, BLOCK_N)
-                acc = tl.reshape(y, [BLOCK_M, BLOCK_N])
-            out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-            tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
-        else:
+                acc = tl.reshape(_rotated(acc, rows, M, COS, SIN, stride_c, 0, HEAD_DIM, BLOCK_M, BLOCK_N),
+                                 [BLOCK_M, BLOCK_N])
+        else:  # (one store after the branches: stores inside them break the persistent loop's flattening)
             D0: tl.constexpr = HEAD_DIM - REM
             hidden = heads * HEAD_DIM
             if off_n < ROPE_N:  # main blocks: head (off_n // D0 + b) % heads of Q (then K), pairs 0 .. D0/2
-                y = _rotated(acc, rows, M, COS, SIN, stride_c, 0, D0, BLOCK_M, BLOCK_N)
+                acc = tl.reshape(_rotated(acc, rows, M, COS, SIN, stride_c, 0, D0, BLOCK_M, BLOCK_N),
+                                 [BLOCK_M, BLOCK_N])
                 blk = off_n // D0 + tl.arange(0, BLOCK_N // D0)
-                _store_blocks(y, OUT, rows, M, stride_om, (blk // heads) * hidden + (blk % heads) * HEAD_DIM,
-                              HALF, D0 // 2)
+                cols = _block_cols((blk // heads) * hidden + (blk % heads) * HEAD_DIM, HALF, D0 // 2, BLOCK_N)
             elif off_n < 2 * hidden:  # remainder blocks: pairs D0/2 .. HALF
-                y = _rotated(acc, rows, M, COS, SIN, stride_c, D0 // 2, REM, BLOCK_M, BLOCK_N)
+                acc = tl.reshape(_rotated(acc, rows, M, COS, SIN, stride_c, D0 // 2, REM, BLOCK_M, BLOCK_N),
+                                 [BLOCK_M, BLOCK_N])
                 blk = (off_n - ROPE_N) // REM + tl.arange(0, BLOCK_N // REM)
-                _store_blocks(y, OUT, rows, M, stride_om,
-                              (blk // heads) * hidden + (blk % heads) * HEAD_DIM + D0 // 2, HALF, REM // 2)
-            else:  # V, in its own order
-                out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-                tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+                cols = _block_cols((blk // heads) * hidden + (blk % heads) * HEAD_DIM + D0 // 2, HALF, REM // 2,
+                                   BLOCK_N)
+        out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
     @triton.jit
     def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, heads, ROPE_N,
