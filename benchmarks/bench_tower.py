@@ -133,7 +133,8 @@ def run_preset(name, workloads, compile_hf):
         fns = {"ours": lambda: graphed(pixels, grids), "ours-eager": ours_fn(None),
                "ours-triton-attn": ours_fn("triton"), "ours-sdpa-attn": ours_fn("sdpa"),
                "hf-eager": lambda: hf(pixels, grid_thw=grid_t), "floor": floor_fn(cfg, grids)}
-        fns["ours-unfused-qkv"] = unfused
+        if ours.config.head_dim & (ours.config.head_dim - 1) == 0:  # the fused projection's head dims
+            fns["ours-unfused-qkv"] = unfused
         if hf_compiled is not None and wl == "32x448px":
             fns["hf-compile"] = lambda: hf_compiled(pixels, grid_thw=grid_t)
         res = {}

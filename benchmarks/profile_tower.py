@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from benchmarks.bench_tower import WORKLOADS
 from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.add_layernorm import add_layernorm
-from kernels.qkv_rope import head_split, qkv_rope_, qkv_rope_linear
+from kernels.qkv_rope import qkv_rope_, qkv_rope_linear
 from service.config import preset
 from service.graphs import GraphedTower
 from service.loader import random_tower
@@ -133,7 +133,7 @@ def micro(cfg, tokens: int) -> dict:
 
     gemm("qkv (bias)", lambda: F.linear(x, w["qkv"], b["qkv"]), tokens, 3 * h, h)
     gemm("qkv (no bias)", lambda: F.linear(x, w["qkv"]), tokens, 3 * h, h)
-    if head_split(cfg.head_dim) is not None:
+    if cfg.head_dim & (cfg.head_dim - 1) == 0:
         gemm("qkv + rope (triton, fused epilogue)",
              lambda: qkv_rope_linear(x, w["qkv"], b["qkv"], cos, sin, cfg.num_heads), tokens, 3 * h, h)
     gemm("proj (bias)", lambda: F.linear(x, w["proj"], b["proj"]), tokens, h, h)

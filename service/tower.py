@@ -5,8 +5,8 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
-- on Hopper the QKV projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`;
-  head dims 64, 72, 80); elsewhere one Triton pass rotates them in place in the projection's output.
+- on Hopper the QKV projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`,
+  power-of-two head dims); elsewhere one Triton pass rotates them in place in the projection's output.
   Attention then runs through `kernels.varlen_attention` (one Triton launch per block on CUDA;
   elsewhere SDPA, once per run of equal-length segments, on views of the fused QKV buffer);
 - the position embeddings are interpolated and added in one pass (`kernels.pos_embed`).
@@ -141,8 +141,8 @@ class Attention(nn.Module):
     # (benchmarks/results/profile_*.json): in the kernel, 16 heads re-read the cos/sin rows.
     rope_q_in_kernel = False
     # Triton backend: the QKV projection adds its bias and rotates Q and K in its own epilogue
-    # (kernels.qkv_rope.qkv_rope_linear, Hopper; for 72 and 80 from a regrouped copy of the weight) instead
-    # of cuBLAS plus the in-place pass.
+    # (kernels.qkv_rope.qkv_rope_linear, Hopper, power-of-two head dims) instead of cuBLAS plus the
+    # in-place pass.
     fused_qkv_rope = True
 
     def __init__(self, cfg: TowerConfig):
