@@ -93,27 +93,17 @@ def _probe_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, 
         else:
             acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if off_n < ROPE_N:
-            if MODE == 6 or MODE == 7 or MODE == 8:
-                if MODE == 8:
-                    c_early = c_keep
-                    s_early = s_keep
-                if MODE == 7:
-                    c_early = tl.load(COS + rows[:, None] * stride_c + tl.arange(0, HALF)[None, :],
-                                      mask=(rows < M)[:, None], other=0.0)
-                    s_early = tl.load(SIN + rows[:, None] * stride_c + tl.arange(0, HALF)[None, :],
-                                      mask=(rows < M)[:, None], other=0.0)
-                x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
-                x1, x2 = tl.split(x)
-                c = c_early[:, None, :]
-                s = s_early[:, None, :]
-                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
-                acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
-            elif MODE == 1:
-                x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
-                x1, x2 = tl.split(x)
-                cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
-                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+            if MODE == 1 or MODE == 6 or MODE == 7 or MODE == 8:  # rotate-half, cos/sin from where the mode says
+                if MODE == 6:
+                    c, s = c_early, s_early
+                elif MODE == 8:
+                    c, s = c_keep, s_keep
+                else:  # loaded here, as the served epilogue does
+                    cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+                    c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)
+                    s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)
+                x1, x2 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2]))
+                c, s = c[:, None, :], s[:, None, :]
                 y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
                 acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
             elif MODE == 2:
