@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from benchmarks.bench_tower import WORKLOADS
 from benchmarks.common import ClockLog, bench, environment, write_results
-from kernels.add_layernorm import add_layernorm
+from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.qkv_rope import qkv_rope_, qkv_rope_linear
 from service.config import preset
 from service.graphs import GraphedTower
@@ -143,6 +143,18 @@ def micro(cfg, tokens: int) -> dict:
     gemm("fc1 (bias)", lambda: F.linear(x, w["fc1"], b["fc1"]), tokens, inter, h)
     gemm("fc2 (bias)", lambda: F.linear(mid, w["fc2"], b["fc2"]), tokens, h, inter)
     gemm("fc2 (+residual, addmm beta=1)", lambda: torch.addmm(y, mid, w["fc2"].t()), tokens, h, inter)
+    acc = y.clone()  # the served form: the residual stream accumulates in place
+    gemm("proj (+residual in place, addmm_)", lambda: acc.addmm_(x, w["proj"].t()), tokens, h, h)
+    gemm("fc2 (+residual in place, addmm_)", lambda: acc.addmm_(mid, w["fc2"].t()), tokens, h, inter)
+    default_blas = torch.backends.cuda.preferred_blas_library()
+    res["preferred blas library"] = str(default_blas)
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        gemm("proj (+residual in place, addmm_, cuBLASLt)", lambda: acc.addmm_(x, w["proj"].t()), tokens, h, h)
+        gemm("fc2 (+residual in place, addmm_, cuBLASLt)", lambda: acc.addmm_(mid, w["fc2"].t()), tokens, h, inter)
+        gemm("proj (bias, cuBLASLt)", lambda: F.linear(x, w["proj"], b["proj"]), tokens, h, h)
+    finally:
+        torch.backends.cuda.preferred_blas_library(default_blas)
 
     def passes(name, fn, nbytes):
         ms = bench(fn, warmup_ms=50, rep_ms=300)
@@ -150,6 +162,8 @@ def micro(cfg, tokens: int) -> dict:
 
     act = tokens * h * 2
     passes("add+layernorm (triton)", lambda: add_layernorm(x, y, ln_w, ln_b, 1e-6), 4 * act)
+    offset = torch.randn(h, device="cuda")
+    passes("layernorm + bias offset (triton)", lambda: layernorm_offset(x, offset, ln_w, ln_b, 1e-6), 2 * act)
     passes("layernorm (torch)", lambda: F.layer_norm(x, (h,), ln_w, ln_b, 1e-6), 2 * act)
     passes("qkv rope (triton, in place)", lambda: qkv_rope_(qkv, cos, sin), 4 * act + 2 * cos.numel() * 4)
     passes("copy (torch, reference bandwidth)", lambda: y.copy_(x), 2 * act)
@@ -199,6 +213,17 @@ def main():
         Attention.rope_q_in_kernel = True
         micro_res["tower wall, Q rotated in the attention kernel"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
         Attention.rope_q_in_kernel, Attention.fused_qkv_rope = False, True
+        # A/B of the residual add: in the output projections' GEMMs (served), or in the add+LayerNorm pass
+        for in_gemm in (False, True):
+            type(tower).residual_in_gemm = in_gemm
+            ab = GraphedTower(tower)
+            for _ in range(3):
+                ab(pixels, grids)
+            with ClockLog() as ab_clocks:
+                ms = bench(lambda: ab(pixels, grids), warmup_ms=200, rep_ms=1000)
+            where = "the output projections' GEMMs" if in_gemm else "the add+LayerNorm pass"
+            micro_res[f"tower graphed, residual added in {where}"] = {"ms": ms, "gpu": ab_clocks.summary()}
+            del ab
     busy = sum(by_cat.values()) / 1000
     print(f"{args.preset} {args.workload}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms; graphed {graphed_wall:.2f} ms")
     print(f"  graphed timeline: {json.dumps(graph_timeline, indent=1)}")

@@ -1,9 +1,15 @@
-"""Fused residual add + LayerNorm: `s = x + y; return s, layer_norm(s)` in one pass.
+"""Residual add + LayerNorm in one pass: `s = x + y; return s, layer_norm(s)`, or, when the residual
+add already happened in a GEMM's epilogue, `layer_norm(s + offset)` alone.
 
 Each block of the tower ends its attention and its MLP with a residual add followed by a LayerNorm
 (the next one's input). Unfused that is five passes over the [T, hidden] activations; fused, four.
-Statistics in float32; the sum is rounded to the activations' dtype before normalising, exactly as
-the unfused PyTorch code does.
+When the output projections add the residual themselves (cuBLAS `addmm`, beta = 1) this kernel only
+normalises: two passes. Those GEMMs leave their bias out (a 2-D C and a bias vector do not go together
+in PyTorch's GEMM), so the stored stream lacks the biases added so far; their running sum is a
+per-column float32 `offset` that the LayerNorm adds back before normalising.
+
+Statistics in float32. With `y` the sum is rounded to the activations' dtype before normalising,
+exactly as the unfused PyTorch code does.
 
 Where a block's output also feeds a DeepStack merger, the same pass computes that merger's post-shuffle
 LayerNorm too (over groups of `merge_unit` consecutive rows, one merged token each), so the merger does
@@ -22,34 +28,54 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
+def _norms(s, weight, bias, eps, merged_norm, offset):
+    """LayerNorm of `s` (+ float32 `offset`), and of its groups of rows taken as one with `merged_norm`."""
+    if offset is not None:
+        s = s.float() + offset
+    out = [F.layer_norm(s, (s.shape[-1],), weight.to(s.dtype), bias.to(s.dtype), eps).to(weight.dtype)]
+    if merged_norm is not None:
+        w2, b2, eps2 = merged_norm
+        out.append(F.layer_norm(s.reshape(-1, w2.numel()), (w2.numel(),), w2.to(s.dtype), b2.to(s.dtype), eps2)
+                   .to(w2.dtype))
+    return out
+
+
 def reference_add_layernorm(x, y, weight, bias, eps, merged_norm=None):
     s = x + y
-    out = s, F.layer_norm(s, (s.shape[-1],), weight, bias, eps)
-    if merged_norm is None:
-        return out
-    w2, b2, eps2 = merged_norm
-    return *out, F.layer_norm(s.view(-1, w2.numel()), (w2.numel(),), w2, b2, eps2)
+    return (s, *_norms(s, weight, bias, eps, merged_norm, None))
+
+
+def reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm=None):
+    return tuple(_norms(s, weight, bias, eps, merged_norm, offset))
 
 
 if triton is not None:
 
     @triton.jit
-    def _add_layernorm_kernel(X, Y, W, B, S, OUT, W2, B2, OUT2, n_rows, n_cols, eps, eps2,
-                              BLOCK_N: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr):
-        # ROWS rows per program as one 2-D tile: all their loads are in flight at once. GROUP > 0: OUT2 is
-        # the LayerNorm (W2, B2, eps2) of each GROUP consecutive rows taken as one row (ROWS % GROUP == 0).
+    def _add_layernorm_kernel(X, Y, OFFSET, W, B, S, OUT, W2, B2, OUT2, n_rows, n_cols, eps, eps2,
+                              BLOCK_N: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                              HAS_Y: tl.constexpr, HAS_OFFSET: tl.constexpr):
+        # ROWS rows per program as one 2-D tile: all their loads are in flight at once. HAS_Y: the sum
+        # X + Y is stored to S and normalised; else X (+ OFFSET, float32 per column) is normalised.
+        # GROUP > 0: OUT2 is the LayerNorm (W2, B2, eps2) of each GROUP consecutive rows taken as one row
+        # (ROWS % GROUP == 0).
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
-        mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+        col_ok = cols < n_cols
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
-        s = tl.load(X + offs, mask=mask, other=0.0) + tl.load(Y + offs, mask=mask, other=0.0)
-        tl.store(S + offs, s, mask=mask)
+        s = tl.load(X + offs, mask=mask, other=0.0)
+        if HAS_Y:
+            s += tl.load(Y + offs, mask=mask, other=0.0)
+            tl.store(S + offs, s, mask=mask)
         sf = s.to(tl.float32)
+        if HAS_OFFSET:
+            sf = tl.where(mask, sf + tl.load(OFFSET + cols, mask=col_ok, other=0.0)[None, :], 0.0)
         mean = tl.sum(sf, 1) / n_cols
         diff = tl.where(mask, sf - mean[:, None], 0.0)
         var = tl.sum(diff * diff, 1) / n_cols
-        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        b = tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
         y = diff * tl.math.rsqrt(var + eps)[:, None] * w[None, :] + b[None, :]
         tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
         if GROUP > 0:
@@ -66,6 +92,32 @@ if triton is not None:
             tl.store(OUT2 + offs, (diff2 * rstd2[:, None] * w2 + b2).to(OUT2.dtype.element_ty), mask=mask)
 
 
+def _merged_group(rows: int, cols: int, merged_norm) -> int:
+    if merged_norm is None:
+        return 0
+    group = merged_norm[0].numel() // cols
+    if group < 1 or group & (group - 1) or group * cols != merged_norm[0].numel() or rows % group:
+        raise ValueError(f"merged norm of {merged_norm[0].numel()} features over rows of {cols}: needs a "
+                         f"power-of-two multiple dividing the {rows} rows")
+    return group
+
+
+def _launch(x, y, offset, weight, bias, eps, merged_norm, group):
+    rows, cols = x.shape
+    s = torch.empty_like(x) if y is not None else x  # S is only written with Y
+    out = torch.empty_like(x)
+    out2 = torch.empty_like(x) if group else out  # a placeholder without the merged norm
+    w2, b2, eps2 = merged_norm if group else (weight, bias, eps)
+    block_n = triton.next_power_of_2(cols)
+    rows_per_prog = max(1, group, min(8, 8192 // block_n))  # ~16 KB of each input in flight per program
+    _add_layernorm_kernel[(triton.cdiv(rows, rows_per_prog),)](
+        x, x if y is None else y, weight if offset is None else offset, weight, bias, s, out, w2, b2, out2,
+        rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group, HAS_Y=y is not None,
+        HAS_OFFSET=offset is not None, num_warps=8)
+    merged = (out2.view(rows // group, group * cols),) if group else ()
+    return ((s,) if y is not None else ()) + (out, *merged)
+
+
 def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                   use_triton: bool | None = None, merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
     """x, y `[T, N]` (same dtype, contiguous) -> (x + y, LayerNorm(x + y)); Triton on CUDA.
@@ -75,24 +127,24 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
     if x.shape != y.shape or x.dim() != 2 or x.dtype != y.dtype:
         raise ValueError(f"x and y must be 2-D of one shape and dtype; got {tuple(x.shape)} {x.dtype}, "
                          f"{tuple(y.shape)} {y.dtype}")
-    rows, cols = x.shape
-    group = 0
-    if merged_norm is not None:
-        group = merged_norm[0].numel() // cols
-        if group < 1 or group & (group - 1) or group * cols != merged_norm[0].numel() or rows % group:
-            raise ValueError(f"merged norm of {merged_norm[0].numel()} features over rows of {cols}: needs a "
-                             f"power-of-two multiple dividing the {rows} rows")
+    group = _merged_group(*x.shape, merged_norm)
     if use_triton is None:
         use_triton = triton is not None and x.is_cuda
     if not use_triton:
         return reference_add_layernorm(x, y, weight, bias, eps, merged_norm)
-    x, y = x.contiguous(), y.contiguous()
-    s, out = torch.empty_like(x), torch.empty_like(x)
-    out2 = torch.empty_like(x) if group else out  # a placeholder without the merged norm
-    w2, b2, eps2 = merged_norm if group else (weight, bias, eps)
-    block_n = triton.next_power_of_2(cols)
-    rows_per_prog = max(1, group, min(8, 8192 // block_n))  # ~16 KB of each input in flight per program
-    _add_layernorm_kernel[(triton.cdiv(rows, rows_per_prog),)](
-        x, y, weight, bias, s, out, w2, b2, out2, rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog,
-        GROUP=group, num_warps=8)
-    return (s, out, out2.view(rows // group, group * cols)) if group else (s, out)
+    return _launch(x.contiguous(), y.contiguous(), None, weight, bias, eps, merged_norm, group)
+
+
+def layernorm_offset(s: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                     use_triton: bool | None = None, merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """s `[T, N]`, float32 offset `[N]` -> (LayerNorm(s + offset),), computed in float32 and rounded once
+    to the weight's dtype; with `merged_norm` as in `add_layernorm`, also that norm."""
+    if s.dim() != 2 or offset.shape != (s.shape[1],) or offset.dtype != torch.float32:
+        raise ValueError(f"s must be 2-D and offset float32 of its width; got {tuple(s.shape)}, "
+                         f"{offset.dtype} {tuple(offset.shape)}")
+    group = _merged_group(*s.shape, merged_norm)
+    if use_triton is None:
+        use_triton = triton is not None and s.is_cuda
+    if not use_triton:
+        return reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm)
+    return _launch(s.contiguous(), None, offset.contiguous(), weight, bias, eps, merged_norm, group)

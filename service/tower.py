@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
-from kernels.add_layernorm import add_layernorm
+from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
 
@@ -107,9 +107,20 @@ def _fused(backend: str) -> bool | None:
     return True if backend == "triton" else None
 
 
-def _add_norm(x, y, norm: nn.LayerNorm, backend: str, merged_norm: nn.LayerNorm | None = None):
+def _add_norm(x, y, norm: nn.LayerNorm, backend: str, merged_norm: nn.LayerNorm | None = None,
+              offset: torch.Tensor | None = None):
+    """(x + y, norm(x + y)), or with `offset` (y is None: the GEMM added the residual) (norm(x + offset),);
+    plus `merged_norm` of the same rows grouped into merged tokens."""
     merged = None if merged_norm is None else (merged_norm.weight, merged_norm.bias, merged_norm.eps)
+    if offset is not None:
+        return x, *layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
+                                    merged_norm=merged)
     return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged)
+
+
+def _project(linear: nn.Linear, x, residual):
+    """linear(x), or with a residual `residual += x @ W^T` in the GEMM's epilogue (bias left out)."""
+    return linear(x) if residual is None else residual.addmm_(x, linear.weight.t())
 
 
 def _bilinear_taps(index, size, side):
@@ -151,7 +162,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x, plan: PackPlan, backend: str):
+    def forward(self, x, plan: PackPlan, backend: str, residual: torch.Tensor | None = None):
+        """The attention branch; with `residual`, returns `residual` + the branch without proj's bias."""
         tokens = x.shape[0]
         q_in_kernel = backend == "triton" and self.rope_q_in_kernel
         if (backend == "triton" and self.fused_qkv_rope and not q_in_kernel
@@ -166,7 +178,7 @@ class Attention(nn.Module):
         rope_q = dict(cos=plan.cos, sin=plan.sin, rotate_k=False) if q_in_kernel else {}
         out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend,
                                **rope_q)
-        return self.proj(out.view(tokens, -1))
+        return _project(self.proj, out.view(tokens, -1), residual)
 
 
 class MLP(nn.Module):
@@ -177,14 +189,15 @@ class MLP(nn.Module):
         self.act_fn = ACT2FN[cfg.hidden_act]
         self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x):
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """The MLP; with `residual`, returns `residual` + the MLP without fc2's bias."""
         if self.tanh_gelu and x.is_cuda and gelu_epilogue_ok(x.device):
             # bias + tanh-GELU in the GEMM's epilogue (cuBLASLt), computed from the fp32 accumulator:
             # saves a read and a write of the widest activation of the block
             h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
         else:
             h = self.act_fn(self.linear_fc1(x))
-        return self.linear_fc2(h)
+        return _project(self.linear_fc2, h, residual)
 
 
 _GELU_EPILOGUE: dict[torch.device, bool] = {}
@@ -255,6 +268,11 @@ class VisionTower(nn.Module):
         )
         self._backend: str | None = None
 
+    # The output projections (attention proj, MLP fc2) add the residual in their GEMM's epilogue
+    # (cuBLAS addmm, beta = 1) and the LayerNorm that follows only normalises (`_bias_offsets`): two
+    # passes over the activations per residual instead of four.
+    residual_in_gemm = True
+
     @property
     def backend(self) -> str:
         """The attention backend this tower runs on its current device ('triton' or 'sdpa')."""
@@ -275,16 +293,32 @@ class VisionTower(nn.Module):
         unit = self.config.merge_unit
         deepstack = x.new_empty((len(taps), x.shape[0] // unit, self.config.out_hidden_size))
         blocks = self.blocks
+        offsets = self._bias_offsets() if self.residual_in_gemm else [None] * (2 * len(blocks))
         h = blocks[0].norm1(x)
         for layer, block in enumerate(blocks):
-            x, h = _add_norm(x, block.attn(h, plan, self.backend), block.norm2, self.backend)
-            m = block.mlp(h)
-            # the residual add, fused with the next norm: the next block's, or after the last block the
-            # merger's (pre-shuffle); at a DeepStack tap also that merger's post-shuffle norm, same pass
+            # each residual add (in the output projection's GEMM, or in the pass) is fused with the norm
+            # that follows: norm2, then the next block's norm1, or after the last block the merger's
+            # (pre-shuffle); at a DeepStack tap also that merger's post-shuffle norm, same pass
+            if self.residual_in_gemm:
+                x, y = block.attn(h, plan, self.backend, residual=x), None
+            else:
+                y = block.attn(h, plan, self.backend)
+            x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer])
+            if self.residual_in_gemm:
+                x, y = block.mlp(h, residual=x), None
+            else:
+                y = block.mlp(h)
             norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
             tap = self.deepstack_merger_list[taps[layer]] if layer in taps else None
-            x, h, *tapped = _add_norm(x, m, norm, self.backend, tap.norm if tap is not None else None)
+            x, h, *tapped = _add_norm(x, y, norm, self.backend, tap.norm if tap is not None else None,
+                                      offset=offsets[2 * layer + 1])
             if tap is not None:
                 tap.project(tapped[0], out=deepstack[taps[layer]])
         merged = self.merger.project(h.view(-1, self.merger.merged))
         return merged, deepstack
+
+    def _bias_offsets(self) -> torch.Tensor:
+        """[2 * depth, hidden] float32: the running sums of the output projections' biases (proj, fc2,
+        block by block), which the residual stream lacks when the GEMMs add the residual."""
+        biases = [b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.linear_fc2.bias)]
+        return torch.stack(biases).float().cumsum(0)

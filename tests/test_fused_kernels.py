@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.add_layernorm import add_layernorm, reference_add_layernorm
+from kernels.add_layernorm import add_layernorm, layernorm_offset, reference_add_layernorm, reference_layernorm_offset
 from kernels.pos_embed import pos_embed_add_, reference_pos_embed
 from kernels.qkv_rope import qkv_rope_
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
@@ -85,6 +85,45 @@ def test_add_layernorm_merged_norm_validates():
     x = torch.randn(6, 64)
     with pytest.raises(ValueError, match="merged norm"):
         add_layernorm(x, x, torch.ones(64), torch.zeros(64), 1e-6, merged_norm=(torch.ones(256), torch.zeros(256), 1e-6))
+
+
+@pytest.mark.parametrize("rows,cols,group", [(1, 64, 0), (7, 1024, 0), (131, 1152, 0), (9, 72, 0), (28, 1024, 4),
+                                            (12, 72, 4), (6, 80, 2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_layernorm_offset(rows, cols, group, dtype):
+    """LayerNorm of s + a float32 per-column offset (the biases the residual GEMMs left out), and the
+    merged norm of the same rows, against float64 of the same sum: at most 2x the error of PyTorch's
+    LayerNorm on the rounded sum."""
+    g = torch.Generator().manual_seed(rows * cols + group + 1)
+    s = torch.randn(rows, cols, generator=g).to(dtype)
+    s[::3] += 2.0  # rows with different means
+    offset = 3 * torch.randn(cols, generator=g)  # large against s, as a running sum of biases may be
+    w, b = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype), (0.1 * torch.randn(cols, generator=g)).to(dtype)
+    merged = None
+    if group:
+        w2 = (1 + 0.1 * torch.randn(group * cols, generator=g)).to(dtype)
+        merged = (w2, (0.1 * torch.randn(group * cols, generator=g)).to(dtype), 1e-5)
+    outs = layernorm_offset(s, offset, w, b, 1e-6, use_triton=True, merged_norm=merged)
+    refs = reference_layernorm_offset(s, offset, w, b, 1e-6, merged)
+    exact_sum = s.double() + offset.double()
+    torch_sum = (s + offset.to(dtype)).double()  # what an unfused PyTorch path in `dtype` would normalise
+    assert len(outs) == len(refs) == (2 if group else 1)
+    for out, ref, (width, wt, bs, eps) in zip(outs, refs, [(cols, w, b, 1e-6)] + ([(group * cols, *merged)] if group else [])):
+        exact = F.layer_norm(exact_sum.view(-1, width), (width,), wt.double(), bs.double(), eps)
+        torch_out = F.layer_norm(torch_sum.view(-1, width).to(dtype), (width,), wt, bs, eps)
+        assert out.shape == exact.shape and out.dtype == dtype
+        err = (out.double() - exact).norm() / exact.norm()
+        torch_err = (torch_out.double() - exact).norm() / exact.norm()
+        assert err <= 2 * torch_err + 1e-7, (err, torch_err)
+        assert (ref.double() - exact).norm() / exact.norm() <= 2 * torch_err + 1e-7
+
+
+def test_layernorm_offset_validates():
+    s = torch.randn(6, 64)
+    with pytest.raises(ValueError, match="offset float32"):
+        layernorm_offset(s, torch.zeros(64, dtype=torch.float16), torch.ones(64), torch.zeros(64), 1e-6)
+    with pytest.raises(ValueError, match="offset float32"):
+        layernorm_offset(s, torch.zeros(32), torch.ones(64), torch.zeros(64), 1e-6)
 
 
 @pytest.mark.parametrize("tokens,hidden,side", [(1, 64, 4), (131, 96, 7), (300, 1152, 48)])

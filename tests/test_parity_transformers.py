@@ -95,10 +95,12 @@ def test_video_shaped_grid_matches_transformers(full_checkpoint, hf_model):
         assert rel_err(ds[level], feats) <= TOL
 
 
-@pytest.mark.parametrize("fused_qkv", [True, False])
-def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model, fused_qkv, monkeypatch):
+@pytest.mark.parametrize("fused_qkv,residual_in_gemm", [(True, True), (False, True), (True, False)])
+def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model, fused_qkv, residual_in_gemm,
+                                                 monkeypatch):
     """The whole Triton path (QKV projection with RoPE in its epilogue, or the projection and the
-    in-place RoPE pass; varlen attention; add+LayerNorm) in the interpreter, fp32."""
+    in-place RoPE pass; varlen attention; the residual added by the output projections and the bias
+    sums by the LayerNorm pass, or add+LayerNorm) in the interpreter, fp32."""
     import kernels.qkv_rope
 
     enc = Encoder.load(str(full_checkpoint))
@@ -106,6 +108,7 @@ def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model, fuse
     for p in enc.tower.parameters():
         p.data = p.data.clone()  # weights mapped from the file may be unaligned; tensor descriptors need 16 B
     monkeypatch.setattr(type(enc.tower.blocks[0].attn), "fused_qkv_rope", fused_qkv)
+    monkeypatch.setattr(type(enc.tower), "residual_in_gemm", residual_in_gemm)
     launches = []
     monkeypatch.setattr(kernels.qkv_rope, "_qkv_rope_gemm", _Spy(kernels.qkv_rope._qkv_rope_gemm, launches))
     grids = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
