@@ -39,15 +39,14 @@ if triton is not None:
     def _qkv_rope_kernel(QKV, COS, SIN, n_tokens, stride_t, stride_s, stride_h, stride_c,
                          HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
                          FIRST: tl.constexpr):
-        """Rotates BLOCK_P of the rotate-half pairs of Q (or K) of BLOCK_T tokens; program axis 2 picks
-        which BLOCK_P. Lane p is pair p of the token (p // HALF's head, columns i and i + HALF with
-        i = p % HALF), loaded, rotated and stored by the one thread that owns it (in place: no thread
-        may read what another writes). Lanes run over every head of the token, so a head dim like 72
-        fills the tile instead of a 64-wide tile per head."""
+        """Rotates all heads of Q (or K) of BLOCK_T tokens. Lane p of a token is the rotate-half pair
+        (p // HALF's head, columns i and i + HALF with i = p % HALF), loaded, rotated and stored by the
+        one thread that owns it (in place: no thread may read what another writes). Lanes run over every
+        head of the token, so a head dim like 72 fills the tile instead of a 64-wide tile per head."""
         pid_t = tl.program_id(0)
         which = tl.program_id(1) + FIRST  # 0: Q, 1: K
         rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+        p = tl.arange(0, BLOCK_P)
         i = p % HALF
         col = (p // HALF) * stride_h + i
         mask = (rows < n_tokens)[:, None] & (p < PAIRS)[None, :]
@@ -60,17 +59,6 @@ if triton is not None:
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         tl.store(lo, (a * c - b * s).to(x1.dtype), mask=mask)
         tl.store(lo + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
-
-
-def _pass_lanes(pairs: int) -> tuple[int, int]:
-    """(pairs per program, programs per token row) of the in-place pass: the largest power of two
-    dividing the pair count, up to 128, when it is at least 32 (a head dim of 72 x 16 heads: 9 x 64
-    pairs, no idle lanes); else one program over the whole row, padded to a power of two."""
-    block = pairs & -pairs
-    if block >= 32:
-        block = min(block, 128)
-        return block, pairs // block
-    return triton.next_power_of_2(pairs), 1
 
 
 def _check_tables(cos, sin, tokens: int, half: int):
@@ -94,9 +82,9 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
         for i in (1,) if k_only else (0, 1):
             qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
-    block_p, chunks = _pass_lanes(heads * half)
+    block_p = triton.next_power_of_2(heads * half)
     block_t = max(1, 2048 // block_p)  # ~16 pairs per thread at 4 warps
-    grid = (triton.cdiv(tokens, block_t), 1 if k_only else 2, chunks)
+    grid = (triton.cdiv(tokens, block_t), 1 if k_only else 2)
     _qkv_rope_kernel[grid](qkv, cos, sin, tokens, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
                            HALF=half, PAIRS=heads * half, BLOCK_P=block_p, BLOCK_T=block_t, FIRST=int(k_only),
                            num_warps=4)
