@@ -8,8 +8,9 @@ process (a miscompile) loses only itself: run risky groups in their own process.
 
 Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
 Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
-tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), spec:<config> (one
-TMA configuration, see parse_spec).
+tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), tma-qtail (the TMA
+candidates with and without half-height last query tiles), spec:<config> (one TMA configuration, see
+parse_spec).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def variants(group: str, head_dim: int):
         return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in tiles]
     if group == "tma-tail":  # the TMA candidates with a segment's last keys in one masked tile or narrow steps
         return [dataclasses.replace(c, tail_n=t) for c in tma_candidates(head_dim) for t in (0, 16, 32)]
+    if group == "tma-qtail":  # the TMA candidates with a segment's last query rows in a full or half tile
+        return [dataclasses.replace(c, q_tail=q) for c in tma_candidates(head_dim) for q in (False, True)]
     if group == "tma-ws":
         return [TileConfig(bm, bn, w, s, tma=True, ws=True)
                 for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]

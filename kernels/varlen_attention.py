@@ -387,6 +387,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
+        Q_TAIL: tl.constexpr = False,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -399,7 +400,10 @@ if triton is not None:
         instead of receiving host-encoded ones (`k_desc`, `v_desc`, `r_desc` unused).
         TAIL_N: a segment's last keys, when they fill at most half a tile, go in steps of TAIL_N keys
         (`_narrow_step`) instead of one masked full tile: a 448px image's 784 tokens are 6 tiles of 128
-        and 16 keys."""
+        and 16 keys.
+        Q_TAIL: a segment's last query rows, when they fill at most half a Q tile, run as a tile of
+        BLOCK_M / 2 rows (at 784 tokens the 7th 128-row tile holds 16 rows: half its MMA and softmax
+        work is saved)."""
         start_m = tl.program_id(0)
         head = tl.program_id(1)
         seg = tl.program_id(2)
@@ -422,7 +426,24 @@ if triton is not None:
             kd = k_desc
             vd = v_desc
             rd = r_desc
-        rows_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if Q_TAIL and seqlen - start_m * BLOCK_M <= BLOCK_M // 2:
+            _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+                      K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
+        else:
+            _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+                      K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
+
+    @triton.jit
+    def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+                  K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, row0,
+                  HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
+                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr):
+        """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys."""
+        REM: tl.constexpr = D0 < HEAD_DIM
+        rows_m = row0 + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
         q0 = _load_tile(q_base, rows_m, tl.arange(0, D0), stride_qt, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
@@ -558,6 +579,7 @@ class TileConfig:
     tail_in_loop: bool = False
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
+    q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -708,7 +730,8 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                 stride_c, scale, k, v, rem, k.stride(0), v.stride(0), rem.stride(0), total, HEAD_DIM=head_dim,
                 D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws,
-                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n, num_warps=c.num_warps,
+                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n, Q_TAIL=c.q_tail,
+                num_warps=c.num_warps,
                 num_stages=c.num_stages)
 
         if config is None:
