@@ -8,6 +8,7 @@ Writes profile_<preset>_<workload>.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import time
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import kernels.add_layernorm
 import kernels.qkv_rope
 from benchmarks.bench_tower import WORKLOADS
 from benchmarks.common import ClockLog, bench, environment, write_results
@@ -167,6 +169,10 @@ def micro(cfg, tokens: int) -> dict:
     passes("add+layernorm (triton)", lambda: add_layernorm(x, y, ln_w, ln_b, 1e-6), 4 * act)
     offset = torch.randn(h, device="cuda")
     passes("layernorm + bias offset (triton)", lambda: layernorm_offset(x, offset, ln_w, ln_b, 1e-6), 2 * act)
+    for rows, warps in itertools.product((2, 4, 8, 16), (4, 8)):
+        passes(f"layernorm + bias offset (triton, {rows} rows, {warps} warps)",
+               lambda rows=rows, warps=warps: kernels.add_layernorm._launch(x, None, offset, ln_w, ln_b, 1e-6, None, 0,
+                                                                              rows, warps), 2 * act)
     passes("layernorm (torch)", lambda: F.layer_norm(x, (h,), ln_w, ln_b, 1e-6), 2 * act)
     rope_bytes = 4 * act + 2 * cos.numel() * 4
     passes("qkv rope (triton, in place)", lambda: qkv_rope_(qkv, cos, sin), rope_bytes)

@@ -102,18 +102,19 @@ def _merged_group(rows: int, cols: int, merged_norm) -> int:
     return group
 
 
-def _launch(x, y, offset, weight, bias, eps, merged_norm, group):
+def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=None, num_warps=8):
     rows, cols = x.shape
     s = torch.empty_like(x) if y is not None else x  # S is only written with Y
     out = torch.empty_like(x)
     out2 = torch.empty_like(x) if group else out  # a placeholder without the merged norm
     w2, b2, eps2 = merged_norm if group else (weight, bias, eps)
     block_n = triton.next_power_of_2(cols)
-    rows_per_prog = max(1, group, min(8, 8192 // block_n))  # ~16 KB of each input in flight per program
+    if rows_per_prog is None:  # ~16 KB of each input in flight per program
+        rows_per_prog = max(1, group, min(8, 8192 // block_n))
     _add_layernorm_kernel[(triton.cdiv(rows, rows_per_prog),)](
         x, x if y is None else y, weight if offset is None else offset, weight, bias, s, out, w2, b2, out2,
         rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group, HAS_Y=y is not None,
-        HAS_OFFSET=offset is not None, num_warps=8)
+        HAS_OFFSET=offset is not None, num_warps=num_warps)
     merged = (out2.view(rows // group, group * cols),) if group else ()
     return ((s,) if y is not None else ()) + (out, *merged)
 
@@ -135,16 +136,18 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
     return _launch(x.contiguous(), y.contiguous(), None, weight, bias, eps, merged_norm, group)
 
 
-def layernorm_offset(s: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                     use_triton: bool | None = None, merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
-    """s `[T, N]`, float32 offset `[N]` -> (LayerNorm(s + offset),), computed in float32 and rounded once
-    to the weight's dtype; with `merged_norm` as in `add_layernorm`, also that norm."""
-    if s.dim() != 2 or offset.shape != (s.shape[1],) or offset.dtype != torch.float32:
-        raise ValueError(f"s must be 2-D and offset float32 of its width; got {tuple(s.shape)}, "
-                         f"{offset.dtype} {tuple(offset.shape)}")
+def layernorm_offset(s: torch.Tensor, offset: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                     eps: float, use_triton: bool | None = None,
+                     merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """s `[T, N]`, float32 offset `[N]` (or None) -> (LayerNorm(s + offset),), computed in float32 and
+    rounded once to the weight's dtype; with `merged_norm` as in `add_layernorm`, also that norm."""
+    if s.dim() != 2 or offset is not None and (offset.shape != (s.shape[1],) or offset.dtype != torch.float32):
+        got = "no offset" if offset is None else f"offset {offset.dtype} {tuple(offset.shape)}"
+        raise ValueError(f"s must be 2-D and offset float32 of its width; got {tuple(s.shape)}, {got}")
     group = _merged_group(*s.shape, merged_norm)
     if use_triton is None:
         use_triton = triton is not None and s.is_cuda
     if not use_triton:
         return reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm)
-    return _launch(s.contiguous(), None, offset.contiguous(), weight, bias, eps, merged_norm, group)
+    return _launch(s.contiguous(), None, None if offset is None else offset.contiguous(), weight, bias, eps,
+                   merged_norm, group)

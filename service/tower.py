@@ -109,10 +109,10 @@ def _fused(backend: str) -> bool | None:
 
 def _add_norm(x, y, norm: nn.LayerNorm, backend: str, merged_norm: nn.LayerNorm | None = None,
               offset: torch.Tensor | None = None):
-    """(x + y, norm(x + y)), or with `offset` (y is None: the GEMM added the residual) (norm(x + offset),);
-    plus `merged_norm` of the same rows grouped into merged tokens."""
+    """(x + y, norm(x + y)), or without y (the GEMM added the residual) (x, norm(x + offset)) with the
+    float32 `offset` (or none); plus `merged_norm` of the same rows grouped into merged tokens."""
     merged = None if merged_norm is None else (merged_norm.weight, merged_norm.bias, merged_norm.eps)
-    if offset is not None:
+    if y is None:
         return x, *layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
                                     merged_norm=merged)
     return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged)
@@ -294,7 +294,7 @@ class VisionTower(nn.Module):
         deepstack = x.new_empty((len(taps), x.shape[0] // unit, self.config.out_hidden_size))
         blocks = self.blocks
         offsets = self._bias_offsets() if self.residual_in_gemm else [None] * (2 * len(blocks))
-        h = blocks[0].norm1(x)
+        _, h = _add_norm(x, None, blocks[0].norm1, self.backend)
         for layer, block in enumerate(blocks):
             # each residual add (in the output projection's GEMM, or in the pass) is fused with the norm
             # that follows: norm2, then the next block's norm1, or after the last block the merger's

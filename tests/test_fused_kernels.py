@@ -119,6 +119,18 @@ def test_layernorm_offset(rows, cols, group, dtype):
         assert (ref.double() - exact).norm() / exact.norm() <= 2 * torch_err + 1e-7
 
 
+@pytest.mark.parametrize("rows,cols", [(1, 64), (131, 1152), (9, 72)])
+def test_layernorm_without_offset(rows, cols):
+    """The same pass as a plain LayerNorm (the tower's first norm1), against float64."""
+    g = torch.Generator().manual_seed(rows + cols)
+    s = torch.randn(rows, cols, generator=g).half()
+    w, b = (1 + 0.1 * torch.randn(cols, generator=g)).half(), (0.1 * torch.randn(cols, generator=g)).half()
+    (out,) = layernorm_offset(s, None, w, b, 1e-6, use_triton=True)
+    exact = F.layer_norm(s.double(), (cols,), w.double(), b.double(), 1e-6)
+    torch_err = (F.layer_norm(s, (cols,), w, b, 1e-6).double() - exact).norm() / exact.norm()
+    assert (out.double() - exact).norm() / exact.norm() <= 2 * torch_err + 1e-7
+
+
 def test_layernorm_offset_validates():
     s = torch.randn(6, 64)
     with pytest.raises(ValueError, match="offset float32"):
