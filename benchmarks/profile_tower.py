@@ -16,10 +16,8 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-import triton
 
 import kernels.add_layernorm
-import kernels.qkv_rope
 from benchmarks.bench_tower import WORKLOADS
 from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.add_layernorm import add_layernorm, layernorm_offset
@@ -176,12 +174,6 @@ def micro(cfg, tokens: int) -> dict:
     passes("layernorm (torch)", lambda: F.layer_norm(x, (h,), ln_w, ln_b, 1e-6), 2 * act)
     rope_bytes = 4 * act + 2 * cos.numel() * 4
     passes("qkv rope (triton, in place)", lambda: qkv_rope_(qkv, cos, sin), rope_bytes)
-    lanes = kernels.qkv_rope._pass_lanes
-    try:  # the pass as before rev 9 (one program per token row, lanes padded to a power of two)
-        kernels.qkv_rope._pass_lanes = lambda pairs: (triton.next_power_of_2(pairs), 1)
-        passes("qkv rope (triton, in place, one program per row)", lambda: qkv_rope_(qkv, cos, sin), rope_bytes)
-    finally:
-        kernels.qkv_rope._pass_lanes = lanes
     passes("copy (torch, reference bandwidth)", lambda: y.copy_(x), 2 * act)
     return res
 
