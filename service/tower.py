@@ -9,7 +9,9 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
   power-of-two head dims); elsewhere one Triton pass rotates them in place in the projection's output.
   Attention then runs through `kernels.varlen_attention` (one Triton launch per block on CUDA;
   elsewhere SDPA, once per run of equal-length segments, on views of the fused QKV buffer);
-- the position embeddings are interpolated and added in one pass (`kernels.pos_embed`).
+- the position embeddings are interpolated and added in one pass (`kernels.pos_embed`);
+- the attention's and the MLP's output projections add the residual in their GEMM, and the
+  LayerNorm after each is one pass that also adds back the biases those GEMMs left out.
 """
 
 from __future__ import annotations
@@ -220,8 +222,8 @@ def gelu_epilogue_ok(device) -> bool:
 
 
 class Block(nn.Module):
-    """x + attn(norm1(x)), then + mlp(norm2(.)). The tower runs the residual adds fused with the
-    LayerNorm that follows each of them (`add_layernorm`), across block boundaries."""
+    """x + attn(norm1(x)), then + mlp(norm2(.)). The tower adds each residual in the output projection's
+    GEMM and normalises in one pass after it, across block boundaries (`VisionTower.residual_in_gemm`)."""
 
     def __init__(self, cfg: TowerConfig):
         super().__init__()
