@@ -626,9 +626,9 @@ def tma_descriptors() -> str:
 
 def tma_candidates(head_dim: int) -> list[TileConfig]:
     """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each). The
-    128-row tiles run a segment's last query rows as a 64-row tile where they fit one (`q_tail`): +2-10%
-    at 32x784 and mixed8 (benchmarks/results/sweeps/sweep_qtail_h100_rev2068eb3.jsonl); 64-row tiles do
-    not (a 32-row tile is slower per row)."""
+    128-row tiles run a segment's last query rows as a 64-row tile where they fit one (`q_tail`): -1% to
+    +16% at 32x784 and mixed8 (benchmarks/results/sweeps/sweep_qtail_h100_rev2068eb3.jsonl); 64-row
+    tiles do not (a 32-row tile is slower per row)."""
     device = tma_descriptors() == "device"
     return [TileConfig(bm, bn, w, s, tma=True, device_desc=device, tail_n=TAIL_N, q_tail=bm >= 128)
             for bm, bn, w, s in TMA_TILES]

@@ -14,7 +14,7 @@ from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv
 
 
 @pytest.mark.parametrize("tokens,heads,head_dim", [(1, 2, 64), (131, 3, 72), (70, 2, 80), (65, 1, 16),
-                                                   (9, 16, 72), (5, 12, 80)])  # the last two: several programs per row
+                                                   (9, 16, 72), (5, 12, 80)])  # the last two: full-width rows (8B: 16 heads of 72)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_qkv_rope_in_place(tokens, heads, head_dim, dtype):
     g = torch.Generator().manual_seed(tokens)
