@@ -105,18 +105,19 @@ if triton is not None:
         return pid_m * BLOCK_M, pid_n * BLOCK_N
 
     @triton.jit
-    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N,
+    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
                          HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The epilogue: + bias, rotate when the tile is in Q or K, round once, store the rows that exist.
+        """The epilogue: + bias, rotate when the tile is in Q or K, round once, store what exists.
 
         GROUP == 0: the tile holds whole heads, so a column's rotate-half partner is in the tile.
-        GROUP > 0: the weight's Q and K rows are in grouped order (`rope_row_order`): the tile holds, for
-        each of its heads, pairs [t * GROUP, (t + 1) * GROUP) of both halves, and the store puts every
-        column back at its place in the (T, 3, H, D) layout."""
+        GROUP > 0: the weight's Q and K rows are in grouped order (`rope_row_order`): the tile holds
+        pairs [t * GROUP, (t + 1) * GROUP) of every head, both halves, of Q or K or both, and the
+        store puts every column back at its place in the (T, 3, H, D) layout. The halves are the
+        tile's outer column blocks, so each thread holds both members of its pairs (no shuffles)."""
         cols = off_n + tl.arange(0, BLOCK_N)
         rows = off_m + tl.arange(0, BLOCK_M)
-        acc += tl.load(BIAS + cols).to(tl.float32)[None, :]
+        acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         out_cols = cols
         if off_n < ROPE_N:
             HALF: tl.constexpr = HEAD_DIM // 2
@@ -124,24 +125,26 @@ if triton is not None:
                 x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
                 x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
                 cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+                acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
             else:
-                x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // (2 * GROUP), 2, GROUP]), [0, 1, 3, 2])
-                x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, GROUP]: the group's pairs, both members
-                HIDDEN: tl.constexpr = HEADS * HEAD_DIM
-                GROUP_COLS: tl.constexpr = 2 * HEADS * GROUP  # one group of pairs, every head
-                region = (off_n // HIDDEN) * HIDDEN  # Q or K
-                t = (off_n - region) // GROUP_COLS
-                first_head = (off_n - region) % GROUP_COLS // (2 * GROUP)
+                SLICE: tl.constexpr = 2 * HEADS * GROUP  # one group of pairs of Q (or K), every head
+                R: tl.constexpr = BLOCK_N // SLICE  # slices in the tile: 1 (Q or K) or 2 (Q and K)
+                x = tl.permute(tl.reshape(acc, [BLOCK_M, R, 2, HEADS, GROUP]), [0, 1, 3, 4, 2])
+                x1, x2 = tl.split(x)  # [BLOCK_M, R, HEADS, GROUP]
+                t = off_n // (2 * SLICE)
                 cs = rows[:, None] * stride_c + (t * GROUP + tl.arange(0, GROUP))[None, :]
-                p = tl.arange(0, BLOCK_N)
-                out_cols = (region + (first_head + p // (2 * GROUP)) * HEAD_DIM + (p // GROUP) % 2 * HALF
-                            + t * GROUP + p % GROUP)
-            c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-            s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-            y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
-            acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
+                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, None, :]
+                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, None, :]
+                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+                acc = tl.reshape(tl.permute(y, [0, 1, 4, 2, 3]), [BLOCK_M, BLOCK_N])
+                p = off_n % (2 * SLICE) + tl.arange(0, BLOCK_N)  # (Q or K, half, head, pair in group)
+                out_cols = (p // SLICE * (HEADS * HEAD_DIM) + (p // (HEADS * GROUP)) % 2 * HALF
+                            + (p // GROUP) % HEADS * HEAD_DIM + t * GROUP + p % GROUP)
         out = OUT + rows[:, None].to(tl.int64) * stride_om + out_cols[None, :]
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
     @triton.jit
     def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
@@ -153,7 +156,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in tl.range(0, K_TILES):
             acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N, HEAD_DIM,
                          HEADS, GROUP, BLOCK_M, BLOCK_N)
 
     @triton.jit
@@ -170,7 +173,7 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kt in range(K_TILES):
                 acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N, HEAD_DIM,
                              HEADS, GROUP, BLOCK_M, BLOCK_N)
 
 
@@ -183,27 +186,30 @@ GEMM_TILES = [(128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 12
 
 def rope_group(heads: int, head_dim: int) -> int | None:
     """How the fused projection's tiles hold rotate-half pairs: 0 for whole heads (power-of-two head
-    dims); G > 0 for grouped rows (`rope_row_order`): G pairs of every head per group, 2 * heads * G
-    columns (at most 128); None where neither works (heads not a power of two, odd head dims)."""
+    dims); G > 0 for grouped rows (`rope_row_order`), G pairs of every head per group, Q's and K's
+    groups 2 * heads * G columns each (Q's and K's together at most 256); None where neither works
+    (heads not a power of two, odd head dims)."""
     if head_dim >= 16 and not head_dim & (head_dim - 1):
         return 0
     half = head_dim // 2
     if head_dim % 2 or heads < 1 or heads & (heads - 1):
         return None
     group = 1
-    while half % (2 * group) == 0 and 2 * heads * 2 * group <= 128:
+    while half % (2 * group) == 0 and 4 * heads * 2 * group <= 256:
         group *= 2
     return group if 2 * heads * group >= 16 else None
 
 
 def rope_row_order(heads: int, head_dim: int, group: int) -> torch.Tensor:
     """The permutation of the QKV weight's rows for grouped tiles: Q's and K's rows ordered by (pair
-    group t, head h, half s, pair in group a), i.e. row h * D + s * D/2 + t * G + a; V's unchanged."""
+    group t, Q or K, half s, head h, pair in group a), i.e. row qk * hidden + h * D + s * D/2 + t * G + a,
+    so that Q and K of one group share their cos/sin columns and each half is a block of columns;
+    V's rows unchanged."""
     half, hidden = head_dim // 2, heads * head_dim
-    t, h, s, a = torch.meshgrid(torch.arange(half // group), torch.arange(heads), torch.arange(2),
-                                torch.arange(group), indexing="ij")
-    q = (h * head_dim + s * half + t * group + a).flatten()
-    return torch.cat([q, q + hidden, torch.arange(2 * hidden, 3 * hidden)])
+    t, qk, s, h, a = torch.meshgrid(torch.arange(half // group), torch.arange(2), torch.arange(2),
+                                    torch.arange(heads), torch.arange(group), indexing="ij")
+    rows = (qk * hidden + h * head_dim + s * half + t * group + a).flatten()
+    return torch.cat([rows, torch.arange(2 * hidden, 3 * hidden)])
 
 
 def group_qkv_rows(weight: torch.Tensor, bias: torch.Tensor | None, heads: int):
@@ -219,10 +225,10 @@ def group_qkv_rows(weight: torch.Tensor, bias: torch.Tensor | None, heads: int):
 
 def tile_fits(block_n: int, hidden: int, head_dim: int, group: int, heads: int) -> bool:
     """Whether output tiles `block_n` wide never straddle Q, K and V and hold whole heads, or for
-    grouped rows whole pairs of a group of pairs (both halves) of every head they touch."""
+    grouped rows one group of pairs of Q, or of K, or of both (V's last tile may then overhang)."""
     if group == 0:
         return block_n % head_dim == 0 and hidden % block_n == 0
-    return (2 * heads * group) % block_n == 0 and block_n % (2 * group) == 0
+    return block_n in (2 * heads * group, 4 * heads * group)
 
 
 def gemm_candidates(hidden: int, head_dim: int, heads: int) -> list[tuple]:

@@ -166,12 +166,12 @@ def test_pos_embed_add(tokens, hidden, side, dtype):
     (70, 48, 4, 16, (64, 32, 16, 4, 3, False)),   # head_dim 16, K = 3 tiles
     (131, 96, 2, 64, (32, 64, 32, 4, 2, True)),   # persistent: 4 programs loop over 30 tiles
     (70, 48, 4, 16, (16, 32, 16, 4, 3, True)),
-    # grouped rows (head dims that are not powers of two): (heads, head_dim) -> pairs per group
-    (131, 48, 4, 72, (32, 32, 16, 4, 2, False)),  # 72 (the 8B's): groups of 4 pairs, tiles of one group
-    (7, 32, 4, 72, (16, 16, 16, 4, 2, False)),    # half a group per tile
-    (70, 48, 2, 24, (32, 16, 32, 4, 2, True)),    # persistent; 24: 3 groups of 4 pairs, K tail
+    # grouped rows (head dims that are not powers of two): tiles of one pair group of Q or K, or of both
+    (131, 48, 4, 72, (32, 32, 16, 4, 2, False)),  # 72 (the 8B's): groups of 4 pairs, Q or K per tile
+    (7, 32, 4, 72, (16, 64, 16, 4, 2, False)),    # Q and K per tile; V's last tile overhangs N
+    (70, 48, 2, 24, (32, 32, 32, 4, 2, True)),    # persistent, Q and K per tile, overhang, K tail
     (33, 32, 4, 12, (16, 16, 16, 4, 2, False)),   # 12: groups of 2 pairs
-    (131, 32, 4, 80, (32, 32, 16, 4, 2, False)),  # 80 (Qwen2.5-VL's)
+    (131, 32, 4, 80, (32, 128, 16, 4, 2, False)),  # 80 (Qwen2.5-VL's): groups of 8 pairs
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_qkv_rope_linear_interpreted(tokens, k_dim, heads, head_dim, tile, dtype, monkeypatch):
