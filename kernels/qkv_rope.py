@@ -140,9 +140,14 @@ if triton is not None:
                 s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, None, :]
                 y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
                 acc = tl.reshape(tl.permute(y, [0, 1, 4, 2, 3]), [BLOCK_M, BLOCK_N])
-                p = off_n % (2 * SLICE) + tl.arange(0, BLOCK_N)  # (Q or K, half, head, pair in group)
-                out_cols = (p // SLICE * (HEADS * HEAD_DIM) + (p // (HEADS * GROUP)) % 2 * HALF
+                # tile column p is (Q or K, half, head, pair in group); p from a bare arange keeps the
+                # runs of GROUP contiguous columns visible to the compiler (vector stores)
+                p = tl.arange(0, BLOCK_N)
+                qk = off_n % (2 * SLICE) // SLICE + p // SLICE
+                out_cols = (qk * (HEADS * HEAD_DIM) + (p // (HEADS * GROUP)) % 2 * HALF
                             + (p // GROUP) % HEADS * HEAD_DIM + t * GROUP + p % GROUP)
+                # every run of GROUP columns starts at a multiple of GROUP (HALF is one): wider stores
+                out_cols = tl.max_contiguous(tl.multiple_of(out_cols, GROUP), GROUP)
         out = OUT + rows[:, None].to(tl.int64) * stride_om + out_cols[None, :]
         tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
 
