@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import bench, environment, print_table, write_results
-from kernels.qkv_rope import tile_fits, gemm_candidates, group_qkv_rows, qkv_rope_, qkv_rope_linear, rope_group
+from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 from service.config import PRESETS
 
@@ -43,19 +43,16 @@ def main():
         moved = 4 * tokens * 2 * hidden + 2 * cos.numel() * 4  # Q and K read and written, cos and sin read
         rows.append({"shape": name, "path": "cublas + pass", "ms": t_base, "gemm ms": t_gemm, "pass ms": t_pass,
                      "pass GB/s": moved / t_pass / 1e6, "TFLOPS": flops / t_base / 1e9, "× base": 1.0})
-        group = rope_group(heads, head_dim)
-        wk, bk = group_qkv_rows(w, b, heads) if group else (w, b)  # head dims like 72: grouped rows
-        fused = dict(grouped=bool(group))
-        for tile in gemm_candidates(hidden, head_dim, heads) + [
-                t for t in EXTRA_TILES if tile_fits(t[1], hidden, head_dim, group, heads)]:
+        for tile in gemm_candidates(hidden, head_dim) + [t for t in EXTRA_TILES if t[1] % head_dim == 0
+                                                         and hidden % t[1] == 0]:
             try:
-                t = bench(lambda tile=tile: qkv_rope_linear(x, wk, bk, cos, sin, heads, tile=tile, **fused))
+                t = bench(lambda tile=tile: qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile))
             except Exception as e:  # noqa: BLE001 - an extra tile that does not compile is a result
                 rows.append({"shape": name, "path": f"fused {tile}", "error": f"{type(e).__name__}: {str(e)[:200]}"})
                 continue
             rows.append({"shape": name, "path": f"fused {tile}", "ms": t, "TFLOPS": flops / t / 1e9,
                          "× base": t_base / t})
-        t = bench(lambda: qkv_rope_linear(x, wk, bk, cos, sin, heads, **fused))
+        t = bench(lambda: qkv_rope_linear(x, w, b, cos, sin, heads))
         rows.append({"shape": name, "path": "fused (tuned)", "ms": t, "TFLOPS": flops / t / 1e9, "× base": t_base / t})
     print_table(rows, ["shape", "path", "ms", "gemm ms", "pass ms", "pass GB/s", "TFLOPS", "× base"])
     write_results("qkv_rope", {"benchmark": "bench_qkv_rope", "env": environment(), "rows": rows})

@@ -105,55 +105,28 @@ if triton is not None:
         return pid_m * BLOCK_M, pid_n * BLOCK_N
 
     @triton.jit
-    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
-                         HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The epilogue: + bias, rotate when the tile is in Q or K, round once, store what exists.
-
-        GROUP == 0: the tile holds whole heads, so a column's rotate-half partner is in the tile.
-        GROUP > 0: the weight's Q and K rows are in grouped order (`rope_row_order`): the tile holds
-        pairs [t * GROUP, (t + 1) * GROUP) of every head, both halves, of Q or K or both, and the
-        store puts every column back at its place in the (T, 3, H, D) layout. The halves are the
-        tile's outer column blocks, so each thread holds both members of its pairs (no shuffles)."""
+    def _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The epilogue: + bias, rotate when the tile is in Q or K (whole heads: a column's rotate-half
+        partner is in the tile), round once, store the rows that exist."""
         cols = off_n + tl.arange(0, BLOCK_N)
         rows = off_m + tl.arange(0, BLOCK_M)
-        acc += tl.load(BIAS + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        out_cols = cols
+        acc += tl.load(BIAS + cols).to(tl.float32)[None, :]
         if off_n < ROPE_N:
             HALF: tl.constexpr = HEAD_DIM // 2
-            if GROUP == 0:
-                x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
-                x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
-                cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
-                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
-                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
-                acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
-            else:
-                SLICE: tl.constexpr = 2 * HEADS * GROUP  # one group of pairs of Q (or K), every head
-                R: tl.constexpr = BLOCK_N // SLICE  # slices in the tile: 1 (Q or K) or 2 (Q and K)
-                x = tl.permute(tl.reshape(acc, [BLOCK_M, R, 2, HEADS, GROUP]), [0, 1, 3, 4, 2])
-                x1, x2 = tl.split(x)  # [BLOCK_M, R, HEADS, GROUP]
-                t = off_n // (2 * SLICE)
-                cs = rows[:, None] * stride_c + (t * GROUP + tl.arange(0, GROUP))[None, :]
-                c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, None, :]
-                s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, None, :]
-                y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
-                acc = tl.reshape(tl.permute(y, [0, 1, 4, 2, 3]), [BLOCK_M, BLOCK_N])
-                # tile column p is (Q or K, half, head, pair in group); p from a bare arange keeps the
-                # runs of GROUP contiguous columns visible to the compiler (vector stores)
-                p = tl.arange(0, BLOCK_N)
-                qk = off_n % (2 * SLICE) // SLICE + p // SLICE
-                out_cols = (qk * (HEADS * HEAD_DIM) + (p // (HEADS * GROUP)) % 2 * HALF
-                            + (p // GROUP) % HEADS * HEAD_DIM + t * GROUP + p % GROUP)
-                # every run of GROUP columns starts at a multiple of GROUP (HALF is one): wider stores
-                out_cols = tl.max_contiguous(tl.multiple_of(out_cols, GROUP), GROUP)
-        out = OUT + rows[:, None].to(tl.int64) * stride_om + out_cols[None, :]
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+            x = tl.permute(tl.reshape(acc, [BLOCK_M, BLOCK_N // HEAD_DIM, 2, HALF]), [0, 1, 3, 2])
+            x1, x2 = tl.split(x)  # [BLOCK_M, heads in tile, HALF]: each head's first and second half
+            cs = rows[:, None] * stride_c + tl.arange(0, HALF)[None, :]
+            c = tl.load(COS + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+            s = tl.load(SIN + cs, mask=(rows < M)[:, None], other=0.0)[:, None, :]
+            y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)
+            acc = tl.reshape(tl.permute(y, [0, 1, 3, 2]), [BLOCK_M, BLOCK_N])
+        out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=(rows < M)[:, None])
 
     @triton.jit
     def _qkv_rope_gemm(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
-                       HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
         """OUT[M, N] = A[M, K] @ B[N, K]^T + BIAS, with columns below ROPE_N (Q and K) rotated: one
         program per output tile."""
@@ -161,13 +134,12 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for kt in tl.range(0, K_TILES):
             acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N, HEAD_DIM,
-                         HEADS, GROUP, BLOCK_M, BLOCK_N)
+        _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                         BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _qkv_rope_gemm_persistent(a_desc, b_desc, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N,
-                                  HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
                                   NUM_SMS: tl.constexpr):
         """The same GEMM with one program per SM looping over tiles; the flattened loop lets the
@@ -178,8 +150,8 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kt in range(K_TILES):
                 acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, N, stride_om, stride_c, ROPE_N, HEAD_DIM,
-                             HEADS, GROUP, BLOCK_M, BLOCK_N)
+            _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
+                             BLOCK_M, BLOCK_N)
 
 
 # (block_m, block_n, block_k, warps, stages, persistent) candidates, timed once per shape class on first use
@@ -189,57 +161,9 @@ GEMM_TILES = [(128, 256, 64, 8, 3, False), (128, 128, 64, 4, 4, False), (128, 12
               (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (128, 128, 64, 8, 4, True)]
 
 
-def rope_group(heads: int, head_dim: int) -> int | None:
-    """How the fused projection's tiles hold rotate-half pairs: 0 for whole heads (power-of-two head
-    dims); G > 0 for grouped rows (`rope_row_order`), G pairs of every head per group, Q's and K's
-    groups 2 * heads * G columns each (Q's and K's together at most 256); None where neither works
-    (heads not a power of two, odd head dims)."""
-    if head_dim >= 16 and not head_dim & (head_dim - 1):
-        return 0
-    half = head_dim // 2
-    if head_dim % 2 or heads < 1 or heads & (heads - 1):
-        return None
-    group = 1
-    while half % (2 * group) == 0 and 4 * heads * 2 * group <= 256:
-        group *= 2
-    return group if 2 * heads * group >= 16 else None
-
-
-def rope_row_order(heads: int, head_dim: int, group: int) -> torch.Tensor:
-    """The permutation of the QKV weight's rows for grouped tiles: Q's and K's rows ordered by (pair
-    group t, Q or K, half s, head h, pair in group a), i.e. row qk * hidden + h * D + s * D/2 + t * G + a,
-    so that Q and K of one group share their cos/sin columns and each half is a block of columns;
-    V's rows unchanged."""
-    half, hidden = head_dim // 2, heads * head_dim
-    t, qk, s, h, a = torch.meshgrid(torch.arange(half // group), torch.arange(2), torch.arange(2),
-                                    torch.arange(heads), torch.arange(group), indexing="ij")
-    rows = (qk * hidden + h * head_dim + s * half + t * group + a).flatten()
-    return torch.cat([rows, torch.arange(2 * hidden, 3 * hidden)])
-
-
-def group_qkv_rows(weight: torch.Tensor, bias: torch.Tensor | None, heads: int):
-    """The QKV weight and bias with rows in `rope_row_order` (copies), for `qkv_rope_linear(grouped=True)`
-    at head dims that are not powers of two."""
-    head_dim = weight.shape[0] // 3 // heads
-    group = rope_group(heads, head_dim)
-    if not group:
-        raise ValueError(f"{heads} heads of dim {head_dim}: no grouped row order (rope_group {group})")
-    order = rope_row_order(heads, head_dim, group).to(weight.device)
-    return weight[order].contiguous(), None if bias is None else bias[order].contiguous()
-
-
-def tile_fits(block_n: int, hidden: int, head_dim: int, group: int, heads: int) -> bool:
-    """Whether output tiles `block_n` wide never straddle Q, K and V and hold whole heads, or for
-    grouped rows one group of pairs of Q, or of K, or of both (V's last tile may then overhang)."""
-    if group == 0:
-        return block_n % head_dim == 0 and hidden % block_n == 0
-    return block_n in (2 * heads * group, 4 * heads * group)
-
-
-def gemm_candidates(hidden: int, head_dim: int, heads: int) -> list[tuple]:
-    """The candidate tiles that fit these dims (`tile_fits`)."""
-    group = rope_group(heads, head_dim)
-    return [] if group is None else [c for c in GEMM_TILES if tile_fits(c[1], hidden, head_dim, group, heads)]
+def gemm_candidates(hidden: int, head_dim: int) -> list[tuple]:
+    """The tiles that cover whole heads and never straddle Q, K and V."""
+    return [c for c in GEMM_TILES if c[1] % head_dim == 0 and hidden % c[1] == 0]
 
 
 def reference_qkv_rope_linear(x, weight, bias, cos, sin, heads):
@@ -250,13 +174,13 @@ def reference_qkv_rope_linear(x, weight, bias, cos, sin, heads):
 
 def fused_qkv_rope_supported(x, weight, heads) -> bool:
     """Whether `qkv_rope_linear` runs its fused kernel for these operands (else the projection and the pass):
-    Hopper (TMA) or the interpreter, half precision (or float32 in the interpreter), head dims that are
-    powers of two or have a grouped row order (`rope_group`); unpinned calls also need a candidate tile."""
+    Hopper (TMA) or the interpreter, half precision (or float32 in the interpreter), power-of-two head
+    dims; unpinned calls also need a candidate tile (`gemm_candidates`)."""
     if triton is None or TensorDescriptor is None or x.dim() != 2 or weight.dim() != 2:
         return False
     hidden = weight.shape[0] // 3
     head_dim = hidden // heads if heads and hidden % heads == 0 else 0
-    if head_dim < 2 or rope_group(heads, head_dim) is None or x.shape[1] % 16:
+    if head_dim < 16 or head_dim & (head_dim - 1) or x.shape[1] % 16:
         return False
     if x.dtype != weight.dtype or not x.is_contiguous() or not weight.is_contiguous():
         return False
@@ -264,7 +188,7 @@ def fused_qkv_rope_supported(x, weight, heads) -> bool:
         return False
     if x.is_cuda:
         return x.dtype in (torch.float16, torch.bfloat16) and is_hopper(x.device)
-    return interpreting() and x.dtype in (torch.float16, torch.float32)
+    return interpreting()
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,27 +197,18 @@ def _sm_count(device) -> int:
 
 
 def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, heads: int, *, grouped: bool = False, tile: tuple | None = None) -> torch.Tensor:
+                    sin: torch.Tensor, heads: int, *, tile: tuple | None = None) -> torch.Tensor:
     """`(T, 3, H, D)` = x `(T, hidden)` @ weight `(3 * hidden, hidden)`^T + bias, Q and K rotated with
     float32 `(T, D/2)` tables. One kernel where `fused_qkv_rope_supported`, else the projection and
-    the in-place pass. With `grouped` the weight's and bias's rows are in `rope_row_order`
-    (`group_qkv_rows`), which head dims that are not powers of two need for the fused kernel; the
-    result is the same. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests,
-    benchmarks)."""
+    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests, benchmarks)."""
     tokens, k_dim = x.shape
     n = weight.shape[0]
     head_dim = n // 3 // heads
     _check_tables(cos, sin, tokens, head_dim // 2)
     hidden = n // 3
-    group = rope_group(heads, head_dim)
-    if grouped and not group:
-        raise ValueError(f"grouped rows given for {heads} heads of dim {head_dim} (rope_group {group})")
-    if not fused_qkv_rope_supported(x, weight, heads) or (group and not grouped) or (
-            tile is None and not interpreting() and not gemm_candidates(hidden, head_dim, heads)):
-        qkv = F.linear(x, weight, bias)
-        if grouped:  # back to the (T, 3, H, D) column order
-            qkv = qkv[:, torch.argsort(rope_row_order(heads, head_dim, group).to(qkv.device))]
-        return qkv_rope_(qkv.view(tokens, 3, heads, head_dim), cos, sin)
+    if not fused_qkv_rope_supported(x, weight, heads) or (
+            tile is None and not interpreting() and not gemm_candidates(hidden, head_dim)):
+        return qkv_rope_(F.linear(x, weight, bias).view(tokens, 3, heads, head_dim), cos, sin)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
     def launch(c):
@@ -302,8 +217,8 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
         b_desc = TensorDescriptor(weight, [n, k_dim], [weight.stride(0), 1], [bn, bk])
         tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
         args = (a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0), 2 * hidden)
-        meta = dict(HEAD_DIM=head_dim, HEADS=heads, GROUP=group, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    K_TILES=triton.cdiv(k_dim, bk), num_warps=warps, num_stages=stages)
+        meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=triton.cdiv(k_dim, bk),
+                    num_warps=warps, num_stages=stages)
         if persistent:
             sms = _sm_count(x.device) if x.is_cuda else 4
             _qkv_rope_gemm_persistent[(min(sms, tiles),)](*args, NUM_SMS=min(sms, tiles), **meta)
@@ -312,14 +227,13 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
 
     if bias is None:
         bias = torch.zeros(n, dtype=x.dtype, device=x.device)
-    unit = head_dim if not group else 2 * heads * group  # columns a tile must hold whole
     if tile is None and interpreting():
-        tile = (32, unit, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
+        tile = (32, head_dim, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     if tile is None:
         size_class = 0 if tokens <= 4096 else 1 if tokens <= 16384 else 2  # a new pack size never re-tunes
         tile = choose(("qkv_rope_gemm", size_class, n, k_dim, head_dim, x.dtype, x.device),
-                      lambda: gemm_candidates(hidden, head_dim, heads), launch)
-    elif not tile_fits(tile[1], hidden, head_dim, group, heads):
-        raise ValueError(f"tile {tile}: block_n must hold whole heads (or whole pair groups) and divide {hidden}")
+                      lambda: gemm_candidates(hidden, head_dim), launch)
+    elif tile[1] % head_dim or hidden % tile[1]:
+        raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
     launch(tile)
     return out.view(tokens, 3, heads, head_dim)

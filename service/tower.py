@@ -5,9 +5,8 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
-- on Hopper the QKV projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`;
-  head dims that are not powers of two, the 8B's 72, through a copy of the QKV weight with its rows
-  regrouped); elsewhere one Triton pass rotates them in place in the projection's output.
+- on Hopper the QKV projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`,
+  power-of-two head dims); elsewhere one Triton pass rotates them in place in the projection's output.
   Attention then runs through `kernels.varlen_attention` (one Triton launch per block on CUDA;
   elsewhere SDPA, once per run of equal-length segments, on views of the fused QKV buffer);
 - the position embeddings are interpolated and added in one pass (`kernels.pos_embed`);
@@ -29,7 +28,7 @@ from transformers.activations import ACT2FN
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.pos_embed import pos_embed_add_
-from kernels.qkv_rope import fused_qkv_rope_supported, group_qkv_rows, qkv_rope_, qkv_rope_linear, rope_group
+from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
 
 from .config import TowerConfig
 
@@ -126,14 +125,6 @@ def _project(linear: nn.Linear, x, residual):
     return linear(x) if residual is None else residual.addmm_(x, linear.weight.t())
 
 
-def _version(t: torch.Tensor) -> int:
-    """A tensor's in-place version counter (-1 for inference tensors, which keep none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
-
-
 def _bilinear_taps(index, size, side):
     """Bilinear (align_corners=True) taps and weights of target positions `index` on an axis of `size`
     into a learned axis of `side` entries: `F.interpolate`'s arithmetic, as transformers computes it."""
@@ -162,8 +153,9 @@ class Attention(nn.Module):
     # (False). Measured on H100, 2B 32x448px: the pass rotating both is 0.7 ms faster per forward
     # (benchmarks/results/profile_*.json): in the kernel, 16 heads re-read the cos/sin rows.
     rope_q_in_kernel = False
-    # On Hopper (whichever attention backend) the QKV projection adds its bias and rotates Q and K in
-    # its own epilogue (kernels.qkv_rope.qkv_rope_linear) instead of cuBLAS plus the in-place pass.
+    # Triton backend: the QKV projection adds its bias and rotates Q and K in its own epilogue
+    # (kernels.qkv_rope.qkv_rope_linear, Hopper, power-of-two head dims) instead of cuBLAS plus the
+    # in-place pass.
     fused_qkv_rope = True
 
     def __init__(self, cfg: TowerConfig):
@@ -171,29 +163,14 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-        self._grouped_rows: tuple | None = None
-
-    def _qkv_rows(self) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The QKV weight and bias for `qkv_rope_linear`, and whether their rows are grouped: as loaded
-        for power-of-two head dims, else a copy in grouped row order (`group_qkv_rows`), made on the
-        first forward and again only when the weights change."""
-        w, b = self.qkv.weight, self.qkv.bias
-        if not rope_group(self.num_heads, self.head_dim):
-            return w, b, False
-        key = (w.data_ptr(), w.dtype, _version(w), b.data_ptr(), _version(b))
-        if self._grouped_rows is None or self._grouped_rows[0] != key:
-            self._grouped_rows = None  # free the old copy first
-            self._grouped_rows = (key, *group_qkv_rows(w.detach(), b.detach(), self.num_heads))
-        return self._grouped_rows[1], self._grouped_rows[2], True
 
     def forward(self, x, plan: PackPlan, backend: str, residual: torch.Tensor | None = None):
         """The attention branch; with `residual`, returns `residual` + the branch without proj's bias."""
         tokens = x.shape[0]
         q_in_kernel = backend == "triton" and self.rope_q_in_kernel
-        if (self.fused_qkv_rope and not q_in_kernel and (backend == "triton" or x.is_cuda)
+        if (backend == "triton" and self.fused_qkv_rope and not q_in_kernel
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
-            weight, bias, grouped = self._qkv_rows()
-            qkv = qkv_rope_linear(x, weight, bias, plan.cos, plan.sin, self.num_heads, grouped=grouped)
+            qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
         else:
             qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
             # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per

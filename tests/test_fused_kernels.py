@@ -166,23 +166,15 @@ def test_pos_embed_add(tokens, hidden, side, dtype):
     (70, 48, 4, 16, (64, 32, 16, 4, 3, False)),   # head_dim 16, K = 3 tiles
     (131, 96, 2, 64, (32, 64, 32, 4, 2, True)),   # persistent: 4 programs loop over 30 tiles
     (70, 48, 4, 16, (16, 32, 16, 4, 3, True)),
-    # grouped rows (head dims that are not powers of two): tiles of one pair group of Q or K, or of both
-    (131, 48, 4, 72, (32, 32, 16, 4, 2, False)),  # 72 (the 8B's): groups of 4 pairs, Q or K per tile
-    (7, 32, 4, 72, (16, 64, 16, 4, 2, False)),    # Q and K per tile; V's last tile overhangs N
-    (70, 48, 2, 24, (32, 32, 32, 4, 2, True)),    # persistent, Q and K per tile, overhang, K tail
-    (33, 32, 4, 12, (16, 16, 16, 4, 2, False)),   # 12: groups of 2 pairs
-    (131, 32, 4, 80, (32, 128, 16, 4, 2, False)),  # 80 (Qwen2.5-VL's): groups of 8 pairs
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_qkv_rope_linear_interpreted(tokens, k_dim, heads, head_dim, tile, dtype, monkeypatch):
     """The QKV projection with bias and RoPE in its epilogue, against the projection then the rotation,
-    both against a float64 computation of the same function. Head dims that are not powers of two
-    run on the weight in grouped row order (`group_qkv_rows`) and return the usual layout."""
-    from kernels.qkv_rope import (fused_qkv_rope_supported, group_qkv_rows, qkv_rope_linear,
-                                  reference_qkv_rope_linear, rope_group)
+    both against a float64 computation of the same function."""
+    from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_linear, reference_qkv_rope_linear
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    g = torch.Generator().manual_seed(tokens * k_dim + head_dim)
+    g = torch.Generator().manual_seed(tokens * k_dim)
     hidden = heads * head_dim
     x = torch.randn(tokens, k_dim, generator=g).to(dtype)
     w = (torch.randn(3 * hidden, k_dim, generator=g) / k_dim**0.5).to(dtype)
@@ -190,9 +182,7 @@ def test_qkv_rope_linear_interpreted(tokens, k_dim, heads, head_dim, tile, dtype
     pos = torch.randint(0, 50, (tokens, 2), generator=g)
     cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim))
     assert fused_qkv_rope_supported(x, w, heads)
-    grouped = rope_group(heads, head_dim) > 0
-    wk, bk = group_qkv_rows(w, b, heads) if grouped else (w, b)
-    out = qkv_rope_linear(x, wk, bk, cos, sin, heads, grouped=grouped, tile=tile)
+    out = qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile)
     assert out.shape == (tokens, 3, heads, head_dim) and out.dtype == dtype
     lin = (x.double() @ w.double().T + b.double()).view(tokens, 3, heads, head_dim)
     c, s = cos.double()[:, None, :], sin.double()[:, None, :]
@@ -205,25 +195,14 @@ def test_qkv_rope_linear_interpreted(tokens, k_dim, heads, head_dim, tile, dtype
     torch_err = (ref.double() - exact).norm() / exact.norm()
     assert err <= 2 * torch_err + 1e-7, (err, torch_err)
     assert not out.isnan().any()
-    if grouped:  # the fallback (no interpreter) on grouped rows undoes the order too
-        monkeypatch.delenv("TRITON_INTERPRET")
-        fallback = qkv_rope_linear(x.double(), wk.double(), bk.double(), cos, sin, heads, grouped=True)
-        assert ((fallback - exact).norm() / exact.norm()) < 1e-6
 
 
 def test_qkv_rope_linear_falls_back():
-    """Where the fused kernel cannot run (3 heads of dim 48: no grouped row order) or is not given the
-    grouped rows a head dim of 72 needs, the same call runs the projection and the pass; grouped rows
-    for a power-of-two head dim are refused."""
-    from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_linear, reference_qkv_rope_linear, rope_group
+    """Where the fused kernel cannot run (CPU without the interpreter, head_dim 72) the same call runs
+    the projection and the pass."""
+    from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_linear, reference_qkv_rope_linear
 
-    for heads, head_dim in ((3, 48), (2, 72), (2, 64)):
-        hidden = heads * head_dim
-        x, w, b = torch.randn(9, hidden), torch.randn(3 * hidden, hidden), torch.randn(3 * hidden)
-        cos, sin = vision_rope_cos_sin(torch.randint(0, 9, (9, 2)), vision_rope_inv_freq(head_dim))
-        assert fused_qkv_rope_supported(x, w, heads) == (rope_group(heads, head_dim) is not None)
-        if head_dim != 64:
-            assert torch.equal(qkv_rope_linear(x, w, b, cos, sin, heads),
-                               reference_qkv_rope_linear(x, w, b, cos, sin, heads))
-    with pytest.raises(ValueError, match="grouped rows"):
-        qkv_rope_linear(x, w, b, cos, sin, heads, grouped=True)
+    x, w, b = torch.randn(9, 144), torch.randn(3 * 144, 144), torch.randn(3 * 144)
+    cos, sin = vision_rope_cos_sin(torch.randint(0, 9, (9, 2)), vision_rope_inv_freq(72))
+    assert not fused_qkv_rope_supported(x, w, 2)
+    assert torch.equal(qkv_rope_linear(x, w, b, cos, sin, 2), reference_qkv_rope_linear(x, w, b, cos, sin, 2))
