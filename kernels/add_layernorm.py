@@ -102,7 +102,7 @@ def _merged_group(rows: int, cols: int, merged_norm) -> int:
     return group
 
 
-def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=None, num_warps=8):
+def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=None, num_warps=None):
     rows, cols = x.shape
     s = torch.empty_like(x) if y is not None else x  # S is only written with Y
     out = torch.empty_like(x)
@@ -111,6 +111,8 @@ def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=N
     block_n = triton.next_power_of_2(cols)
     if rows_per_prog is None:  # ~16 KB of each input in flight per program
         rows_per_prog = max(1, group, min(8, 8192 // block_n))
+    if num_warps is None:  # H100, LayerNorm + offset pass: 8B rows (1152) 0.0448 ms at 4 warps, 0.0488 at 8; 2B even
+        num_warps = 4
     _add_layernorm_kernel[(triton.cdiv(rows, rows_per_prog),)](
         x, x if y is None else y, weight if offset is None else offset, weight, bias, s, out, w2, b2, out2,
         rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group, HAS_Y=y is not None,

@@ -36,29 +36,33 @@ except ImportError:  # pragma: no cover - Triton without host tensor descriptors
 if triton is not None:
 
     @triton.jit
-    def _qkv_rope_kernel(QKV, COS, SIN, n_tokens, stride_t, stride_s, stride_h, stride_c,
-                         HALF: tl.constexpr, PAIRS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
+    def _qkv_rope_kernel(QKV, COS, SIN, n_chunks, stride_t, stride_s, stride_h, stride_c,
+                         HEADS: tl.constexpr, HALF: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
                          FIRST: tl.constexpr):
-        """Rotates all heads of Q (or K) of BLOCK_T tokens. Lane p of a token is the rotate-half pair
-        (p // HALF's head, columns i and i + HALF with i = p % HALF), loaded, rotated and stored by the
-        one thread that owns it (in place: no thread may read what another writes). Lanes run over every
-        head of the token, so a head dim like 72 fills the tile instead of a 64-wide tile per head."""
-        pid_t = tl.program_id(0)
-        which = tl.program_id(1) + FIRST  # 0: Q, 1: K
-        rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        p = tl.arange(0, BLOCK_P)
-        i = p % HALF
-        col = (p // HALF) * stride_h + i
-        mask = (rows < n_tokens)[:, None] & (p < PAIRS)[None, :]
-        lo = QKV + rows[:, None].to(tl.int64) * stride_t + which * stride_s + col[None, :]
-        x1 = tl.load(lo, mask=mask, other=0.0)
-        x2 = tl.load(lo + HALF, mask=mask, other=0.0)
-        cs = rows[:, None] * stride_c + i[None, :]
+        """Rotates BLOCK chunks of Q and K (only K from FIRST = 1). A chunk is VEC consecutive rotate-half
+        pairs of one head of one token: VEC columns of the first half and their partners, loaded,
+        rotated and stored by the thread that owns them (in place: no thread reads what another
+        writes) as vectors, with the chunk's cos/sin read once for Q and K. Chunks run over
+        (token, head, pair) without padding, so a head dim like 72 wastes no lanes."""
+        CHUNKS: tl.constexpr = HALF // VEC  # per head
+        k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        t = k // (CHUNKS * HEADS)
+        pair = (k % CHUNKS) * VEC
+        head = (k // CHUNKS) % HEADS
+        mask = (k < n_chunks)[:, None]
+        j = tl.arange(0, VEC)[None, :]
+        # the host checks that strides and the base keep every chunk VEC-aligned
+        cs = tl.multiple_of(t * stride_c + pair, VEC)[:, None] + j
         c = tl.load(COS + cs, mask=mask, other=0.0)
         s = tl.load(SIN + cs, mask=mask, other=0.0)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(lo, (a * c - b * s).to(x1.dtype), mask=mask)
-        tl.store(lo + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
+        base = tl.multiple_of(t.to(tl.int64) * stride_t + head * stride_h + pair, VEC)
+        for which in tl.static_range(FIRST, 2):
+            lo = QKV + (base + which * stride_s)[:, None] + j
+            x1 = tl.load(lo, mask=mask, other=0.0)
+            x2 = tl.load(lo + HALF, mask=mask, other=0.0)
+            a, b = x1.to(tl.float32), x2.to(tl.float32)
+            tl.store(lo, (a * c - b * s).to(x1.dtype), mask=mask)
+            tl.store(lo + HALF, (b * c + a * s).to(x1.dtype), mask=mask)
 
 
 def _check_tables(cos, sin, tokens: int, half: int):
@@ -82,12 +86,18 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
         for i in (1,) if k_only else (0, 1):
             qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
-    block_p = triton.next_power_of_2(heads * half)
-    block_t = max(1, 2048 // block_p)  # ~16 pairs per thread at 4 warps
-    grid = (triton.cdiv(tokens, block_t), 1 if k_only else 2)
-    _qkv_rope_kernel[grid](qkv, cos, sin, tokens, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
-                           HALF=half, PAIRS=heads * half, BLOCK_P=block_p, BLOCK_T=block_t, FIRST=int(k_only),
-                           num_warps=4)
+    # widest chunk of pairs (<= 16 bytes) that every stride and the base keep aligned
+    vec = 1
+    while (vec < 16 // qkv.element_size() and half % (2 * vec) == 0 and cos.stride(0) % (2 * vec) == 0
+           and all(st % (2 * vec) == 0 for st in qkv.stride()[:3])
+           and qkv.data_ptr() % (2 * vec * qkv.element_size()) == 0 and cos.data_ptr() % (8 * vec) == 0
+           and sin.data_ptr() % (8 * vec) == 0):
+        vec *= 2
+    chunks = tokens * heads * (half // vec)
+    block = 4096 // vec  # 4096 pairs per program
+    _qkv_rope_kernel[(triton.cdiv(chunks, block),)](
+        qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), HEADS=heads, HALF=half,
+        VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=4)
     return qkv
 
 

@@ -36,6 +36,23 @@ def test_qkv_rope_in_place(tokens, heads, head_dim, dtype):
     assert torch.equal(k_only[:, 0], qkv[:, 0]) and torch.equal(k_only[:, 2], qkv[:, 2])
 
 
+@pytest.mark.parametrize("pad", [2, 8])
+def test_qkv_rope_in_place_strided(pad):
+    """A (T, 3, H, D) view inside a wider buffer: head strides of D + 2 force one pair per chunk, of D + 8
+    keep chunks of 4 (head dim 72); padding and V untouched."""
+    tokens, heads, head_dim = 37, 4, 72
+    g = torch.Generator().manual_seed(pad)
+    buf = torch.randn(tokens, 3, heads, head_dim + pad, generator=g).half()
+    qkv = buf[..., :head_dim]
+    pos = torch.randint(0, 50, (tokens, 2), generator=g)
+    cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim))
+    before = buf.clone()
+    qkv_rope_(qkv, cos, sin, use_triton=True)
+    for i in (0, 1):
+        assert torch.equal(qkv[:, i], apply_vision_rope(before[:, i, :, :head_dim], cos, sin))
+    assert torch.equal(buf[:, 2], before[:, 2]) and torch.equal(buf[..., head_dim:], before[..., head_dim:])
+
+
 def test_qkv_rope_validates():
     qkv = torch.randn(5, 3, 2, 16)
     cos, sin = vision_rope_cos_sin(torch.zeros(5, 2), vision_rope_inv_freq(16))
