@@ -71,9 +71,10 @@ def _check_tables(cos, sin, tokens: int, half: int):
 
 
 def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None,
-              k_only: bool = False) -> torch.Tensor:
+              k_only: bool = False, *, pairs_per_program: int = 4096, num_warps: int = 4) -> torch.Tensor:
     """Rotate Q and K (only K with `k_only`: the attention kernel rotates Q as it loads it) of `qkv`
-    `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv."""
+    `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv. The last two arguments set
+    the Triton launch (benchmarks/probe_rope_pass.py)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be (T, 3, H, D) with a contiguous last dim; got {tuple(qkv.shape)} "
                          f"strides {qkv.stride()}")
@@ -94,10 +95,10 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
            and sin.data_ptr() % (8 * vec) == 0):
         vec *= 2
     chunks = tokens * heads * (half // vec)
-    block = 4096 // vec  # 4096 pairs per program
+    block = max(1, pairs_per_program // vec)
     _qkv_rope_kernel[(triton.cdiv(chunks, block),)](
         qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), HEADS=heads, HALF=half,
-        VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=4)
+        VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=num_warps)
     return qkv
 
 
