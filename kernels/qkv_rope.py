@@ -89,6 +89,8 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
         for i in (1,) if k_only else (0, 1):
             qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
+    if sin.stride() != cos.stride() or cos.stride(-1) != 1:  # the kernel indexes both with one row stride
+        cos, sin = cos.contiguous(), sin.contiguous()
     # widest chunk of pairs (<= 16 bytes) that every stride and the base keep aligned
     vec = 1
     while (vec < 16 // qkv.element_size() and half % (2 * vec) == 0 and cos.stride(0) % (2 * vec) == 0
@@ -97,7 +99,7 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
            and sin.data_ptr() % (8 * vec) == 0):
         vec *= 2
     chunks = tokens * heads * (half // vec)
-    block = max(1, pairs_per_program // vec)
+    block = triton.next_power_of_2(max(1, pairs_per_program // vec))
     _qkv_rope_kernel[(triton.cdiv(chunks, block),)](
         qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), HEADS=heads, HALF=half,
         VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=num_warps)
