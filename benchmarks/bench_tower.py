@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import ClockLog, bench, environment, print_table, write_results
+from kernels.qkv_rope import gemm_candidates
 from service.config import preset
 from service.graphs import GraphedTower
 from service.tower import Attention
@@ -133,7 +134,7 @@ def run_preset(name, workloads, compile_hf):
         fns = {"ours": lambda: graphed(pixels, grids), "ours-eager": ours_fn(None),
                "ours-triton-attn": ours_fn("triton"), "ours-sdpa-attn": ours_fn("sdpa"),
                "hf-eager": lambda: hf(pixels, grid_thw=grid_t), "floor": floor_fn(cfg, grids)}
-        if ours.config.head_dim & (ours.config.head_dim - 1) == 0:  # the fused projection's head dims
+        if gemm_candidates(ours.config.hidden_size, ours.config.head_dim):  # the fused projection runs here
             fns["ours-unfused-qkv"] = unfused
         if hf_compiled is not None and wl == "32x448px":
             fns["hf-compile"] = lambda: hf_compiled(pixels, grid_thw=grid_t)

@@ -21,7 +21,7 @@ import kernels.add_layernorm
 from benchmarks.bench_tower import WORKLOADS
 from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.add_layernorm import add_layernorm, layernorm_offset
-from kernels.qkv_rope import qkv_rope_, qkv_rope_linear
+from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.config import preset
 from service.graphs import GraphedTower
 from service.loader import random_tower
@@ -135,7 +135,7 @@ def micro(cfg, tokens: int) -> dict:
 
     gemm("qkv (bias)", lambda: F.linear(x, w["qkv"], b["qkv"]), tokens, 3 * h, h)
     gemm("qkv (no bias)", lambda: F.linear(x, w["qkv"]), tokens, 3 * h, h)
-    if cfg.head_dim & (cfg.head_dim - 1) == 0:
+    if gemm_candidates(h, cfg.head_dim):  # the fused projection runs (else it falls back to the pass)
         gemm("qkv + rope (triton, fused epilogue)",
              lambda: qkv_rope_linear(x, w["qkv"], b["qkv"], cos, sin, cfg.num_heads), tokens, 3 * h, h)
     gemm("proj (bias)", lambda: F.linear(x, w["proj"], b["proj"]), tokens, h, h)

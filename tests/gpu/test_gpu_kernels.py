@@ -158,6 +158,7 @@ def test_qkv_rope_linear_every_tile(tokens, hidden, heads):
         x1, x2 = lin[:, i, :, :head_dim // 2], lin[:, i, :, head_dim // 2:]
         exact[:, i] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
     ref_err = rel_err(reference_qkv_rope_linear(x, w, b, cos, sin, heads), exact)
+    assert gemm_candidates(hidden, head_dim)  # the fused kernel runs (no tile would mean the fallback)
     for tile in [*gemm_candidates(hidden, head_dim), None]:
         out = qkv_rope_linear(x, w, b, cos, sin, heads, tile=tile)
         torch.cuda.synchronize()
