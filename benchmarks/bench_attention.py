@@ -44,6 +44,9 @@ def _flex_fn(lengths, q4, k4, v4):
 
     total = sum(lengths)
     mask = create_block_mask(same_doc, None, None, total, total, device="cuda")
+    # every case compiles for its own shapes; past dynamo's recompile limit (8) flex_attention would run
+    # its unfused eager version for the remaining cases
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda: compiled(q4, k4, v4, block_mask=mask)
 

@@ -7,11 +7,12 @@ For each shape and path it measures
 - `bench_us`: `triton.testing.do_bench`, the timing bench_attention reports (L2 flushed before each
   call; a call whose host cost outlasts the flush shows host time here);
 - `max_err`: against the float32 reference.
-Paths: the automatic Triton path, the TMA kernel with host- and with device-encoded descriptors at
+Paths: the automatic Triton path (lean launch, and through Triton's JIT launch), the TMA kernel with host- and with device-encoded descriptors at
 each TMA tile, the pointer kernel, batched cuDNN. Then the cProfile table of the automatic path on
-the first shape. Writes launch_profile.json under $OUT or benchmarks/results.
+the first shape. Writes launch_profile_d<head dim>.json under $OUT or benchmarks/results.
 
-Usage: python -m benchmarks.profile_launch [--calls 2000] [--shapes 1x1024 8x1024 64x256 1x4096]
+Usage: python -m benchmarks.profile_launch [--calls 2000] [--shapes 1x1024 8x1024 64x256 1x4096] [--head-dim 72]
+       [--no-tiles]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.bench_attention import host_us
 from benchmarks.common import HEADS, environment, write_results
+import kernels.tuning as tuning
 from kernels.varlen_attention import (
     TMA_TILES,
     TileConfig,
@@ -62,7 +64,7 @@ def gpu_us(fn, calls: int = 20, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def shape_paths(lengths, d):
+def shape_paths(lengths, d, tiles=True):
     total = sum(lengths)
     qkv = torch.randn(total, 3, HEADS, d, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(1)
@@ -71,7 +73,16 @@ def shape_paths(lengths, d):
     out = torch.empty_like(q)
     ref = reference_varlen_attention(q, k, v, cu, maxlen)
     fns = {"triton (automatic)": lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out)}
-    for bm, bn, w, s in TMA_TILES:
+
+    def jit_launch():  # the same through Triton's own launch path (kernels.tuning.launch bypassed)
+        lean, tuning._lean = tuning._lean, False
+        try:
+            return triton_varlen_attention(q, k, v, cu, maxlen, out=out)
+        finally:
+            tuning._lean = lean
+
+    fns["triton (automatic, JIT launch)"] = jit_launch
+    for bm, bn, w, s in TMA_TILES if tiles else []:
         for device in (False, True):
             c = TileConfig(bm, bn, w, s, tma=True, device_desc=device)
             fns[f"tma {bm}x{bn} w{w} s{s} {'device' if device else 'host'} desc"] = (
@@ -94,13 +105,14 @@ def main():
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--shapes", nargs="+", default=["1x1024", "8x1024", "64x256", "1x4096"])
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--no-tiles", action="store_true", help="only the automatic paths and cuDNN")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     d = args.head_dim
     rows, profiled = [], None
     for shape in args.shapes:
         n, length = (int(x) for x in shape.split("x"))
-        fns, out, ref = shape_paths([length] * n, d)
+        fns, out, ref = shape_paths([length] * n, d, tiles=not args.no_tiles)
         for name, fn in fns.items():
             row = {"shape": shape, "path": name}
             try:
@@ -129,7 +141,7 @@ def main():
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             profiled = buf.getvalue()
             print(profiled)
-    write_results("launch_profile", {"benchmark": "attention_launch_bound_shapes", "unit": "us/call",
+    write_results(f"launch_profile_d{d}", {"benchmark": "attention_launch_bound_shapes", "unit": "us/call",
                                      "env": environment(), "head_dim": d, "rows": rows,
                                      "choices": {str(k): str(v) for k, v in tuned_choices().items()},
                                      "cprofile": profiled}, args.out)

@@ -1,9 +1,11 @@
-"""Launch-configuration choice without `triton.autotune`, and the launch environment the kernels check.
+"""Launch-configuration choice without `triton.autotune`, a lean launch path, and the launch
+environment the kernels check.
 
 One choice per key (kernel, size class, dims, dtype, device ...), timed once on the first call with
 that key (the service's warm-up covers the classes it serves); every later call launches the chosen
-configuration straight through the JIT function. The autotuner's per-call bookkeeping and pre-hook cost
-more host time than a small pack's whole kernel (docs/PERFORMANCE.md).
+configuration directly. The autotuner's per-call bookkeeping and pre-hook cost more host time than a
+small pack's whole kernel (docs/PERFORMANCE.md), and so does much of the JIT's own launch path: see
+`launch`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ except ImportError:  # pragma: no cover - machines without Triton never reach th
     triton = None
 
 _choices: dict[tuple, object] = {}
+_kernels: dict[tuple, object] = {}
 
 
 def interpreting() -> bool:
@@ -70,3 +73,59 @@ def choose(key: tuple, candidates, launch):
         choice = candidates[times.index(min(times))]
     _choices[key] = choice
     return choice
+
+
+def launch(fn, grid: tuple, *args, **kwargs):
+    """`fn[grid](*args, **kwargs)` for a `triton.jit` function, through a cache of its compiled kernels.
+
+    The JIT's launch path reads knobs, builds its cache key from the options' string form, checks the
+    globals the kernel used and builds launch metadata for hooks on every call. This keeps the one part
+    that decides which compiled kernel is valid, the JIT's own binder (Triton's specialisation of every
+    argument: dtypes, 16-byte alignment, ints divisible by 16 or equal to 1), and keys compiled kernels
+    by its result; a miss, the interpreter, an installed launch hook or a Triton whose internals differ
+    goes through `fn[grid]`, which compiles and launches as usual.
+    """
+    if _lean is False or interpreting() or triton.knobs.runtime.launch_enter_hook.calls:
+        return fn[grid](*args, **kwargs)
+    device = torch.cuda.current_device()
+    try:
+        binder = fn.device_caches[device][4]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return _first_launch(fn, grid, args, kwargs, None)
+    bound, specialization, options = binder(*args, **kwargs)
+    key = (fn, device, tuple(specialization), tuple(options.items()))
+    try:
+        kernel = _kernels.get(key)
+    except TypeError:  # an argument whose specialisation is not hashable
+        return fn[grid](*args, **kwargs)
+    if kernel is None:
+        return _first_launch(fn, grid, args, kwargs, key)
+    grid_1 = grid[1] if len(grid) > 1 else 1
+    grid_2 = grid[2] if len(grid) > 2 else 1
+    kernel.run(grid[0], grid_1, grid_2, _current_stream(device), kernel.function, kernel.packed_metadata, None,
+               None, None, *bound.values())
+    return kernel
+
+
+_lean = None  # None: not yet known whether this Triton's internals are the ones `launch` expects
+
+
+def _first_launch(fn, grid, args, kwargs, key):
+    global _lean
+    kernel = fn[grid](*args, **kwargs)
+    if hasattr(kernel, "result"):  # compiled asynchronously
+        kernel = kernel.result()
+    if _lean is None:
+        _lean = key is not None and all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata"))
+    if _lean and key is not None:
+        _kernels[key] = kernel
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_getter():
+    return triton.runtime.driver.active.get_current_stream
+
+
+def _current_stream(device: int):
+    return _stream_getter()(device)

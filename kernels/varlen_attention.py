@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .rope import apply_vision_rope
-from .tuning import choose, interpreting, is_hopper, tuned_choices  # noqa: F401 - tuned_choices is re-exported
+from .tuning import choose, interpreting, is_hopper, launch, tuned_choices  # noqa: F401 - tuned_choices is re-exported
 
 try:
     import triton
@@ -524,7 +524,7 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     segments = cu_seqlens.numel() - 1
     r = torch.empty((2 * heads * w1, -(-total // 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
     block_t = 32 if interpreting() else 128
-    _remainder_t_kernel[(triton.cdiv(max_seqlen + 16, block_t), heads, segments)](
+    launch(_remainder_t_kernel, (triton.cdiv(max_seqlen + 16, block_t), heads, segments),
         k, v, r, cu_seqlens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads,
         HEAD_DIM=head_dim, D0=d0, W1=w1, BLOCK_T=block_t)
     return r
@@ -718,7 +718,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if use_tma:
         rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder
 
-        def launch(c: TileConfig):
+        def run(c: TileConfig):
             if c.device_desc:
                 _set_scratch_allocator()
                 descs = [None] * 3
@@ -730,13 +730,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 descs.append(TensorDescriptor(rem, [2 * heads * d1, rem.shape[1]], [rem.stride(0), 1], [d1, c.block_n])
                              if d1 else None)
             grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
-            _varlen_attn_fwd_tma[grid](
-                q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                stride_c, scale, k, v, rem, k.stride(0), v.stride(0), rem.stride(0), total, HEAD_DIM=head_dim,
-                D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n, WS=c.ws,
-                TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n, Q_TAIL=c.q_tail,
-                num_warps=c.num_warps,
-                num_stages=c.num_stages)
+            launch(
+                _varlen_attn_fwd_tma, grid, q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1),
+                out.stride(0), out.stride(1), stride_c, scale, k, v, rem, k.stride(0), v.stride(0), rem.stride(0),
+                total, HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
+                BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
+                Q_TAIL=c.q_tail, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
@@ -744,21 +743,21 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             device_desc = _device_descriptors(total * max_seqlen * heads * head_dim)
             key = ("tma", bucket, load_class(total, heads), head_dim, rope, q.dtype, q.device)
             config = _with_descriptors(choose(key, lambda: [_with_descriptors(c, device_desc)
-                                                            for c in tma_candidates(head_dim)], launch), device_desc)
-        launch(config)
+                                                            for c in tma_candidates(head_dim)], run), device_desc)
+        run(config)
         return out
 
-    def launch(c: TileConfig):
+    def run(c: TileConfig):
         grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
-        _varlen_attn_fwd[grid](
-            q, k, v, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), out.stride(0), out.stride(1), stride_c, scale, HEAD_DIM=head_dim, D0=d0, REM=d1 > 0,
-            D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=rope, ROPE_K=k_rope, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-            num_warps=c.num_warps, num_stages=c.num_stages)
+        launch(
+            _varlen_attn_fwd, grid, q, k, v, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), k.stride(0),
+            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_c, scale, HEAD_DIM=head_dim,
+            D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=rope, ROPE_K=k_rope, BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
 
     if config is None and (block_m is not None or interpreting()):
         # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
         config = TileConfig(block_m or 32, block_n or 16, 4, 2 if head_dim > 64 else 3)
-    launch(config or choose(("ptr", bucket, load_class(total, heads), head_dim, rope, k_rope, q.dtype, q.device),
-                             lambda: ptr_candidates(head_dim), launch))
+    run(config or choose(("ptr", bucket, load_class(total, heads), head_dim, rope, k_rope, q.dtype, q.device),
+                          lambda: ptr_candidates(head_dim), run))
     return out

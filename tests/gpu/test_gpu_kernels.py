@@ -108,6 +108,32 @@ def test_small_call_from_a_worker_thread(monkeypatch):
         assert torch.equal(main, other)
 
 
+@hopper
+@pytest.mark.parametrize("head_dim", [64, 72])
+@pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
+def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
+    """kernels.tuning.launch (compiled kernels by the binder's specialisation) gives bit-identical results
+    to Triton's own JIT launch, for the TMA kernel with host and device descriptors, the pointer kernel
+    with in-kernel RoPE and (72) the remainder copy, and the second call takes the lean path."""
+    import kernels.tuning as tuning
+
+    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, True, seed=7, device="cuda")
+    m = max(lengths)
+    calls = [dict(config=dataclasses.replace(c, device_desc=d)) for c in va.tma_candidates(head_dim)[:2]
+             for d in (False, True)] + [dict(cos=cos, sin=sin), dict(cos=cos, sin=sin, rotate_k=False)]
+    lean, jit = [], []
+    for kwargs in calls:
+        for _ in range(2):  # the first call with a specialisation compiles through the JIT, the second is lean
+            lean.append(triton_varlen_attention(q, k, v, cu, m, **kwargs))
+    assert tuning._lean is True and tuning._kernels
+    monkeypatch.setattr(tuning, "_lean", False)
+    for kwargs in calls:
+        jit.append(triton_varlen_attention(q, k, v, cu, m, **kwargs))
+    torch.cuda.synchronize()
+    for i, out in enumerate(jit):
+        assert torch.equal(lean[2 * i], out) and torch.equal(lean[2 * i + 1], out), calls[i].keys()
+
+
 @pytest.mark.parametrize("head_dim", [64, 72])
 def test_kernel_matches_sdpa_fallback(head_dim):
     lengths = [784] * 5 + [256, 1]
