@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .tuning import cdiv, launch, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -108,13 +110,13 @@ def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=N
     out = torch.empty_like(x)
     out2 = torch.empty_like(x) if group else out  # a placeholder without the merged norm
     w2, b2, eps2 = merged_norm if group else (weight, bias, eps)
-    block_n = triton.next_power_of_2(cols)
+    block_n = next_power_of_2(cols)
     if rows_per_prog is None:  # ~16 KB of each input in flight per program
         rows_per_prog = max(1, group, min(8, 8192 // block_n))
     if num_warps is None:  # H100, LayerNorm + offset pass: 8B rows (1152) 0.0448 ms at 4 warps, 0.0488 at 8; 2B even
         num_warps = 4
-    _add_layernorm_kernel[(triton.cdiv(rows, rows_per_prog),)](
-        x, x if y is None else y, weight if offset is None else offset, weight, bias, s, out, w2, b2, out2,
+    launch(
+        _add_layernorm_kernel, (cdiv(rows, rows_per_prog),), x, x if y is None else y, weight if offset is None else offset, weight, bias, s, out, w2, b2, out2,
         rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group, HAS_Y=y is not None,
         HAS_OFFSET=offset is not None, num_warps=num_warps)
     merged = (out2.view(rows // group, group * cols),) if group else ()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .tuning import cdiv, launch, next_power_of_2
+
 try:
     import triton
     import triton.language as tl
@@ -55,9 +57,9 @@ def pos_embed_add_(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor, we
         x += reference_pos_embed(table, index, weight).to(x.dtype)
         return x
     tokens, hidden = x.shape
-    block_h = triton.next_power_of_2(hidden)
+    block_h = next_power_of_2(hidden)
     block_t = max(1, 8192 // block_h)
-    _pos_embed_add_kernel[(triton.cdiv(tokens, block_t),)](
-        x, table.contiguous(), index.contiguous(), weight.contiguous(), tokens, hidden,
+    launch(
+        _pos_embed_add_kernel, (cdiv(tokens, block_t),), x, table.contiguous(), index.contiguous(), weight.contiguous(), tokens, hidden,
         TAPS=index.shape[1], BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8)
     return x

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .rope import apply_vision_rope
-from .tuning import choose, interpreting, is_hopper
+from .tuning import cdiv, choose, interpreting, is_hopper, launch, next_power_of_2
 
 try:
     import triton
@@ -99,9 +99,9 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
            and sin.data_ptr() % (8 * vec) == 0):
         vec *= 2
     chunks = tokens * heads * (half // vec)
-    block = triton.next_power_of_2(max(1, pairs_per_program // vec))
-    _qkv_rope_kernel[(triton.cdiv(chunks, block),)](
-        qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), HEADS=heads, HALF=half,
+    block = next_power_of_2(max(1, pairs_per_program // vec))
+    launch(
+        _qkv_rope_kernel, (cdiv(chunks, block),), qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), HEADS=heads, HALF=half,
         VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=num_warps)
     return qkv
 
@@ -226,19 +226,19 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
         return qkv_rope_(F.linear(x, weight, bias).view(tokens, 3, heads, head_dim), cos, sin)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
 
-    def launch(c):
+    def run(c):
         bm, bn, bk, warps, stages, persistent = c
         a_desc = TensorDescriptor(x, [tokens, k_dim], [x.stride(0), 1], [bm, bk])
         b_desc = TensorDescriptor(weight, [n, k_dim], [weight.stride(0), 1], [bn, bk])
-        tiles = triton.cdiv(tokens, bm) * triton.cdiv(n, bn)
+        tiles = cdiv(tokens, bm) * cdiv(n, bn)
         args = (a_desc, b_desc, bias, out, cos, sin, tokens, n, out.stride(0), cos.stride(0), 2 * hidden)
-        meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=triton.cdiv(k_dim, bk),
+        meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=cdiv(k_dim, bk),
                     num_warps=warps, num_stages=stages)
         if persistent:
             sms = _sm_count(x.device) if x.is_cuda else 4
-            _qkv_rope_gemm_persistent[(min(sms, tiles),)](*args, NUM_SMS=min(sms, tiles), **meta)
+            launch(_qkv_rope_gemm_persistent, (min(sms, tiles),), *args, NUM_SMS=min(sms, tiles), **meta)
         else:
-            _qkv_rope_gemm[(tiles,)](*args, **meta)
+            launch(_qkv_rope_gemm, (tiles,), *args, **meta)
 
     if bias is None:
         bias = torch.zeros(n, dtype=x.dtype, device=x.device)
@@ -247,8 +247,8 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
     if tile is None:
         size_class = 0 if tokens <= 4096 else 1 if tokens <= 16384 else 2  # a new pack size never re-tunes
         tile = choose(("qkv_rope_gemm", size_class, n, k_dim, head_dim, x.dtype, x.device),
-                      lambda: gemm_candidates(hidden, head_dim), launch)
+                      lambda: gemm_candidates(hidden, head_dim), run)
     elif tile[1] % head_dim or hidden % tile[1]:
         raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
-    launch(tile)
+    run(tile)
     return out.view(tokens, 3, heads, head_dim)

@@ -93,7 +93,7 @@ def launch(fn, grid: tuple, *args, **kwargs):
     except (AttributeError, KeyError, IndexError, TypeError):
         return _first_launch(fn, grid, args, kwargs, None)
     bound, specialization, options = binder(*args, **kwargs)
-    key = (fn, device, tuple(specialization), tuple(options.items()))
+    key = (id(fn), device, tuple(specialization), tuple(options.items()))  # JIT functions hash their source
     try:
         kernel = _kernels.get(key)
     except TypeError:  # an argument whose specialisation is not hashable
@@ -129,3 +129,13 @@ def _stream_getter():
 
 def _current_stream(device: int):
     return _stream_getter()(device)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for launch grids (triton.cdiv is a constexpr function: ~4 us per host call)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (>= 1), without triton.next_power_of_2's constexpr-function call."""
+    return 1 << max(0, n - 1).bit_length()

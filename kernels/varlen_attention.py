@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .rope import apply_vision_rope
-from .tuning import choose, interpreting, is_hopper, launch, tuned_choices  # noqa: F401 - tuned_choices is re-exported
+from .tuning import cdiv, choose, interpreting, is_hopper, launch, tuned_choices  # noqa: F401 - tuned_choices is re-exported
 
 try:
     import triton
@@ -524,7 +524,7 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     segments = cu_seqlens.numel() - 1
     r = torch.empty((2 * heads * w1, -(-total // 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
     block_t = 32 if interpreting() else 128
-    launch(_remainder_t_kernel, (triton.cdiv(max_seqlen + 16, block_t), heads, segments),
+    launch(_remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), heads, segments),
         k, v, r, cu_seqlens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads,
         HEAD_DIM=head_dim, D0=d0, W1=w1, BLOCK_T=block_t)
     return r
@@ -665,8 +665,8 @@ def tma_layout_ok(q, k, v) -> bool:
         return False
     head_dim = q.shape[-1]
     for t in (k, v):
-        if t.stride(2) != 1 or t.stride(1) != head_dim or (t.stride(0) * t.element_size()) % 16 \
-                or t.data_ptr() % 16:
+        stride = t.stride()
+        if stride[2] != 1 or stride[1] != head_dim or (stride[0] * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return True
 
@@ -693,13 +693,15 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     _check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim; strides {t.stride()}")
+    q_stride, k_stride, v_stride = q.stride(), k.stride(), v.stride()
+    for name, stride in (("q", q_stride), ("k", k_stride), ("v", v_stride)):
+        if stride[-1] != 1:
+            raise ValueError(f"{name} must have a contiguous last dim; strides {stride}")
     total, heads, head_dim = q.shape
     d0, d1, dv1 = head_dim_split(head_dim)
     if out is None:
         out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
+    o_stride = out.stride()
     scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * math.log2(math.e)
     rope = cos is not None
     cos_t = cos if rope else q  # placeholders: never read when ROPE is off
@@ -717,6 +719,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
 
     if use_tma:
         rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder
+        rem_stride0 = rem.stride(0)
 
         def run(c: TileConfig):
             if c.device_desc:
@@ -725,15 +728,14 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             else:
                 # R's descriptor only exists where the kernel reads it (None is a constexpr there): each
                 # descriptor costs host time at every launch
-                descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, d0])
-                         for t in (k, v)]
+                descs = [TensorDescriptor(t, [total, heads * head_dim], [t_stride[0], 1], [c.block_n, d0])
+                         for t, t_stride in ((k, k_stride), (v, v_stride))]
                 descs.append(TensorDescriptor(rem, [2 * heads * d1, rem.shape[1]], [rem.stride(0), 1], [d1, c.block_n])
                              if d1 else None)
-            grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
+            grid = (cdiv(max_seqlen, c.block_m), heads, segments)
             launch(
-                _varlen_attn_fwd_tma, grid, q, *descs, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1),
-                out.stride(0), out.stride(1), stride_c, scale, k, v, rem, k.stride(0), v.stride(0), rem.stride(0),
-                total, HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
+                _varlen_attn_fwd_tma, grid, q, *descs, out, cu_seqlens, cos_t, sin_t, q_stride[0], q_stride[1],
+                o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total, HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
                 Q_TAIL=c.q_tail, num_warps=c.num_warps, num_stages=c.num_stages)
 
@@ -748,10 +750,10 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         return out
 
     def run(c: TileConfig):
-        grid = (triton.cdiv(max_seqlen, c.block_m), heads, segments)
+        grid = (cdiv(max_seqlen, c.block_m), heads, segments)
         launch(
-            _varlen_attn_fwd, grid, q, k, v, out, cu_seqlens, cos_t, sin_t, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1), stride_c, scale, HEAD_DIM=head_dim,
+            _varlen_attn_fwd, grid, q, k, v, out, cu_seqlens, cos_t, sin_t, q_stride[0], q_stride[1], k_stride[0],
+            k_stride[1], v_stride[0], v_stride[1], o_stride[0], o_stride[1], stride_c, scale, HEAD_DIM=head_dim,
             D0=d0, REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=rope, ROPE_K=k_rope, BLOCK_M=c.block_m,
             BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
 
