@@ -7,9 +7,10 @@ For each shape and path it measures
 - `bench_us`: `triton.testing.do_bench`, the timing bench_attention reports (L2 flushed before each
   call; a call whose host cost outlasts the flush shows host time here);
 - `max_err`: against the float32 reference.
-Paths: the automatic Triton path (lean launch, and through Triton's JIT launch), the TMA kernel with host- and with device-encoded descriptors at
-each TMA tile, the pointer kernel, batched cuDNN. Then the cProfile table of the automatic path on
-the first shape. Writes launch_profile_d<head dim>.json under $OUT or benchmarks/results.
+Paths: the automatic Triton path (lean launch, and through Triton's JIT launch), the TMA kernel with
+host- and with device-encoded descriptors at each TMA tile, the pointer kernel, batched cuDNN. Then
+the cProfile table of the automatic path on the first shape. Writes launch_profile_d<head dim>.json
+under $OUT or benchmarks/results.
 
 Usage: python -m benchmarks.profile_launch [--calls 2000] [--shapes 1x1024 8x1024 64x256 1x4096] [--head-dim 72]
        [--no-tiles]

@@ -116,9 +116,10 @@ def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=N
     if num_warps is None:  # H100, LayerNorm + offset pass: 8B rows (1152) 0.0448 ms at 4 warps, 0.0488 at 8; 2B even
         num_warps = 4
     launch(
-        _add_layernorm_kernel, (cdiv(rows, rows_per_prog),), x, x if y is None else y, weight if offset is None else offset, weight, bias, s, out, w2, b2, out2,
-        rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group, HAS_Y=y is not None,
-        HAS_OFFSET=offset is not None, num_warps=num_warps)
+        _add_layernorm_kernel, (cdiv(rows, rows_per_prog),), x, x if y is None else y,
+        weight if offset is None else offset, weight, bias, s, out, w2, b2, out2, rows, cols, eps, eps2,
+        BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group, HAS_Y=y is not None, HAS_OFFSET=offset is not None,
+        num_warps=num_warps)
     merged = (out2.view(rows // group, group * cols),) if group else ()
     return ((s,) if y is not None else ()) + (out, *merged)
 

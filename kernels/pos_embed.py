@@ -60,6 +60,6 @@ def pos_embed_add_(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor, we
     block_h = next_power_of_2(hidden)
     block_t = max(1, 8192 // block_h)
     launch(
-        _pos_embed_add_kernel, (cdiv(tokens, block_t),), x, table.contiguous(), index.contiguous(), weight.contiguous(), tokens, hidden,
-        TAPS=index.shape[1], BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8)
+        _pos_embed_add_kernel, (cdiv(tokens, block_t),), x, table.contiguous(), index.contiguous(),
+        weight.contiguous(), tokens, hidden, TAPS=index.shape[1], BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8)
     return x

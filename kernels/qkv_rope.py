@@ -101,8 +101,8 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
     chunks = tokens * heads * (half // vec)
     block = next_power_of_2(max(1, pairs_per_program // vec))
     launch(
-        _qkv_rope_kernel, (cdiv(chunks, block),), qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), HEADS=heads, HALF=half,
-        VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=num_warps)
+        _qkv_rope_kernel, (cdiv(chunks, block),), qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2),
+        cos.stride(0), HEADS=heads, HALF=half, VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=num_warps)
     return qkv
 
 

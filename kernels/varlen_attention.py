@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .rope import apply_vision_rope
-from .tuning import cdiv, choose, interpreting, is_hopper, launch, tuned_choices  # noqa: F401 - tuned_choices is re-exported
+from .tuning import (  # noqa: F401 - tuned_choices is re-exported
+    cdiv, choose, interpreting, is_hopper, launch, tuned_choices)
 
 try:
     import triton
@@ -524,9 +525,10 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     segments = cu_seqlens.numel() - 1
     r = torch.empty((2 * heads * w1, -(-total // 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
     block_t = 32 if interpreting() else 128
-    launch(_remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), heads, segments),
-        k, v, r, cu_seqlens, k.stride(0), k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads,
-        HEAD_DIM=head_dim, D0=d0, W1=w1, BLOCK_T=block_t)
+    launch(
+        _remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), heads, segments), k, v, r, cu_seqlens, k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads, HEAD_DIM=head_dim, D0=d0, W1=w1,
+        BLOCK_T=block_t)
     return r
 
 
@@ -735,7 +737,8 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             grid = (cdiv(max_seqlen, c.block_m), heads, segments)
             launch(
                 _varlen_attn_fwd_tma, grid, q, *descs, out, cu_seqlens, cos_t, sin_t, q_stride[0], q_stride[1],
-                o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total, HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
+                o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
+                HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
                 Q_TAIL=c.q_tail, num_warps=c.num_warps, num_stages=c.num_stages)
 
