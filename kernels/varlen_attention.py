@@ -523,7 +523,7 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     total, heads, head_dim = k.shape
     d0, w1, _ = head_dim_split(head_dim)
     segments = cu_seqlens.numel() - 1
-    r = torch.empty((2 * heads * w1, -(-total // 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
+    r = torch.empty((2 * heads * w1, cdiv(total, 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
     block_t = 32 if interpreting() else 128
     launch(
         _remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), heads, segments), k, v, r, cu_seqlens, k.stride(0),
@@ -732,7 +732,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 # descriptor costs host time at every launch
                 descs = [TensorDescriptor(t, [total, heads * head_dim], [t_stride[0], 1], [c.block_n, d0])
                          for t, t_stride in ((k, k_stride), (v, v_stride))]
-                descs.append(TensorDescriptor(rem, [2 * heads * d1, rem.shape[1]], [rem.stride(0), 1], [d1, c.block_n])
+                descs.append(TensorDescriptor(rem, [2 * heads * d1, rem.shape[1]], [rem_stride0, 1], [d1, c.block_n])
                              if d1 else None)
             grid = (cdiv(max_seqlen, c.block_m), heads, segments)
             launch(
