@@ -8,7 +8,8 @@ stage it records the process state that could slow every call down (Python trace
 torch function and dispatch modes, threads, live objects).
 
 Usage: python -m benchmarks.probe_host [--shape 1x1024] [--head-dim 64]
-Writes host_probe.json under $OUT or benchmarks/results/launch.
+Writes host_probe_d<head dim>_<shape>.json under $OUT or benchmarks/results (the committed ones are in
+benchmarks/results/launch).
 """
 
 from __future__ import annotations
