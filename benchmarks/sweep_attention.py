@@ -9,8 +9,10 @@ process (a miscompile) loses only itself: run risky groups in their own process.
 Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
 Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
 tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), tma-qtail (the TMA
-candidates with and without half-height last query tiles), spec:<config> (one TMA configuration, see
-parse_spec).
+candidates with and without half-height last query tiles), tma-wide (the TMA candidates with QK^T split
+at the power-of-two chunk or in one wide dot), spec:<config> (one TMA configuration, see parse_spec).
+--rope: Q rotated in the kernel (cos/sin passed, K rotated beforehand: the tower's call), checked
+against the fallback on the same inputs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def variants(group: str, head_dim: int):
         return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in tiles]
     if group == "tma-tail":  # the TMA candidates with a segment's last keys in one masked tile or narrow steps
         return [dataclasses.replace(c, tail_n=t) for c in tma_candidates(head_dim) for t in (0, 16, 32)]
+    if group == "tma-wide":
+        wides = (False, True) if head_dim & (head_dim - 1) else (False,)
+        return [dataclasses.replace(c, qk_wide=w) for c in tma_candidates(head_dim) for w in wides]
     if group == "tma-qtail":  # the TMA candidates with a segment's last query rows in a full or half tile
         return [dataclasses.replace(c, q_tail=q) for c in tma_candidates(head_dim) for q in (False, True)]
     if group == "tma-ws":
@@ -82,6 +87,7 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--cases", nargs="+", default=list(ATTENTION_CASES))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rope", action="store_true", help="rotate Q in the kernel (K rotated beforehand)")
     args = ap.parse_args()
     with open(args.out, "a") as out:
         for head_dim in args.head_dims:
@@ -93,14 +99,18 @@ def main():
                 qkv = torch.randn(total, 3, HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                 q, k, v = qkv.unbind(1)
                 cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
-                ref = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths).float()
+                rope = {}
+                if args.rope:
+                    angles = torch.rand(total, head_dim // 2, device="cuda", generator=gen) * 6.3
+                    rope = dict(cos=angles.cos(), sin=angles.sin(), rotate_k=False)
+                ref = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths, **rope).float()
                 if args.group == "baseline":
                     fns = {name: (fn, None) for name, fn in baselines(q, k, v, lengths).items()}
                 else:
-                    fns = {repr(c): (lambda c=c: triton_varlen_attention(q, k, v, cu, max(lengths), config=c), c)
+                    fns = {repr(c): (lambda c=c: triton_varlen_attention(q, k, v, cu, max(lengths), config=c, **rope), c)
                            for c in variants(args.group, head_dim)}
                 for name, (fn, cfg) in fns.items():
-                    row = {"group": args.group, "variant": name, "case": case, "head_dim": head_dim}
+                    row = {"group": args.group, "variant": name, "case": case, "head_dim": head_dim, "rope": args.rope}
                     try:
                         res = fn()
                         torch.cuda.synchronize()
