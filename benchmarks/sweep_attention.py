@@ -9,8 +9,8 @@ process (a miscompile) loses only itself: run risky groups in their own process.
 Usage: python -m benchmarks.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
 Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
 tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), tma-qtail (the TMA
-candidates with and without half-height last query tiles), tma-wide (the TMA candidates with QK^T split
-at the power-of-two chunk or in one wide dot), spec:<config> (one TMA configuration, see parse_spec).
+candidates with and without half-height last query tiles), spec:<config> (one TMA configuration, see
+parse_spec).
 --rope: Q rotated in the kernel (cos/sin passed, K rotated beforehand: the tower's call), checked
 against the fallback on the same inputs.
 """
@@ -50,9 +50,6 @@ def variants(group: str, head_dim: int):
         return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in tiles]
     if group == "tma-tail":  # the TMA candidates with a segment's last keys in one masked tile or narrow steps
         return [dataclasses.replace(c, tail_n=t) for c in tma_candidates(head_dim) for t in (0, 16, 32)]
-    if group == "tma-wide":
-        wides = (False, True) if head_dim & (head_dim - 1) else (False,)
-        return [dataclasses.replace(c, qk_wide=w) for c in tma_candidates(head_dim) for w in wides]
     if group == "tma-qtail":  # the TMA candidates with a segment's last query rows in a full or half tile
         return [dataclasses.replace(c, q_tail=q) for c in tma_candidates(head_dim) for q in (False, True)]
     if group == "tma-ws":

@@ -188,17 +188,11 @@ if triton is not None:
 
     @triton.jit
     def _load_tile(BASE, rows, cols, stride_t, row_mask, COS, SIN, stride_c, tok0,
-                   HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, ROPE: tl.constexpr, MASK_COLS: tl.constexpr = False):
-        """A [rows, cols] tile of one head; with ROPE, rotated in float32 and rounded to the input dtype.
-        All cols are < HEAD_DIM unless MASK_COLS (no ROPE then; the columns past the head read as zero);
-        otherwise only rows are masked, so column loads stay vectorised."""
+                   HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, ROPE: tl.constexpr):
+        """A [rows, cols] tile of one head (all cols < HEAD_DIM); with ROPE, rotated in float32 and
+        rounded to the input dtype. Only rows are ever masked, so column loads stay vectorised."""
         ptrs = BASE + rows[:, None] * stride_t + cols[None, :]
-        if MASK_COLS:
-            mask = (cols < HEAD_DIM)[None, :]
-            if MASK_ROWS:
-                mask = mask & row_mask[:, None]
-            x = tl.load(ptrs, mask=mask, other=0.0)
-        elif MASK_ROWS:
+        if MASK_ROWS:
             x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
         else:
             x = tl.load(ptrs)
@@ -327,11 +321,22 @@ if triton is not None:
 
 
     @triton.jit
-    def _load_q_rem(q_base, rows_m, m_mask, stride_qt, HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr):
-        """Q's columns [D0, D0 + W1), zero past the head: the A operand against the transposed remainder."""
+    def _load_q_rem(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM: tl.constexpr,
+                    D0: tl.constexpr, W1: tl.constexpr, ROPE_Q: tl.constexpr):
+        """Q's columns [D0, D0 + W1), zero past the head: the A operand against the transposed remainder.
+        D0 >= HEAD_DIM / 2, so every column here is in the second rotate-half, its partner `col - HALF`."""
         cols = D0 + tl.arange(0, W1)
         mask = m_mask[:, None] & (cols < HEAD_DIM)[None, :]
-        return tl.load(q_base + rows_m[:, None] * stride_qt + cols[None, :], mask=mask, other=0.0)
+        ptrs = q_base + rows_m[:, None] * stride_qt + cols[None, :]
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if ROPE_Q:
+            HALF: tl.constexpr = HEAD_DIM // 2
+            xp = tl.load(ptrs - HALF, mask=mask, other=0.0).to(tl.float32)
+            cs = (tok0 + rows_m)[:, None] * stride_c + (cols - HALF)[None, :]
+            c = tl.load(COS + cs, mask=mask, other=0.0)
+            s = tl.load(SIN + cs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) * c + xp * s).to(x.dtype)
+        return x
 
     @triton.jit
     def _rotate_rows(SRC, stride_s, DST, stride_d, COS, SIN, stride_c, tok0, row0, seqlen,
@@ -355,11 +360,9 @@ if triton is not None:
 
     @triton.jit
     def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_row, r_col, start_n, seqlen,
-                  qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr,
-                  QK_WIDE: tl.constexpr):
-        # QK_WIDE: K's tile spans the whole head and beyond ([BLOCK_N, 2 * D0]); Q is zero past the head
+                  qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr):
         qk = tl.dot(q0, tl.trans(k_desc.load([row, col])))
-        if REM and not QK_WIDE:  # + the remainder columns: K's arrive transposed, a [W1, BLOCK_N] tile
+        if REM:  # + the remainder columns: K's arrive transposed, a [W1, BLOCK_N] tile (B operand as is)
             qk = tl.dot(q1, r_desc.load([r_row, r_col]), qk)
         if MASK_N:  # the rows past the segment's end are the next segment's keys (or TMA's zero fill)
             qk = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen)[None, :], qk, float("-inf"))
@@ -374,22 +377,17 @@ if triton is not None:
     @triton.jit
     def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS, SIN, stride_kt, stride_vt,
                      stride_r, stride_c, tok0, start_n, seqlen, qk_scale, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-                     W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr,
-                     QK_WIDE: tl.constexpr):
+                     W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr):
         """A masked step over TAIL_N keys, loaded by pointers (the tensor descriptors' boxes are BLOCK_N
         rows): the last keys of a segment cost TAIL_N / BLOCK_N of a full step. `k_rows`/`v_rows` point at
         the segment's first key of this head, `r_cols` at its first column in R's K rows."""
         n = start_n + tl.arange(0, TAIL_N)
         n_mask = n < seqlen
         d = tl.arange(0, D0)
-        if REM and QK_WIDE:
-            k = _load_tile(k_rows, n, tl.arange(0, 2 * D0), stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
-                           True, False, True)
-        else:
-            k = _load_tile(k_rows, n, d, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
+        k = _load_tile(k_rows, n, d, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
         qk = tl.dot(q0, tl.trans(k))
-        j = tl.arange(0, W1)
-        if REM and not QK_WIDE:
+        if REM:
+            j = tl.arange(0, W1)
             rk = tl.load(r_cols + j[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
             qk = tl.dot(q1, rk, qk)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -410,7 +408,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
-        Q_TAIL: tl.constexpr = False, QK_WIDE: tl.constexpr = False,
+        Q_TAIL: tl.constexpr = False,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -426,13 +424,7 @@ if triton is not None:
         and 16 keys.
         Q_TAIL: a segment's last query rows, when they fill at most half a Q tile, run as a tile of
         BLOCK_M / 2 rows (at 784 tokens the 7th 128-row tile holds 16 rows: half its MMA and softmax
-        work is saved).
-        QK_WIDE (head dims past D0 only): QK^T in one dot over 2 * D0 columns. K's descriptor box is
-        [BLOCK_N, 2 * D0] from the head's first column (it runs into the next head's columns, or past the
-        row's end, where TMA fills zeros) and Q is zero past the head, so the extra columns add exact
-        zeros. Triton waits for each dot whose result the softmax reads; the split QK^T (chunk 0, then
-        the remainder from R) waits twice per K tile, this once, for 2 * D0 / (D0 + W1) of the MMA work
-        (128 / 80 at 72). PV stays split (its dots are not waited on)."""
+        work is saved)."""
         start_m = tl.program_id(0)
         head = tl.program_id(1)
         seg = tl.program_id(2)
@@ -441,10 +433,9 @@ if triton is not None:
         if start_m * BLOCK_M >= seqlen:
             return
         REM: tl.constexpr = D0 < HEAD_DIM
-        DK: tl.constexpr = 2 * D0 if REM and QK_WIDE else D0
         if DEVICE_DESC:
             kd = tl.make_tensor_descriptor(K, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, DK])
+                                           block_shape=[BLOCK_N, D0])
             vd = tl.make_tensor_descriptor(V, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_vt, 1],
                                            block_shape=[BLOCK_N, D0])
             if REM:
@@ -459,44 +450,42 @@ if triton is not None:
         if Q_TAIL and seqlen - start_m * BLOCK_M <= BLOCK_M // 2:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, QK_WIDE)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
         else:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, QK_WIDE)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
 
     @triton.jit
     def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                   K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, row0,
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
-                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, QK_WIDE: tl.constexpr):
+                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr):
         """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys."""
         REM: tl.constexpr = D0 < HEAD_DIM
         rows_m = row0 + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
         q_stride = stride_qt
-        if ROPE_Q:
-            # Q is rotated into this program's own output rows, then loaded from there like an unrotated Q. A tile
-            # computed in registers would become a register-sourced wgmma operand, live through the whole loop:
-            # ptxas then runs out of registers and serialises every wgmma (each one waited on at once). A loaded
-            # tile is staged in shared memory instead.
+        # Power-of-two head dims: Q is rotated into this program's own output rows, then loaded from there like an
+        # unrotated Q. A tile rotated in registers becomes a register-sourced wgmma operand, live through the whole
+        # loop; at 128-row tiles ptxas then runs out of registers and serialises every wgmma (each one waited on at
+        # once). A loaded tile is staged in shared memory instead. Other head dims rotate in registers: there the
+        # staging measured slower on packs of short segments (benchmarks/results/rope_q_probe_vs_d530591.json).
+        STAGE_Q: tl.constexpr = ROPE_Q and not REM
+        if STAGE_Q:
             o_base = O + tok0.to(tl.int64) * stride_ot + head * stride_oh
             _rotate_rows(q_base, stride_qt, o_base, stride_ot, COS, SIN, stride_c, tok0, row0, seqlen, HEAD_DIM,
                          BLOCK_M, BLOCK_M // 4)
             tl.debug_barrier()  # the other threads' stores are visible to this CTA's loads
             q_base = o_base
             q_stride = stride_ot
-        if REM and QK_WIDE:
-            q0 = _load_tile(q_base, rows_m, tl.arange(0, 2 * D0), q_stride, m_mask, COS, SIN, stride_c, tok0,
-                            HEAD_DIM, True, False, True)
-        else:
-            q0 = _load_tile(q_base, rows_m, tl.arange(0, D0), q_stride, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM,
-                            True, False)
+        q0 = _load_tile(q_base, rows_m, tl.arange(0, D0), q_stride, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True,
+                        ROPE_Q and not STAGE_Q)
         q1 = q0
-        if REM and not QK_WIDE:
-            q1 = _load_q_rem(q_base, rows_m, m_mask, q_stride, HEAD_DIM, D0, W1)
+        if REM:
+            q1 = _load_q_rem(q_base, rows_m, m_mask, COS, SIN, q_stride, stride_c, tok0, HEAD_DIM, D0, W1, ROPE_Q)
         col = head * HEAD_DIM
         r_row = head * W1
         r_col0 = _r_start(tok0, seg)
@@ -509,7 +498,7 @@ if triton is not None:
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
                                              r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1,
-                                             TAIL_IN_LOOP, QK_WIDE)
+                                             TAIL_IN_LOOP)
         if n_full < seqlen:
             if TAIL_N > 0 and seqlen - n_full <= BLOCK_N // 2:
                 k_rows = K + tok0.to(tl.int64) * stride_kt + col
@@ -518,12 +507,11 @@ if triton is not None:
                 for start_n in range(n_full, seqlen, TAIL_N):
                     acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS,
                                                         SIN, stride_kt, stride_vt, stride_r, stride_c, tok0, start_n,
-                                                        seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEADS * W1,
-                                                        QK_WIDE)
+                                                        seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEADS * W1)
             else:
                 acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
                                                  r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,
-                                                 HEADS * W1, True, QK_WIDE)
+                                                 HEADS * W1, True)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
         _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, D0, W1)
 
@@ -628,7 +616,6 @@ class TileConfig:
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
     q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
-    qk_wide: bool = False  # TMA kernel, head dims past a power of two: QK^T in one dot over 2 * D0 columns
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -777,9 +764,8 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             else:
                 # R's descriptor only exists where the kernel reads it (None is a constexpr there): each
                 # descriptor costs host time at every launch
-                dk = 2 * d0 if d1 and c.qk_wide else d0
-                descs = [TensorDescriptor(t, [total, heads * head_dim], [t_stride[0], 1], [c.block_n, width])
-                         for t, t_stride, width in ((k, k_stride, dk), (v, v_stride, d0))]
+                descs = [TensorDescriptor(t, [total, heads * head_dim], [t_stride[0], 1], [c.block_n, d0])
+                         for t, t_stride in ((k, k_stride), (v, v_stride))]
                 descs.append(TensorDescriptor(rem, [2 * heads * d1, rem.shape[1]], [rem_stride0, 1], [d1, c.block_n])
                              if d1 else None)
             grid = (cdiv(max_seqlen, c.block_m), heads, segments)
@@ -788,7 +774,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
                 HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
-                Q_TAIL=c.q_tail, QK_WIDE=c.qk_wide, num_warps=c.num_warps, num_stages=c.num_stages)
+                Q_TAIL=c.q_tail, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host

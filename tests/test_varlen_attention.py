@@ -58,18 +58,14 @@ def test_triton_kernel_interpreted(lengths, head_dim, rope, dtype):
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72), ([19, 5, 1, 45], 80),
                                               ([3, 18], 96), ([40, 1, 17], 128)])
 @pytest.mark.parametrize("rope", [False, True])
-@pytest.mark.parametrize("tail", ["masked", "in_loop", "narrow", "narrow+q_tail", "narrow+qk_wide", "masked+qk_wide"])
+@pytest.mark.parametrize("tail", ["masked", "in_loop", "narrow", "narrow+q_tail"])
 def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
     """The Hopper kernel (K/V through tensor descriptors, Q rotated in the kernel, K by the caller; past
     a power-of-two chunk, K's and V's remaining columns read transposed). A segment's last keys go in one
     masked tile, in the loop, or in narrow steps of 8 keys after 32-key tiles (where at most 16 remain:
     one step for 1, 3, 5, 7, 8, 33 and 40, two for 16 and 45; 17 to 23 stay one masked tile). With
     q_tail, a segment's last query rows, where at most 16 remain of a 32-row tile, run as a 16-row tile
-    (segments of 1 to 16 tokens, and the last rows of 33, 40 and 45). With qk_wide (head dims past a
-    power of two), QK^T is one dot over twice the power-of-two chunk: K's tile runs into the next head's
-    columns (head 0) or past the row (head 1, TMA's zero fill), which must add nothing."""
-    if "qk_wide" in tail and head_dim & (head_dim - 1) == 0:
-        pytest.skip("qk_wide only changes head dims past a power of two")
+    (segments of 1 to 16 tokens, and the last rows of 33, 40 and 45)."""
     q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim)
     if rope:
         k.copy_(apply_vision_rope(k, cos, sin))  # k is a view of the fused buffer: rotated in place
@@ -77,7 +73,7 @@ def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
     triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
                             config=TileConfig(32, 32 if "narrow" in tail else 16, tma=True,
                                               tail_in_loop=tail == "in_loop", tail_n=8 if "narrow" in tail else 0,
-                                              q_tail="q_tail" in tail, qk_wide="qk_wide" in tail))
+                                              q_tail="q_tail" in tail))
     assert not out.isnan().any()
     qr = apply_vision_rope(q, cos, sin) if rope else q
     ref = reference_varlen_attention(qr, k, v, cu)
