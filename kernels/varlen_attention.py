@@ -664,10 +664,15 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
     """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each). The
     128-row tiles run a segment's last query rows as a 64-row tile where they fit one (`q_tail`): -1% to
     +16% at 32x784 and mixed8 (benchmarks/results/sweeps/sweep_qtail_h100_rev2068eb3.jsonl); 64-row
-    tiles do not (a 32-row tile is slower per row)."""
+    tiles do not (a 32-row tile is slower per row). Head dims past a power of two leave out the 128x128
+    tile on 4 warps: with the remainder's accumulator it needs more than 255 registers, ptxas serialises its
+    wgmmas, and it ran at half the best tile's speed on every case at 72
+    (benchmarks/results/rope_q_probe_vs_d530591.json); the tuner, timing small calls by their host time,
+    could still pick it."""
     device = tma_descriptors() == "device"
+    rem = head_dim_split(head_dim)[1] > 0
     return [TileConfig(bm, bn, w, s, tma=True, device_desc=device, tail_n=TAIL_N, q_tail=bm >= 128)
-            for bm, bn, w, s in TMA_TILES]
+            for bm, bn, w, s in TMA_TILES if not (rem and bm == bn == 128 and w == 4)]
 
 
 @functools.lru_cache(maxsize=None)
