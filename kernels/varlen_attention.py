@@ -21,7 +21,9 @@ Kernel design:
   (K/V in the fused QKV layout, K not rotated in the kernel), so tiles land in shared memory already
   swizzled for wgmma; the remainder of K and V (72: columns [64, 72)) is first copied out transposed
   and zero-padded to 16 rows (`kv_remainder_t`, one small launch), so 72 costs 64 + 16 lanes in both
-  dots. The pointer kernel serves every other case.
+  dots. With `cos`/`sin` at power-of-two head dims it rotates Q into the program's own output rows first
+  and reads it back from there, so that Q is staged in shared memory like an unrotated one (see
+  `_tma_tile`). The pointer kernel serves every other case.
 """
 
 from __future__ import annotations
@@ -342,7 +344,8 @@ if triton is not None:
     def _rotate_rows(SRC, stride_s, DST, stride_d, COS, SIN, stride_c, tok0, row0, seqlen,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
         """DST[r] = SRC[r] rotated (2D vision RoPE, rotate-half, float32, rounded to DST's dtype) for the
-        segment rows row0 .. row0 + BLOCK_M below seqlen, ROWS rows at a time (few live registers)."""
+        segment rows row0 .. row0 + BLOCK_M below seqlen, ROWS rows at a time (few live registers; the
+        loop is not software-pipelined)."""
         HALF: tl.constexpr = HEAD_DIM // 2
         j = tl.arange(0, triton.next_power_of_2(HALF))
         for r in tl.range(0, BLOCK_M, ROWS, num_stages=1):
