@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import ATTENTION_CASES, HEAD_DIMS, HEADS, bench, environment, print_table, write_results
+from benchmarks.common import (ATTENTION_CASES, HEAD_DIMS, HEADS, attention_flops, bench, environment, packed_qkv,
+                               print_table, write_results)
 from kernels.qkv_rope import qkv_rope_
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.varlen_attention import triton_varlen_attention
@@ -53,11 +54,10 @@ def _flex_fn(lengths, q4, k4, v4):
 
 def run_case(lengths, head_dim, flex=True):
     total, heads = sum(lengths), HEADS
-    flops = 4 * sum(n * n for n in lengths) * heads * head_dim
+    flops = attention_flops(lengths, head_dim)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    qkv = torch.randn(total, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    qkv, cu = packed_qkv(lengths, head_dim, gen)
     q, k, v = qkv.unbind(1)
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     maxlen = max(lengths)
     pos = torch.randint(0, 128, (total, 2), device="cuda", generator=gen)
     cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))

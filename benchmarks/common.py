@@ -30,6 +30,19 @@ ATTENTION_CASES = {
 }
 
 
+def packed_qkv(lengths, head_dim, generator=None):
+    """Random bf16 attention inputs on the GPU in the tower's layout: one fused `(T, 3, HEADS, head_dim)` QKV
+    buffer, whose `unbind(1)` gives q, k and v as strided views, and int32 `cu_seqlens` for `lengths`."""
+    qkv = torch.randn(sum(lengths), 3, HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    return qkv, cu
+
+
+def attention_flops(lengths, head_dim) -> int:
+    """4 * sum(n_i^2) * heads * head_dim: QK^T and PV over every segment."""
+    return 4 * sum(n * n for n in lengths) * HEADS * head_dim
+
+
 def wait_until_ready(url: str, server, timeout_s: float, interval_s: float = 0.5) -> bool:
     """Poll `url`/ready until it answers 200 (True), or the deadline passes or the server process
     `server` (a Popen) exits (False)."""

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.bench_attention import _flex_fn, host_us, run_case
-from benchmarks.common import ATTENTION_CASES, HEADS, bench, environment, write_results
+from benchmarks.common import ATTENTION_CASES, HEADS, bench, environment, packed_qkv, write_results
 from kernels.varlen_attention import triton_varlen_attention
 
 
@@ -47,11 +47,9 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lengths = ATTENTION_CASES[args.shape]
-    total, d = sum(lengths), args.head_dim
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    qkv = torch.randn(total, 3, HEADS, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    d = args.head_dim
+    qkv, cu = packed_qkv(lengths, d, torch.Generator(device="cuda").manual_seed(0))
     q, k, v = qkv.unbind(1)
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     maxlen = max(lengths)
     qb, kb, vb = (t.view(len(lengths), lengths[0], HEADS, d).transpose(1, 2).contiguous() for t in (q, k, v))
     x = torch.randn(1024, device="cuda")

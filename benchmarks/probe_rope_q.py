@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import ATTENTION_CASES, HEADS, RESULTS, environment
+from benchmarks.common import ATTENTION_CASES, HEADS, RESULTS, attention_flops, environment, packed_qkv
 from benchmarks.profile_launch import gpu_us
-va = importlib.import_module("kernels.varlen_attention")
+
+va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
 
 CASES = ["1x4096", "8x1024", "64x256", "mixed8", "32x784"]
 
@@ -66,11 +67,10 @@ def main():
         for case in args.cases:
             lengths = ATTENTION_CASES[case]
             total, m = sum(lengths), max(lengths)
-            flops = 4 * sum(n * n for n in lengths) * HEADS * head_dim
+            flops = attention_flops(lengths, head_dim)
             gen = torch.Generator(device="cuda").manual_seed(0)
-            qkv = torch.randn(total, 3, HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            qkv, cu = packed_qkv(lengths, head_dim, gen)
             q, k, v = qkv.unbind(1)
-            cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
             angles = torch.rand(total, head_dim // 2, device="cuda", generator=gen) * 6.3
             cos, sin = angles.cos(), angles.sin()
             ref = va.sdpa_varlen_attention(q, k, v, cu, m, cos=cos, sin=sin, rotate_k=False, seqlens=lengths).float()

@@ -29,7 +29,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.bench_attention import host_us
-from benchmarks.common import HEADS, environment, write_results
+from benchmarks.common import HEADS, environment, packed_qkv, write_results
 import kernels.tuning as tuning
 from kernels.varlen_attention import (
     TMA_TILES,
@@ -66,10 +66,8 @@ def gpu_us(fn, calls: int = 20, replays: int = 20) -> float:
 
 
 def shape_paths(lengths, d, tiles=True):
-    total = sum(lengths)
-    qkv = torch.randn(total, 3, HEADS, d, device="cuda", dtype=torch.bfloat16)
+    qkv, cu = packed_qkv(lengths, d)
     q, k, v = qkv.unbind(1)
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     maxlen = max(lengths)
     out = torch.empty_like(q)
     ref = reference_varlen_attention(q, k, v, cu, maxlen)

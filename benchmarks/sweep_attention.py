@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import ATTENTION_CASES, HEADS, bench
+from benchmarks.common import ATTENTION_CASES, attention_flops, bench, packed_qkv
 from kernels.varlen_attention import TileConfig, sdpa_varlen_attention, tma_candidates, triton_varlen_attention
 
 
@@ -91,11 +91,10 @@ def main():
             for case in args.cases:
                 lengths = ATTENTION_CASES[case]
                 total = sum(lengths)
-                flops = 4 * sum(n * n for n in lengths) * HEADS * head_dim
+                flops = attention_flops(lengths, head_dim)
                 gen = torch.Generator(device="cuda").manual_seed(0)
-                qkv = torch.randn(total, 3, HEADS, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                qkv, cu = packed_qkv(lengths, head_dim, gen)
                 q, k, v = qkv.unbind(1)
-                cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
                 rope = {}
                 if args.rope:
                     angles = torch.rand(total, head_dim // 2, device="cuda", generator=gen) * 6.3
