@@ -154,7 +154,8 @@ def run_preset(name, workloads, compile_hf):
                 print(f"{name} {wl} {key}: {ms:.2f} ms {res[key]['gpu']}", flush=True)
         ours._backend = None
         row = {"preset": name, "workload": wl, "images": n_images, "tokens": tokens, "flops": flops, "results": res,
-               "attention_backend": ours.backend,
+               "attention_backend": ours.backend, "graph_attention": graphed.attention(grids),
+               "graph_attention_ms": graphed.replay_ms(grids),
                "speedup_vs_hf_eager": res["hf-eager"]["ms"] / res["ours"]["ms"],
                "fraction_of_floor": res["floor"]["ms"] / res["ours"]["ms"]}
         if "hf-compile" in res:
@@ -177,12 +178,12 @@ def main():
     table = []
     for r in rows:
         res = r["results"]
-        table.append({"preset": r["preset"], "workload": r["workload"], "attn": r["attention_backend"],
+        table.append({"preset": r["preset"], "workload": r["workload"], "attn": r["attention_backend"], "graph attn": r["graph_attention"],
                       **{f"{k} ms": v["ms"] for k, v in res.items()},
                       "ours img/s": res["ours"]["images_per_s"], "ours TFLOPS": res["ours"]["tflops"],
                       "MFU": res["ours"]["mfu"], "x eager": r["speedup_vs_hf_eager"],
                       "x compile": r.get("speedup_vs_hf_compile"), "floor/ours": r["fraction_of_floor"]})
-    cols = ["preset", "workload", "attn", "ours ms", "ours-unfused-qkv ms", "ours-eager ms", "ours-triton-attn ms", "ours-sdpa-attn ms", "hf-eager ms",
+    cols = ["preset", "workload", "attn", "graph attn", "ours ms", "ours-unfused-qkv ms", "ours-eager ms", "ours-triton-attn ms", "ours-sdpa-attn ms", "hf-eager ms",
             "hf-compile ms", "floor ms",
             "ours img/s", "ours TFLOPS", "MFU", "x eager", "x compile", "floor/ours"]
     print_table(table, cols)

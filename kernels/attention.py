@@ -23,7 +23,8 @@ BACKENDS = ("triton", "sdpa")
 ENV_VAR = "QWEN3VL_ATTN_BACKEND"
 
 
-def _forced() -> str | None:
+def forced_backend() -> str | None:
+    """The backend QWEN3VL_ATTN_BACKEND forces ('triton' or 'sdpa'), or None ('auto' or unset)."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in ("", "auto"):
         return None
@@ -72,7 +73,7 @@ def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> 
     device = torch.device(device)
     index = device.index if device.type != "cuda" else (device.index if device.index is not None else
                                                          torch.cuda.current_device())
-    forced = _forced()
+    forced = forced_backend()
     choice = _resolve(device.type, index, forced)
     if choice == "triton" and forced is None and head_dim is not None and head_dim & (head_dim - 1):
         log.info("attention backend for head_dim %d: sdpa (cuDNN is as fast or faster than the Triton kernels "

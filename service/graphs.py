@@ -18,13 +18,20 @@ batches of same-sized images -- is captured once and replayed:
 Only for CUDA towers. On the SDPA backend a pack is captured only when its segments form few runs of
 equal lengths (`kernels.varlen_attention.sdpa_gathers`): otherwise the fallback gathers segments with
 indices built on the host at every call, which a graph cannot hold.
+
+Where the tower can run its attention on either backend (`VisionTower.attention_choices`: a CUDA GPU
+with the Triton kernels, no backend forced), a signature is captured once per backend, the graphs are
+replayed in turn and timed by CUDA events, and the faster one is kept. Neither backend wins every
+pack: at head_dim 72 our kernel beats cuDNN on 448px images (784 tokens) and loses on 1024-token
+segments (docs/PERFORMANCE.md). Eager forwards keep the tower's default backend.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,10 +51,18 @@ class _Captured:
     pixels: torch.Tensor
     merged: torch.Tensor
     deepstack: torch.Tensor
+    attention: str  # the attention backend the graph runs
+    replay_ms: dict[str, float] = field(default_factory=dict)  # per backend timed at capture (if more than one)
 
 
 class GraphedTower:
     """`(pixel_values, grids) -> (merged, deepstack)`, replaying captured graphs where it can."""
+
+    # Replays per backend when choosing: interleaved rounds, the median of each backend's times. Rounds are
+    # added up to `choice_budget_ms` of replays in all (one round at least): an 8B forward of 32 images
+    # takes ~53 ms.
+    choice_rounds = 5
+    choice_budget_ms = 600.0
 
     def __init__(self, tower: VisionTower, max_graphs: int = 8, capture_after: int = 3):
         self.tower = tower
@@ -80,7 +95,22 @@ class GraphedTower:
         return captured.merged.clone(), captured.deepstack.clone()
 
     def _capturable(self, key: Signature) -> bool:
-        return self.tower.backend == "triton" or not sdpa_gathers(segment_lengths(key))
+        return bool(self._choices(key))
+
+    def _choices(self, key: Signature) -> list[str]:
+        """The attention backends a graph of `key` may run: SDPA only where it needs no host-built gather."""
+        gathers = sdpa_gathers(segment_lengths(key))
+        return [b for b in self.tower.attention_choices() if b == "triton" or not gathers]
+
+    def attention(self, grids) -> str | None:
+        """The attention backend of the graph held for `grids`, or None if there is none."""
+        captured = self._graphs.get(tuple(tuple(int(x) for x in g) for g in grids))
+        return captured.attention if captured is not None else None
+
+    def replay_ms(self, grids) -> dict[str, float]:
+        """Each backend's replay time measured when the graph for `grids` was chosen (empty: no choice)."""
+        captured = self._graphs.get(tuple(tuple(int(x) for x in g) for g in grids))
+        return dict(captured.replay_ms) if captured is not None else {}
 
     def _count(self, key: Signature) -> int:
         if len(self._seen) > 100_000:  # bound the bookkeeping of one-off signatures
@@ -90,25 +120,57 @@ class GraphedTower:
 
     def _capture(self, key: Signature, pixel_values: torch.Tensor) -> _Captured | None:
         tower = self.tower
+        device = pixel_values.device
+        graphs: dict[str, _Captured] = {}
         try:
             plan = tower.plan(key)
-            pixels = pixel_values.clone()
-            # one eager run on a side stream first: kernel autotuning, lazy library initialisation
-            side = torch.cuda.Stream(pixels.device)
-            side.wait_stream(torch.cuda.current_stream(pixels.device))
-            with torch.cuda.stream(side):
-                tower(pixels, plan)
-            torch.cuda.current_stream(pixels.device).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                merged, deepstack = tower(pixels, plan)
+            for attention in self._choices(key):
+                pixels = pixel_values.clone()
+                # one eager run on a side stream first: kernel autotuning, lazy library initialisation
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    tower(pixels, plan, attention)
+                torch.cuda.current_stream(device).wait_stream(side)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    merged, deepstack = tower(pixels, plan, attention)
+                graphs[attention] = _Captured(graph, plan, pixels, merged, deepstack, attention)
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            log.warning("CUDA graph capture failed for a pack of %d grids (%s); running it eagerly", len(key), e)
-            self._failed.add(key)
-            torch.cuda.synchronize(pixel_values.device)
-            return None
-        captured = self._graphs[key] = _Captured(graph, plan, pixels, merged, deepstack)
+            if not graphs:
+                log.warning("CUDA graph capture failed for a pack of %d grids (%s); running it eagerly", len(key), e)
+                self._failed.add(key)
+                torch.cuda.synchronize(device)
+                return None
+            log.warning("CUDA graph capture with %s attention failed for a pack of %d grids (%s)",
+                        next(b for b in self._choices(key) if b not in graphs), len(key), e)
+            torch.cuda.synchronize(device)
+        captured = next(iter(graphs.values())) if len(graphs) == 1 else self._fastest(graphs, key)
+        self._graphs[key] = captured
         self.captures += 1
         return captured
+
+    def _fastest(self, graphs: dict[str, _Captured], key: Signature) -> _Captured:
+        """Replay the graphs in turn, each timed by CUDA events, and keep the fastest by median."""
+        for c in graphs.values():  # first replays: lazy initialisation, caches
+            c.graph.replay()
+        times: dict[str, list[float]] = {b: [] for b in graphs}
+        spent, rounds = 0.0, 0
+        while rounds < self.choice_rounds and (rounds == 0 or spent < self.choice_budget_ms):
+            for attention, c in graphs.items():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                c.graph.replay()
+                end.record()
+                end.synchronize()
+                times[attention].append(start.elapsed_time(end))
+                spent += times[attention][-1]
+            rounds += 1
+        ms = {b: statistics.median(t) for b, t in times.items()}
+        best = graphs[min(ms, key=ms.get)]
+        best.replay_ms = ms
+        log.info("CUDA graph for a pack of %d grids (%d tokens): %s attention (%s)", len(key), best.plan.num_tokens,
+                 best.attention, ", ".join(f"{b} {t:.3f} ms" for b, t in ms.items()))
+        return best

@@ -25,7 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
+from kernels import (forced_backend, resolve_backend, triton_supported, varlen_attention, vision_rope_cos_sin,
+                     vision_rope_inv_freq)
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
@@ -164,10 +165,14 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x, plan: PackPlan, backend: str, residual: torch.Tensor | None = None):
-        """The attention branch; with `residual`, returns `residual` + the branch without proj's bias."""
+    def forward(self, x, plan: PackPlan, backend: str, residual: torch.Tensor | None = None,
+                attention: str | None = None):
+        """The attention branch; with `residual`, returns `residual` + the branch without proj's bias.
+        `backend` is the tower's (it decides the fused projection), `attention` the attention call's
+        (default: the same)."""
         tokens = x.shape[0]
-        q_in_kernel = backend == "triton" and self.rope_q_in_kernel
+        attention = attention or backend
+        q_in_kernel = attention == "triton" and self.rope_q_in_kernel
         if (backend == "triton" and self.fused_qkv_rope and not q_in_kernel
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
@@ -178,7 +183,7 @@ class Attention(nn.Module):
             qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend), k_only=q_in_kernel)
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
         rope_q = dict(cos=plan.cos, sin=plan.sin, rotate_k=False) if q_in_kernel else {}
-        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=backend,
+        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=attention,
                                **rope_q)
         return _project(self.proj, out.view(tokens, -1), residual)
 
@@ -282,11 +287,23 @@ class VisionTower(nn.Module):
             self._backend = resolve_backend(self.pos_embed.weight.device, self.config.head_dim)
         return self._backend
 
+    def attention_choices(self) -> tuple[str, ...]:
+        """The attention backends this tower can run, its default (`backend`) first: both on a CUDA GPU
+        where the Triton kernels run, unless QWEN3VL_ATTN_BACKEND forces one. `service.graphs` times
+        each on a pack signature it captures and keeps the faster."""
+        device = self.pos_embed.weight.device
+        if forced_backend() is not None or device.type != "cuda" or not triton_supported(device)[0]:
+            return (self.backend,)
+        return (self.backend, "sdpa" if self.backend == "triton" else "triton")
+
     def plan(self, grids) -> PackPlan:
         return PackPlan.build(grids, self.config, self.pos_embed.weight.device)
 
-    def forward(self, pixel_values: torch.Tensor, plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out]."""
+    def forward(self, pixel_values: torch.Tensor, plan: PackPlan,
+                attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out].
+        `attention`: the attention backend of this forward (one of `attention_choices()`; default
+        `backend`); every other kernel is the same either way."""
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
         x = self.patch_embed(pixel_values)
@@ -302,9 +319,9 @@ class VisionTower(nn.Module):
             # that follows: norm2, then the next block's norm1, or after the last block the merger's
             # (pre-shuffle); at a DeepStack tap also that merger's post-shuffle norm, same pass
             if self.residual_in_gemm:
-                x, y = block.attn(h, plan, self.backend, residual=x), None
+                x, y = block.attn(h, plan, self.backend, residual=x, attention=attention), None
             else:
-                y = block.attn(h, plan, self.backend)
+                y = block.attn(h, plan, self.backend, attention=attention)
             x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer])
             if self.residual_in_gemm:
                 x, y = block.mlp(h, residual=x), None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 
@@ -120,6 +121,31 @@ def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model, fuse
     for level, feats in enumerate(ref_ds):
         assert rel_err(ds[level], feats) <= TOL
     assert len(launches) == (enc.config.depth if fused_qkv else 0)
+
+
+@pytest.mark.parametrize("backend,attention", [("triton", "sdpa"), ("sdpa", "triton")])
+def test_attention_backend_per_forward(full_checkpoint, hf_model, backend, attention, monkeypatch):
+    """`forward(..., attention=)` runs that attention backend and leaves the rest of the tower's path (the
+    fused projection goes with the tower's backend): both mixes match transformers (interpreter, fp32).
+    On the CPU the tower offers one backend only, so CUDA graphs never choose there."""
+    va = importlib.import_module("kernels.varlen_attention")  # `kernels.varlen_attention` is also a function
+
+    enc = Encoder.load(str(full_checkpoint))
+    assert enc.tower.attention_choices() == ("sdpa",)
+    enc.tower._backend = backend
+    for p in enc.tower.parameters():
+        p.data = p.data.clone()  # weights mapped from the file may be unaligned; tensor descriptors need 16 B
+    launches = []
+    monkeypatch.setattr(va, "_varlen_attn_fwd", _Spy(va._varlen_attn_fwd, launches))
+    grids = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_dim)
+    with torch.no_grad():
+        merged, ds = enc.tower(pixels, enc.tower.plan(grids), attention)
+    ref_merged, ref_ds = hf_tower_outputs(hf_model.model.visual, pixels, torch.tensor(grids))
+    assert rel_err(merged, ref_merged) <= TOL
+    for level, feats in enumerate(ref_ds):
+        assert rel_err(ds[level], feats) <= TOL
+    assert len(launches) == (enc.config.depth if attention == "triton" else 0)
 
 
 class _Spy:
