@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -164,13 +165,47 @@ def run_preset(name, workloads, compile_hf):
     return rows
 
 
+PLOTTED = ["ours", "floor", "hf-compile", "hf-eager"]  # bars per workload, in this order
+
+
+def plot(rows, path):
+    """Images/s per workload, one panel per preset: ours (served: graphed), the GEMM + cuDNN floor and
+    transformers eager / compiled (compiled at 32x448px only)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    fig, axes = plt.subplots(1, len(presets), figsize=(7 * len(presets), 4.5), squeeze=False)
+    width = 0.8 / len(PLOTTED)
+    for ax, name in zip(axes[0], presets):
+        sub = [r for r in rows if r["preset"] == name]
+        for j, key in enumerate(PLOTTED):
+            ys = [r["results"].get(key, {}).get("images_per_s", 0) for r in sub]
+            bars = ax.bar([i + j * width for i in range(len(sub))], ys, width, label=key)
+            if key == "ours":
+                ax.bar_label(bars, labels=[f"{r['speedup_vs_hf_eager']:.2f}x" for r in sub], fontsize=7)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sub))], [r["workload"] for r in sub], rotation=15)
+        ax.set_ylabel("images/s (bf16; a video counts as one)")
+        ax.set_title(f"{name} tower: images/s (labels: ours / transformers eager)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", metavar="JSON", help="only draw the plot (PNG beside it) of a committed result file")
     ap.add_argument("--presets", nargs="+", default=["qwen3-vl-2b", "qwen3-vl-8b"])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text())["rows"], Path(args.plot).with_suffix(".png"))
+        return
     rows = []
     for p in args.presets:
         rows += run_preset(p, args.workloads, compile_hf=not args.no_compile)
@@ -187,7 +222,11 @@ def main():
             "hf-compile ms", "floor ms",
             "ours img/s", "ours TFLOPS", "MFU", "x eager", "x compile", "floor/ours"]
     print_table(table, cols)
-    write_results("tower", {"benchmark": "tower", "env": environment(), "rows": rows}, args.out)
+    path = write_results("tower", {"benchmark": "tower", "env": environment(), "rows": rows}, args.out)
+    try:
+        plot(rows, path.with_suffix(".png"))
+    except ImportError:  # matplotlib is optional: --plot draws it later from the JSON
+        pass
     print(json.dumps({"benchmark": "tower", "rows": [(r["preset"], r["workload"],
                       round(r["results"]["ours"]["images_per_s"], 1), round(r["speedup_vs_hf_eager"], 2))
                       for r in rows]}))
