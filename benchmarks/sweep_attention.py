@@ -31,11 +31,11 @@ from kernels.varlen_attention import TileConfig, sdpa_varlen_attention, tma_cand
 
 
 def parse_spec(spec: str) -> TileConfig:
-    """'bm/bn/warps/stages[/ws][/tail][/expfma]', e.g. 128/64/4/2/tail (TMA kernel)."""
+    """'bm/bn/warps/stages[/ws][/tail]', e.g. 128/64/4/2/tail (TMA kernel)."""
     parts = spec.split("/")
     bm, bn, w, s = (int(x) for x in parts[:4])
     flags = parts[4:]
-    return TileConfig(bm, bn, w, s, tma=True, ws="ws" in flags, tail_in_loop="tail" in flags, exp_fma="expfma" in flags)
+    return TileConfig(bm, bn, w, s, tma=True, ws="ws" in flags, tail_in_loop="tail" in flags)
 
 
 def variants(group: str, head_dim: int):
@@ -52,8 +52,6 @@ def variants(group: str, head_dim: int):
         return [dataclasses.replace(c, tail_n=t) for c in tma_candidates(head_dim) for t in (0, 16, 32)]
     if group == "tma-qtail":  # the TMA candidates with a segment's last query rows in a full or half tile
         return [dataclasses.replace(c, q_tail=q) for c in tma_candidates(head_dim) for q in (False, True)]
-    if group == "tma-expfma":  # the TMA candidates with every exp2 on the special-function unit, or half on the FMAs
-        return [dataclasses.replace(c, exp_fma=e) for c in tma_candidates(head_dim) for e in (False, True)]
     if group == "tma-ws":
         return [TileConfig(bm, bn, w, s, tma=True, ws=True)
                 for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]

@@ -243,33 +243,11 @@ if triton is not None:
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
-    def _exp2_fma(x):
-        """2**x for x <= 0 without the special-function unit: x = n + f with n the nearest integer (added
-        to 1.5 * 2**23, the float rounds it into its low mantissa bits) and f in [-0.5, 0.5]; 2**f by a
-        cubic fitted for relative error (7.5e-5, far below bfloat16's rounding of P), 2**n by adding n to
-        the exponent bits. Below -125 the result is about 2**-125 (nothing against a row sum >= 1; the clamp keeps
-        the sum of the exponents normal)."""
-        x = tl.maximum(x, -125.0)
-        t = x + 12582912.0
-        f = x - (t - 12582912.0)
-        p = 0.99992807 + f * (0.69326106 + f * (0.24261114 + f * 0.055171294))
-        return (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, EXP_FMA: tl.constexpr = False):
+    def _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i):
         """Online-softmax step on raw scores: the running max is kept in scaled base-2 units, so each
-        score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32).
-        EXP_FMA: every other column's exp2 runs on the FMA and integer pipes (`_exp2_fma`) instead of the
-        special-function unit, whose 16 results per clock and SM are as slow as the tensor cores' two
-        dots at head_dim 64."""
+        score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32)."""
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if EXP_FMA:
-            BM: tl.constexpr = qk.shape[0]
-            BN: tl.constexpr = qk.shape[1]
-            even, odd = tl.split(tl.reshape(qk * qk_scale - m_ij[:, None], [BM, BN // 2, 2]))
-            p = tl.reshape(tl.join(tl.math.exp2(even), _exp2_fma(odd)), [BM, BN])
-        else:
-            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         return acc0 * alpha[:, None], acc1 * alpha[:, None], l_i, m_ij, p
@@ -385,14 +363,13 @@ if triton is not None:
 
     @triton.jit
     def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_row, r_col, start_n, seqlen,
-                  qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr,
-                  EXP_FMA: tl.constexpr = False):
+                  qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr):
         qk = tl.dot(q0, tl.trans(k_desc.load([row, col])))
         if REM:  # + the remainder columns: K's arrive transposed, a [W1, BLOCK_N] tile (B operand as is)
             qk = tl.dot(q1, r_desc.load([r_row, r_col]), qk)
         if MASK_N:  # the rows past the segment's end are the next segment's keys (or TMA's zero fill)
             qk = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen)[None, :], qk, float("-inf"))
-        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, EXP_FMA)
+        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
         v0 = v_desc.load([row, col])
         p = p.to(v0.dtype)
         acc0 = tl.dot(p, v0, acc0)
@@ -434,7 +411,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
-        Q_TAIL: tl.constexpr = False, EXP_FMA: tl.constexpr = False,
+        Q_TAIL: tl.constexpr = False,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -476,18 +453,18 @@ if triton is not None:
         if Q_TAIL and seqlen - start_m * BLOCK_M <= BLOCK_M // 2:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, EXP_FMA)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
         else:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, EXP_FMA)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
 
     @triton.jit
     def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                   K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, row0,
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
-                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, EXP_FMA: tl.constexpr):
+                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr):
         """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys."""
         REM: tl.constexpr = D0 < HEAD_DIM
         rows_m = row0 + tl.arange(0, BLOCK_M)
@@ -524,7 +501,7 @@ if triton is not None:
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
                                              r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1,
-                                             TAIL_IN_LOOP, EXP_FMA)
+                                             TAIL_IN_LOOP)
         if n_full < seqlen:
             if TAIL_N > 0 and seqlen - n_full <= BLOCK_N // 2:
                 k_rows = K + tok0.to(tl.int64) * stride_kt + col
@@ -537,7 +514,7 @@ if triton is not None:
             else:
                 acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
                                                  r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,
-                                                 HEADS * W1, True, EXP_FMA)
+                                                 HEADS * W1, True)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
         _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, D0, W1)
 
@@ -642,7 +619,6 @@ class TileConfig:
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
     q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
-    exp_fma: bool = False  # TMA kernel: half the softmax's exp2 on the FMA pipes (_exp2_fma)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -806,7 +782,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
                 HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
-                Q_TAIL=c.q_tail, EXP_FMA=c.exp_fma, num_warps=c.num_warps, num_stages=c.num_stages)
+                Q_TAIL=c.q_tail, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from conftest import rel_err
 from kernels import attention as attn_mod
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.varlen_attention import (
-    _exp2_fma,
     TileConfig,
     head_dim_split,
     reference_varlen_attention,
@@ -82,46 +79,6 @@ def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
     ref = reference_varlen_attention(qr, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
     assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
-
-
-@pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([19, 5, 1, 45], 80)])
-@pytest.mark.parametrize("rope", [False, True])
-def test_tma_kernel_exp_fma_interpreted(lengths, head_dim, rope):
-    """Half the softmax's exp2 computed on the FMA pipes (`exp_fma`): the same tolerance as the kernel
-    with every exp2 on the special-function unit, with masked last tiles and narrow tail steps."""
-    q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim + 1)
-    if rope:
-        k.copy_(apply_vision_rope(k, cos, sin))
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
-                            config=TileConfig(32, 32, tma=True, tail_n=8, q_tail=True, exp_fma=True))
-    assert not out.isnan().any()
-    qr = apply_vision_rope(q, cos, sin) if rope else q
-    ref = reference_varlen_attention(qr, k, v, cu)
-    torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
-    assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
-
-
-@triton.jit
-def _exp2_fma_kernel(X, Y, N: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(Y + i, _exp2_fma(tl.load(X + i)))
-
-
-def test_exp2_fma_accuracy():
-    """`_exp2_fma` against float64 2**x over the softmax's range x <= 0: relative error below 1e-4 down
-    to -125 (bfloat16 rounds P to 3.9e-3), and at most 2**-125 below, -inf included."""
-    x = torch.cat([-torch.rand(4000, dtype=torch.float64) * 130, torch.tensor([0.0, -0.5, -1e-30, -125.0, -125.4, -126.0,
-                                                                                 -200.0, float("-inf")],
-                                                                                dtype=torch.float64)])
-    x = torch.cat([x, torch.zeros(4096 - x.numel(), dtype=torch.float64)])
-    y = torch.empty(4096, dtype=torch.float32)
-    _exp2_fma_kernel[(1,)](x.float(), y, N=4096)
-    xf = x.float().double()
-    ok = xf >= -125
-    rel = ((y.double()[ok] - 2 ** xf[ok]) / 2 ** xf[ok]).abs()
-    assert rel.max() < 1e-4, rel.max()
-    assert (y[~ok] >= 0).all() and (y[~ok] <= 2.0**-125).all()
 
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
