@@ -243,13 +243,16 @@ if triton is not None:
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
-    def _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i):
+    def _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA: tl.constexpr = False):
         """Online-softmax step on raw scores: the running max is kept in scaled base-2 units, so each
-        score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32)."""
+        score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32).
+        SUM_MMA: the caller sums P's rows on the tensor cores (a column of ones in PV's B operand, into
+        acc1), so l_i is left alone: no add per score, no cross-thread reduction."""
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if not SUM_MMA:
+            l_i = l_i * alpha + tl.sum(p, 1)
         return acc0 * alpha[:, None], acc1 * alpha[:, None], l_i, m_ij, p
 
     @triton.jit
@@ -363,24 +366,29 @@ if triton is not None:
 
     @triton.jit
     def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_row, r_col, start_n, seqlen,
-                  qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr):
+                  qk_scale, BLOCK_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr, MASK_N: tl.constexpr,
+                  SUM_MMA: tl.constexpr = False):
         qk = tl.dot(q0, tl.trans(k_desc.load([row, col])))
         if REM:  # + the remainder columns: K's arrive transposed, a [W1, BLOCK_N] tile (B operand as is)
             qk = tl.dot(q1, r_desc.load([r_row, r_col]), qk)
         if MASK_N:  # the rows past the segment's end are the next segment's keys (or TMA's zero fill)
             qk = tl.where((start_n + tl.arange(0, BLOCK_N) < seqlen)[None, :], qk, float("-inf"))
-        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
+        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA)
         v0 = v_desc.load([row, col])
         p = p.to(v0.dtype)
         acc0 = tl.dot(p, v0, acc0)
-        if REM:  # V's remainder, transposed [W1, BLOCK_N]: its transpose is a K-major B operand
+        if REM:  # V's remainder, transposed [W1, BLOCK_N]: its transpose is a K-major B operand (with SUM_MMA,
+            # its row of ones past the head sums P)
             acc1 = tl.dot(p, tl.trans(r_desc.load([r_row + R_V, r_col])), acc1)
+        elif SUM_MMA:
+            acc1 = tl.dot(p, tl.full([BLOCK_N, acc1.shape[1]], 1.0, p.dtype), acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
     def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS, SIN, stride_kt, stride_vt,
                      stride_r, stride_c, tok0, start_n, seqlen, qk_scale, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-                     W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr):
+                     W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr,
+                     SUM_MMA: tl.constexpr = False):
         """A masked step over TAIL_N keys, loaded by pointers (the tensor descriptors' boxes are BLOCK_N
         rows): the last keys of a segment cost TAIL_N / BLOCK_N of a full step. `k_rows`/`v_rows` point at
         the segment's first key of this head, `r_cols` at its first column in R's K rows."""
@@ -394,13 +402,15 @@ if triton is not None:
             rk = tl.load(r_cols + j[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
             qk = tl.dot(q1, rk, qk)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i)
+        acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA)
         v = _load_tile(v_rows, n, d, stride_vt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
         p = p.to(v.dtype)
         acc0 = tl.dot(p, v, acc0)
         if REM:
             rv = tl.load(r_cols + (R_V + j)[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
             acc1 = tl.dot(p, tl.trans(rv), acc1)
+        elif SUM_MMA:
+            acc1 = tl.dot(p, tl.full([TAIL_N, W1], 1.0, p.dtype), acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -411,7 +421,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
-        Q_TAIL: tl.constexpr = False,
+        Q_TAIL: tl.constexpr = False, SUM_MMA: tl.constexpr = False,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -453,20 +463,24 @@ if triton is not None:
         if Q_TAIL and seqlen - start_m * BLOCK_M <= BLOCK_M // 2:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA)
         else:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA)
 
     @triton.jit
     def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                   K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, row0,
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
-                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr):
-        """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys."""
+                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, SUM_MMA_ASKED: tl.constexpr):
+        """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys.
+        SUM_MMA_ASKED: P's row sums on the tensor cores, where the remainder has a spare column (72: R's V
+        rows hold ones there) or there is no remainder (a dot with a tile of ones); elsewhere (80) as usual."""
         REM: tl.constexpr = D0 < HEAD_DIM
+        SUM_MMA: tl.constexpr = SUM_MMA_ASKED and (not REM or HEAD_DIM - D0 < W1)
+        SUM_COL: tl.constexpr = HEAD_DIM - D0  # acc1's column holding the row sums (0 without a remainder)
         rows_m = row0 + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
@@ -501,7 +515,7 @@ if triton is not None:
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
                                              r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1,
-                                             TAIL_IN_LOOP)
+                                             TAIL_IN_LOOP, SUM_MMA)
         if n_full < seqlen:
             if TAIL_N > 0 and seqlen - n_full <= BLOCK_N // 2:
                 k_rows = K + tok0.to(tl.int64) * stride_kt + col
@@ -510,11 +524,14 @@ if triton is not None:
                 for start_n in range(n_full, seqlen, TAIL_N):
                     acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS,
                                                         SIN, stride_kt, stride_vt, stride_r, stride_c, tok0, start_n,
-                                                        seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEADS * W1)
+                                                        seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEADS * W1,
+                                                        SUM_MMA)
             else:
                 acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
                                                  r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,
-                                                 HEADS * W1, True)
+                                                 HEADS * W1, True, SUM_MMA)
+        if SUM_MMA:
+            l_i = tl.sum(tl.where((tl.arange(0, W1) == SUM_COL)[None, :], acc1, 0.0), 1)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
         _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, D0, W1)
 
@@ -531,7 +548,9 @@ if triton is not None:
                             BLOCK_T: tl.constexpr):
         """R[h * W1 + j, c] = K[t, h, D0 + j] and R[(HEADS + h) * W1 + j, c] = V[t, h, D0 + j] with
         c = _r_start(segment) + (t - its first token); zero for D0 + j >= HEAD_DIM and in the gap up to
-        the next segment's start (the attention kernel's last tile of a segment reads into it)."""
+        the next segment's start (the attention kernel's last tile of a segment reads into it), except V's
+        first row past the head (j = HEAD_DIM - D0), which is one everywhere: PV's dot then sums P's rows
+        (the kernel's SUM_MMA; masked scores are zero in P)."""
         blk = tl.program_id(0)
         h = tl.program_id(1)
         seg = tl.program_id(2)
@@ -549,13 +568,15 @@ if triton is not None:
         v = tl.load(V + src * stride_vt + h * stride_vh + D0 + j[None, :], mask=mask, other=0.0)
         dst = R + (h * W1 + j)[None, :].to(tl.int64) * stride_r + (c0 + i)[:, None]
         tl.store(dst, k, mask=(i < span)[:, None])
+        v = tl.where((D0 + j == HEAD_DIM)[None, :], 1.0, v)
         tl.store(dst + HEADS * W1 * stride_r, v, mask=(i < span)[:, None])
 
 
 def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """The columns of k and v `(T, H, D)` past the power-of-two chunk, transposed for the Hopper kernel:
-    `(2 * H * W1, round_up(T, 8) + 8 * segments)`, K's rows `h * W1 + j` then V's, zero past the head
-    (W1 = the D1 of `head_dim_split`); each segment starts at an aligned column (`_r_start`). One launch;
+    `(2 * H * W1, round_up(T, 8) + 8 * segments)`, K's rows `h * W1 + j` then V's, zero past the head but
+    for V's first row past it, all ones (W1 = the D1 of `head_dim_split`); each segment starts at an
+    aligned column (`_r_start`). One launch;
     the 8B tower's blocks (T = 25088) spend ~10 us on it."""
     total, heads, head_dim = k.shape
     d0, w1, _ = head_dim_split(head_dim)
@@ -619,6 +640,7 @@ class TileConfig:
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
     q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
+    sum_mma: bool = False  # TMA kernel: P's row sums by the tensor cores (not at head dims like 80: no spare column)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -782,7 +804,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
                 HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
-                Q_TAIL=c.q_tail, num_warps=c.num_warps, num_stages=c.num_stages)
+                Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host

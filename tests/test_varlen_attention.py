@@ -81,10 +81,34 @@ def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
     assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
 
 
+@pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72),
+                                              ([19, 5, 1, 45], 80)])
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("tail", ["masked", "narrow+q_tail"])
+def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail):
+    """P's row sums on the tensor cores (`sum_mma`: a dot with ones at power-of-two head dims, the ones row
+    of the transposed remainder at 72; 80 has no spare column and sums as usual): the same tolerance as
+    the kernel that sums P in registers, with the last keys in a masked tile or in narrow steps."""
+    q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim + 2)
+    if rope:
+        k.copy_(apply_vision_rope(k, cos, sin))
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    narrow = "narrow" in tail
+    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
+                            config=TileConfig(32, 32 if narrow else 16, tma=True, tail_n=8 if narrow else 0,
+                                              q_tail=narrow, sum_mma=True))
+    assert not out.isnan().any()
+    qr = apply_vision_rope(q, cos, sin) if rope else q
+    ref = reference_varlen_attention(qr, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
+    assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
+
+
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
 def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
     """The transposed remainder the Hopper kernel reads: every column written (data, or zeros in the gaps
-    between segments and past the head), each segment from a 16-byte aligned column."""
+    between segments and past the head, but ones in V's first row past the head, where there is one), each
+    segment from a 16-byte aligned column."""
     from kernels.varlen_attention import kv_remainder_t
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -96,6 +120,8 @@ def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
     monkeypatch.undo()
     heads, rest = 3, head_dim - d0
     expected = torch.zeros(2, heads, w1, r.shape[1], dtype=r.dtype)
+    if rest < w1:
+        expected[1, :, rest] = 1  # PV's dot sums P's rows with it (the kernel's sum_mma)
     start = 0
     for seg, (tok0, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
         start = -(-tok0 // 8) * 8 + 8 * seg

@@ -1,0 +1,81 @@
+"""One boolean option of the Hopper attention kernel (a `TileConfig` field), off against on, GPU time only.
+
+For each attention case, head dim and TMA tile, the probe times the kernel both ways (µs per call inside
+a CUDA graph of 20 calls, median of 20 replays: no host time) beside batched cuDNN where the lengths are
+equal, and checks both outputs against the SDPA fallback. Used for `sum_mma` (P's row sums on the tensor
+cores); rev aeff412's version probed `exp_fma` (half the exp2 on the FMA pipes).
+
+Usage: python -m benchmarks.probe_tile_flag --flag sum_mma [--head-dims 64 72] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from benchmarks.common import ATTENTION_CASES, HEADS, RESULTS, attention_flops, environment, packed_qkv
+from benchmarks.profile_launch import gpu_us
+
+va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
+
+CASES = ["1x4096", "1x16384", "8x1024", "64x256", "mixed8", "32x784"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flag", required=True, help="a boolean TileConfig field, e.g. sum_mma")
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
+    ap.add_argument("--cases", nargs="+", default=CASES)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    rows = []
+    for head_dim in args.head_dims:
+        for case in args.cases:
+            lengths = ATTENTION_CASES[case]
+            m = max(lengths)
+            flops = attention_flops(lengths, head_dim)
+            qkv, cu = packed_qkv(lengths, head_dim, torch.Generator(device="cuda").manual_seed(0))
+            q, k, v = qkv.unbind(1)
+            ref = va.sdpa_varlen_attention(q, k, v, cu, m, seqlens=lengths).float()
+            row = {"case": case, "head_dim": head_dim, "flops": flops, "us": {}, "rel_err": {}}
+            if len(set(lengths)) == 1:
+                qb, kb, vb = (t.view(len(lengths), m, HEADS, head_dim).transpose(1, 2) for t in (q, k, v))
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return F.scaled_dot_product_attention(qb, kb, vb)
+                row["us"]["cudnn (batched)"] = gpu_us(cudnn)
+            for base in va.tma_candidates(head_dim):
+                tile = f"{base.block_m}/{base.block_n}/{base.num_warps}/{base.num_stages}"
+                for on in (False, True):
+                    cfg = dataclasses.replace(base, device_desc=False, **{args.flag: on})
+                    name = f"{tile}{' ' + args.flag if on else ''}"
+
+                    def fn(cfg=cfg):
+                        return va.triton_varlen_attention(q, k, v, cu, m, config=cfg)
+                    out = fn().float()
+                    row["rel_err"][name] = ((out - ref).norm() / ref.norm()).item()
+                    row["us"][name] = gpu_us(fn)
+            best = {on: min((t, n) for n, t in row["us"].items() if "/" in n and (args.flag in n) == on)
+                    for on in (False, True)}
+            row["best"] = {(args.flag if on else "off"): {"tile": n, "us": t, "tflops": flops / t / 1e6}
+                           for on, (t, n) in best.items()}
+            rows.append(row)
+            print(json.dumps({"case": case, "head_dim": head_dim, "best": row["best"],
+                              "cudnn_us": row["us"].get("cudnn (batched)"),
+                              "max_rel_err": max(row["rel_err"].values())}), flush=True)
+    out = Path(args.out) / f"{args.flag}_probe.json"
+    out.write_text(json.dumps({"benchmark": "probe_tile_flag", "flag": args.flag, "env": environment(), "rows": rows},
+                              indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()
