@@ -246,8 +246,8 @@ if triton is not None:
     def _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA: tl.constexpr = False):
         """Online-softmax step on raw scores: the running max is kept in scaled base-2 units, so each
         score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32).
-        SUM_MMA: the caller sums P's rows on the tensor cores (a column of ones in PV's B operand, into
-        acc1), so l_i is left alone: no add per score, no cross-thread reduction."""
+        SUM_MMA: the caller sums P's rows on the tensor cores (a row of ones in V's transposed remainder,
+        into acc1), so l_i is left alone: no add per score, no cross-thread reduction."""
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
         alpha = tl.math.exp2(m_i - m_ij)
@@ -377,11 +377,9 @@ if triton is not None:
         v0 = v_desc.load([row, col])
         p = p.to(v0.dtype)
         acc0 = tl.dot(p, v0, acc0)
-        if REM:  # V's remainder, transposed [W1, BLOCK_N]: its transpose is a K-major B operand (with SUM_MMA,
-            # its row of ones past the head sums P)
+        if REM:  # V's remainder, transposed [W1, BLOCK_N]: its transpose is a K-major B operand (its row of
+            # ones past the head, where there is one, sums P: SUM_MMA)
             acc1 = tl.dot(p, tl.trans(r_desc.load([r_row + R_V, r_col])), acc1)
-        elif SUM_MMA:
-            acc1 = tl.dot(p, tl.full([BLOCK_N, acc1.shape[1]], 1.0, p.dtype), acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -409,8 +407,6 @@ if triton is not None:
         if REM:
             rv = tl.load(r_cols + (R_V + j)[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
             acc1 = tl.dot(p, tl.trans(rv), acc1)
-        elif SUM_MMA:
-            acc1 = tl.dot(p, tl.full([TAIL_N, W1], 1.0, p.dtype), acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -476,11 +472,13 @@ if triton is not None:
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
                   TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, SUM_MMA_ASKED: tl.constexpr):
         """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys.
-        SUM_MMA_ASKED: P's row sums on the tensor cores, where the remainder has a spare column (72: R's V
-        rows hold ones there) or there is no remainder (a dot with a tile of ones); elsewhere (80) as usual."""
+        SUM_MMA_ASKED: P's row sums on the tensor cores where the remainder has a spare column (72: R's V rows
+        hold ones there, so PV's remainder dot sums P at no cost): 1.5-3% faster on every benchmark case
+        (benchmarks/results/sum_mma_probe_rev11686c6.json). Power-of-two head dims sum in registers: a separate
+        dot with ones made ptxas serialise the wgmmas (0.8x). So does 80, whose remainder has no spare column."""
         REM: tl.constexpr = D0 < HEAD_DIM
-        SUM_MMA: tl.constexpr = SUM_MMA_ASKED and (not REM or HEAD_DIM - D0 < W1)
-        SUM_COL: tl.constexpr = HEAD_DIM - D0  # acc1's column holding the row sums (0 without a remainder)
+        SUM_MMA: tl.constexpr = SUM_MMA_ASKED and REM and HEAD_DIM - D0 < W1
+        SUM_COL: tl.constexpr = HEAD_DIM - D0  # acc1's column holding the row sums
         rows_m = row0 + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
@@ -640,7 +638,7 @@ class TileConfig:
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
     q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
-    sum_mma: bool = False  # TMA kernel: P's row sums by the tensor cores (not at head dims like 80: no spare column)
+    sum_mma: bool = True  # TMA kernel: P's row sums by the tensor cores where the remainder has a spare column (72)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with

@@ -85,10 +85,11 @@ def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
                                               ([19, 5, 1, 45], 80)])
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("tail", ["masked", "narrow+q_tail"])
-def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail):
-    """P's row sums on the tensor cores (`sum_mma`: a dot with ones at power-of-two head dims, the ones row
-    of the transposed remainder at 72; 80 has no spare column and sums as usual): the same tolerance as
-    the kernel that sums P in registers, with the last keys in a masked tile or in narrow steps."""
+@pytest.mark.parametrize("sum_mma", [False, True])
+def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail, sum_mma):
+    """P's row sums on the tensor cores (`sum_mma`, on by default: the ones row of the transposed remainder
+    at 72; 64 and 80 have no spare column and sum in registers either way): the same tolerance as the
+    kernel that sums P in registers, with the last keys in a masked tile or in narrow steps."""
     q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim + 2)
     if rope:
         k.copy_(apply_vision_rope(k, cos, sin))
@@ -96,7 +97,7 @@ def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail):
     narrow = "narrow" in tail
     triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
                             config=TileConfig(32, 32 if narrow else 16, tma=True, tail_n=8 if narrow else 0,
-                                              q_tail=narrow, sum_mma=True))
+                                              q_tail=narrow, sum_mma=sum_mma))
     assert not out.isnan().any()
     qr = apply_vision_rope(q, cos, sin) if rope else q
     ref = reference_varlen_attention(qr, k, v, cu)
