@@ -185,3 +185,15 @@ def test_decoding_in_worker_processes(tiny):
         assert rel_err(torch.tensor(d["embeddings"]), ref.embeds) <= 1e-5
     assert bad.status_code == 422 and bad.json()["error"]["index"] == 1
     assert "not a supported image" in bad.json()["error"]["message"]
+
+
+def test_graph_attention_pick():
+    """The CUDA-graph attention choice: the fastest replay, but Triton on near ties (within the margin),
+    since its lower power draw holds a higher clock at the GPU's power cap."""
+    from service.graphs import pick_attention
+
+    assert pick_attention({"sdpa": 10.0, "triton": 10.05}, 0.01) == "triton"
+    assert pick_attention({"sdpa": 10.0, "triton": 10.2}, 0.01) == "sdpa"
+    assert pick_attention({"triton": 9.0, "sdpa": 10.0}, 0.01) == "triton"
+    assert pick_attention({"sdpa": 10.0, "triton": 10.05}, 0.0) == "sdpa"
+    assert pick_attention({"sdpa": 10.0}, 0.01) == "sdpa"
