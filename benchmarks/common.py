@@ -38,6 +38,21 @@ def packed_qkv(lengths, head_dim, generator=None):
     return qkv, cu
 
 
+def batched_cudnn(q, k, v, lengths):
+    """Batched cuDNN SDPA over equal-length segments, on `(B, HEADS, n, head_dim)` views of q, k, v `(T, HEADS,
+    head_dim)` (no copies), as a callable; None where the lengths differ."""
+    if len(set(lengths)) != 1:
+        return None
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qb, kb, vb = (t.view(len(lengths), lengths[0], *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
+    return cudnn
+
+
 def attention_flops(lengths, head_dim) -> int:
     """4 * sum(n_i^2) * heads * head_dim: QK^T and PV over every segment."""
     return 4 * sum(n * n for n in lengths) * HEADS * head_dim

@@ -17,10 +17,8 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import ATTENTION_CASES, HEADS, RESULTS, attention_flops, environment, packed_qkv
+from benchmarks.common import ATTENTION_CASES, RESULTS, attention_flops, batched_cudnn, environment, packed_qkv
 from benchmarks.profile_launch import gpu_us
 
 va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
@@ -45,12 +43,8 @@ def main():
             q, k, v = qkv.unbind(1)
             ref = va.sdpa_varlen_attention(q, k, v, cu, m, seqlens=lengths).float()
             row = {"case": case, "head_dim": head_dim, "flops": flops, "us": {}, "rel_err": {}}
-            if len(set(lengths)) == 1:
-                qb, kb, vb = (t.view(len(lengths), m, HEADS, head_dim).transpose(1, 2) for t in (q, k, v))
-
-                def cudnn():
-                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return F.scaled_dot_product_attention(qb, kb, vb)
+            cudnn = batched_cudnn(q, k, v, lengths)
+            if cudnn is not None:
                 row["us"]["cudnn (batched)"] = gpu_us(cudnn)
             for base in va.tma_candidates(head_dim):
                 tile = f"{base.block_m}/{base.block_n}/{base.num_warps}/{base.num_stages}"

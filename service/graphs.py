@@ -55,6 +55,10 @@ class _Captured:
     replay_ms: dict[str, float] = field(default_factory=dict)  # per backend timed at capture (if more than one)
 
 
+def _signature(grids) -> Signature:
+    return tuple(tuple(int(x) for x in g) for g in grids)
+
+
 def pick_attention(ms: dict[str, float], triton_margin: float) -> str:
     """The backend to keep from each one's replay time: the fastest, but Triton unless beaten by more than
     `triton_margin` (a fraction of its time)."""
@@ -93,7 +97,7 @@ class GraphedTower:
         self.captures = 0
 
     def __call__(self, pixel_values: torch.Tensor, grids) -> tuple[torch.Tensor, torch.Tensor]:
-        key: Signature = tuple(tuple(int(x) for x in g) for g in grids)
+        key = _signature(grids)
         captured = self._graphs.get(key)
         if captured is None:
             if (not self.enabled or key in self._failed or len(self._graphs) >= self.max_graphs
@@ -120,12 +124,12 @@ class GraphedTower:
 
     def attention(self, grids) -> str | None:
         """The attention backend of the graph held for `grids`, or None if there is none."""
-        captured = self._graphs.get(tuple(tuple(int(x) for x in g) for g in grids))
+        captured = self._graphs.get(_signature(grids))
         return captured.attention if captured is not None else None
 
     def replay_ms(self, grids) -> dict[str, float]:
         """Each backend's replay time measured when the graph for `grids` was chosen (empty: no choice)."""
-        captured = self._graphs.get(tuple(tuple(int(x) for x in g) for g in grids))
+        captured = self._graphs.get(_signature(grids))
         return dict(captured.replay_ms) if captured is not None else {}
 
     def _count(self, key: Signature) -> int:
@@ -138,9 +142,10 @@ class GraphedTower:
         tower = self.tower
         device = pixel_values.device
         graphs: dict[str, _Captured] = {}
+        choices = self._choices(key)
         try:
             plan = tower.plan(key)
-            for attention in self._choices(key):
+            for attention in choices:
                 pixels = pixel_values.clone()
                 # one eager run on a side stream first: kernel autotuning, lazy library initialisation
                 side = torch.cuda.Stream(device)
@@ -161,7 +166,7 @@ class GraphedTower:
                 torch.cuda.synchronize(device)
                 return None
             log.warning("CUDA graph capture with %s attention failed for a pack of %d grids (%s)",
-                        next(b for b in self._choices(key) if b not in graphs), len(key), e)
+                        next(b for b in choices if b not in graphs), len(key), e)
             torch.cuda.synchronize(device)
         captured = next(iter(graphs.values())) if len(graphs) == 1 else self._fastest(graphs, key)
         self._graphs[key] = captured
