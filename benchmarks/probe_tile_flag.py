@@ -1,11 +1,13 @@
-"""One boolean option of the Hopper attention kernel (a `TileConfig` field), off against on, GPU time only.
+"""Hopper attention tiles, GPU time only: the TMA candidates plus any `--tiles`, and optionally one boolean
+option (a `TileConfig` field) off against on.
 
-For each attention case, head dim and TMA tile, the probe times the kernel both ways (µs per call inside
-a CUDA graph of 20 calls, median of 20 replays: no host time) beside batched cuDNN where the lengths are
-equal, and checks both outputs against the SDPA fallback. Used for `sum_mma` (P's row sums on the tensor
-cores); rev aeff412's version probed `exp_fma` (half the exp2 on the FMA pipes).
+For each attention case, head dim and tile, the probe times the kernel (µs per call inside a CUDA graph of
+20 calls, median of 20 replays: no host time) beside batched cuDNN where the lengths are equal, and checks
+every output against the SDPA fallback. Used for `sum_mma` (P's row sums on the tensor cores), rev
+aeff412's `exp_fma` (half the exp2 on the FMA pipes) and 256-key tiles.
 
-Usage: python -m benchmarks.probe_tile_flag --flag sum_mma [--head-dims 64 72] [--out DIR]
+Usage: python -m benchmarks.probe_tile_flag [--flag sum_mma] [--tiles 64/256/4/2 ...] [--head-dims 64 72]
+       [--out DIR]
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ CASES = ["1x4096", "1x16384", "8x1024", "64x256", "mixed8", "32x784"]
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--flag", required=True, help="a boolean TileConfig field, e.g. sum_mma")
+    ap.add_argument("--flag", default=None, help="a boolean TileConfig field to time off and on, e.g. sum_mma")
+    ap.add_argument("--tiles", nargs="*", default=[], help="more tiles, block_m/block_n/warps/stages")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--cases", nargs="+", default=CASES)
     ap.add_argument("--out", default=str(RESULTS))
@@ -46,26 +49,33 @@ def main():
             cudnn = batched_cudnn(q, k, v, lengths)
             if cudnn is not None:
                 row["us"]["cudnn (batched)"] = gpu_us(cudnn)
-            for base in va.tma_candidates(head_dim):
+            extra = [dataclasses.replace(va.tma_candidates(head_dim)[0], block_m=bm, block_n=bn, num_warps=w,
+                                         num_stages=s, q_tail=bm >= 128)
+                     for bm, bn, w, s in (map(int, t.split("/")) for t in args.tiles)]
+            for base in va.tma_candidates(head_dim) + extra:
                 tile = f"{base.block_m}/{base.block_n}/{base.num_warps}/{base.num_stages}"
-                for on in (False, True):
-                    cfg = dataclasses.replace(base, device_desc=False, **{args.flag: on})
+                for on in ((False, True) if args.flag else (False,)):
+                    cfg = dataclasses.replace(base, device_desc=False, **({args.flag: on} if args.flag else {}))
                     name = f"{tile}{' ' + args.flag if on else ''}"
 
                     def fn(cfg=cfg):
                         return va.triton_varlen_attention(q, k, v, cu, m, config=cfg)
-                    out = fn().float()
-                    row["rel_err"][name] = ((out - ref).norm() / ref.norm()).item()
-                    row["us"][name] = gpu_us(fn)
-            best = {on: min((t, n) for n, t in row["us"].items() if "/" in n and (args.flag in n) == on)
-                    for on in (False, True)}
+                    try:
+                        out = fn().float()
+                        row["rel_err"][name] = ((out - ref).norm() / ref.norm()).item()
+                        row["us"][name] = gpu_us(fn)
+                    except Exception as e:  # noqa: BLE001 - a tile that does not compile or launch is a result
+                        row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:160]}"
+            flag = args.flag or "-"
+            best = {on: min((t, n) for n, t in row["us"].items() if "/" in n and (flag in n) == on)
+                    for on in ((False, True) if args.flag else (False,))}
             row["best"] = {(args.flag if on else "off"): {"tile": n, "us": t, "tflops": flops / t / 1e6}
                            for on, (t, n) in best.items()}
             rows.append(row)
             print(json.dumps({"case": case, "head_dim": head_dim, "best": row["best"],
                               "cudnn_us": row["us"].get("cudnn (batched)"),
-                              "max_rel_err": max(row["rel_err"].values())}), flush=True)
-    out = Path(args.out) / f"{args.flag}_probe.json"
+                              "max_rel_err": max(row["rel_err"].values()), "us": row["us"]}), flush=True)
+    out = Path(args.out) / f"{args.flag or 'tiles'}_probe.json"
     out.write_text(json.dumps({"benchmark": "probe_tile_flag", "flag": args.flag, "env": environment(), "rows": rows},
                               indent=1))
     print("wrote", out)

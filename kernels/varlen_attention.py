@@ -20,7 +20,7 @@ Kernel design:
 - on Hopper a second kernel reads K and V through TMA tensor descriptors over the packed token rows
   (K/V in the fused QKV layout, K not rotated in the kernel), so tiles land in shared memory already
   swizzled for wgmma; the remainder of K and V (72: columns [64, 72)) is first copied out transposed
-  and zero-padded to 16 rows (`kv_remainder_t`, one small launch), so 72 costs 64 + 16 lanes in both
+  (`kv_remainder_t`, one small launch) and read in boxes of 16 rows, so 72 costs 64 + 16 lanes in both
   dots. With `cos`/`sin` at power-of-two head dims it rotates Q into the program's own output rows first
   and reads it back from there, so that Q is staged in shared memory like an unrotated one (see
   `_tma_tile`). The pointer kernel serves every other case.
@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .rope import apply_vision_rope
 from .tuning import (  # noqa: F401 - tuned_choices is re-exported
-    cdiv, choose, interpreting, is_hopper, launch, tuned_choices)
+    cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, tuned_choices)
 
 try:
     import triton
@@ -395,9 +395,10 @@ if triton is not None:
         d = tl.arange(0, D0)
         k = _load_tile(k_rows, n, d, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
         qk = tl.dot(q0, tl.trans(k))
-        if REM:
+        if REM:  # R's rows as the TMA boxes hold them, less those the boxes hold only because they are 16 wide
             j = tl.arange(0, W1)
-            rk = tl.load(r_cols + j[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
+            rk = tl.load(r_cols + j[:, None] * stride_r + n[None, :], mask=(j < R_V)[:, None] & n_mask[None, :],
+                         other=0.0)
             qk = tl.dot(q1, rk, qk)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         acc0, acc1, l_i, m_ij, p = _softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA)
@@ -405,7 +406,9 @@ if triton is not None:
         p = p.to(v.dtype)
         acc0 = tl.dot(p, v, acc0)
         if REM:
-            rv = tl.load(r_cols + (R_V + j)[:, None] * stride_r + n[None, :], mask=n_mask[None, :], other=0.0)
+            # V's remainder and its row of ones, where there is one
+            rv = tl.load(r_cols + (R_V + j)[:, None] * stride_r + n[None, :],
+                         mask=(j <= R_V)[:, None] & n_mask[None, :], other=0.0)
             acc1 = tl.dot(p, tl.trans(rv), acc1)
         return acc0, acc1, l_i, m_ij
 
@@ -417,15 +420,17 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
-        Q_TAIL: tl.constexpr = False, SUM_MMA: tl.constexpr = False,
+        Q_TAIL: tl.constexpr = False, SUM_MMA: tl.constexpr = False, R_ROWS: tl.constexpr = 0,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
         going through registers. Q is loaded once per program by pointers, optionally rotated (ROPE_Q).
         Head dims past the power-of-two chunk D0 (72, 80, ...): the remainder columns of K and V come from
-        R, their transposed copy (`kv_remainder_t`: rows h * W1 + j for K, HEADS * W1 + h * W1 + j for V,
-        one column per token, each segment from an aligned column `_r_start`), so no operand is narrower
-        than 16 rows of 128 bytes; Q's remainder is zero past the head, and so are R's rows.
+        R, their transposed copy (`kv_remainder_t`: per head K's remainder rows, V's, and for 72 a row of
+        ones; one column per token, each segment from an aligned column `_r_start`), so no operand is
+        narrower than 16 rows of 128 bytes. A box of W1 rows can run past K's rows into V's of the same head
+        (Q's remainder is zero past the head, so they add nothing) and past V's rows into the next head's
+        (they land in accumulator columns that are never stored).
         DEVICE_DESC: the program builds its descriptors itself from K, V, R and their row strides,
         instead of receiving host-encoded ones (`k_desc`, `v_desc`, `r_desc` unused).
         TAIL_N: a segment's last keys, when they fill at most half a tile, go in steps of TAIL_N keys
@@ -448,7 +453,7 @@ if triton is not None:
             vd = tl.make_tensor_descriptor(V, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_vt, 1],
                                            block_shape=[BLOCK_N, D0])
             if REM:
-                rd = tl.make_tensor_descriptor(R, shape=[2 * HEADS * W1, stride_r], strides=[stride_r, 1],
+                rd = tl.make_tensor_descriptor(R, shape=[HEADS * R_ROWS, stride_r], strides=[stride_r, 1],
                                                block_shape=[W1, BLOCK_N])
             else:
                 rd = kd
@@ -459,18 +464,19 @@ if triton is not None:
         if Q_TAIL and seqlen - start_m * BLOCK_M <= BLOCK_M // 2:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
         else:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
 
     @triton.jit
     def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                   K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, row0,
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
-                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, SUM_MMA_ASKED: tl.constexpr):
+                  TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, SUM_MMA_ASKED: tl.constexpr,
+                  R_ROWS: tl.constexpr):
         """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys.
         SUM_MMA_ASKED: P's row sums on the tensor cores where the remainder has a spare column (72: R's V rows
         hold ones there, so PV's remainder dot sums P at no cost): 1.5-3% faster on every benchmark case
@@ -502,7 +508,7 @@ if triton is not None:
         if REM:
             q1 = _load_q_rem(q_base, rows_m, m_mask, COS, SIN, q_stride, stride_c, tok0, HEAD_DIM, D0, W1, ROPE_Q)
         col = head * HEAD_DIM
-        r_row = head * W1
+        r_row = head * R_ROWS
         r_col0 = _r_start(tok0, seg)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -512,7 +518,7 @@ if triton is not None:
         n_full = tl.cdiv(seqlen, BLOCK_N) * BLOCK_N if TAIL_IN_LOOP else (seqlen // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
-                                             r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEADS * W1,
+                                             r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEAD_DIM - D0,
                                              TAIL_IN_LOOP, SUM_MMA)
         if n_full < seqlen:
             if TAIL_N > 0 and seqlen - n_full <= BLOCK_N // 2:
@@ -522,12 +528,12 @@ if triton is not None:
                 for start_n in range(n_full, seqlen, TAIL_N):
                     acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS,
                                                         SIN, stride_kt, stride_vt, stride_r, stride_c, tok0, start_n,
-                                                        seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEADS * W1,
+                                                        seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEAD_DIM - D0,
                                                         SUM_MMA)
             else:
                 acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
                                                  r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,
-                                                 HEADS * W1, True, SUM_MMA)
+                                                 HEAD_DIM - D0, True, SUM_MMA)
         if SUM_MMA:
             l_i = tl.sum(tl.where((tl.arange(0, W1) == SUM_COL)[None, :], acc1, 0.0), 1)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
@@ -538,17 +544,21 @@ if triton is not None:
         """R's column of a segment's first token: 16-byte aligned (a TMA box's start in the contiguous dim
         must be; an unaligned one is an illegal instruction on H100), and past the previous segment's
         columns: round_up(tok0, 8) + 8 * seg."""
-        return (tok0 + 7) // 8 * 8 + 8 * seg
+        return 8 * ((tok0 + 7) // 8 + seg)
 
     @triton.jit
-    def _remainder_t_kernel(K, V, R, CU_SEQLENS, stride_kt, stride_kh, stride_vt, stride_vh, stride_r,
-                            HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr,
+    def _remainder_t_kernel(K, V, R, CU_SEQLENS, stride_kt, stride_vt, stride_r8,
+                            HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM_P: tl.constexpr, R_ROWS: tl.constexpr,
                             BLOCK_T: tl.constexpr):
-        """R[h * W1 + j, c] = K[t, h, D0 + j] and R[(HEADS + h) * W1 + j, c] = V[t, h, D0 + j] with
-        c = _r_start(segment) + (t - its first token); zero for D0 + j >= HEAD_DIM and in the gap up to
-        the next segment's start (the attention kernel's last tile of a segment reads into it), except V's
-        first row past the head (j = HEAD_DIM - D0), which is one everywhere: PV's dot then sums P's rows
-        (the kernel's SUM_MMA; masked scores are zero in P)."""
+        """Head h's rows of R (`kv_remainder_t`), at column c = _r_start(segment) + (t - its first token):
+        R[h * R_ROWS + j, c] = K[t, h, D0 + j] and R[h * R_ROWS + REM + j, c] = V[t, h, D0 + j] for j < REM
+        (= HEAD_DIM - D0), and where R_ROWS has room (72), R[h * R_ROWS + 2 * REM, c] = 1: PV's dot then sums
+        P's rows (the kernel's SUM_MMA; masked scores are zero in P). Zero in the gap up to the next segment's
+        start: the attention kernel's last tile of a segment reads into it, and its P is zero only where V is
+        finite. K and V are in the fused QKV layout (head h's columns start at h * HEAD_DIM), which lets the
+        compiler vectorise the loads; R's row stride (`stride_r8` * 8) and segment starts are multiples of 8,
+        which lets it vectorise the stores."""
+        REM: tl.constexpr = HEAD_DIM - D0
         blk = tl.program_id(0)
         h = tl.program_id(1)
         seg = tl.program_id(2)
@@ -559,33 +569,51 @@ if triton is not None:
         i = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         if blk * BLOCK_T >= span:
             return
-        j = tl.arange(0, W1)
-        mask = (i < seqlen)[:, None] & (D0 + j < HEAD_DIM)[None, :]
+        stride_r = 8 * stride_r8
+        j = tl.arange(0, REM_P)
+        mask = (i < seqlen)[:, None] & (j < REM)[None, :]
         src = (tok0 + i)[:, None].to(tl.int64)
-        k = tl.load(K + src * stride_kt + h * stride_kh + D0 + j[None, :], mask=mask, other=0.0)
-        v = tl.load(V + src * stride_vt + h * stride_vh + D0 + j[None, :], mask=mask, other=0.0)
-        dst = R + (h * W1 + j)[None, :].to(tl.int64) * stride_r + (c0 + i)[:, None]
-        tl.store(dst, k, mask=(i < span)[:, None])
-        v = tl.where((D0 + j == HEAD_DIM)[None, :], 1.0, v)
-        tl.store(dst + HEADS * W1 * stride_r, v, mask=(i < span)[:, None])
+        k = tl.load(K + src * stride_kt + h * HEAD_DIM + D0 + j[None, :], mask=mask, other=0.0)
+        v = tl.load(V + src * stride_vt + h * HEAD_DIM + D0 + j[None, :], mask=mask, other=0.0)
+        dst = R + (h * R_ROWS + j)[None, :].to(tl.int64) * stride_r + (c0 + i)[:, None]
+        keep = (i < span)[:, None] & (j < REM)[None, :]
+        tl.store(dst, k, mask=keep)
+        tl.store(dst + REM * stride_r, v, mask=keep)
+        if 2 * REM < R_ROWS:
+            tl.store(R + (h * R_ROWS + 2 * REM).to(tl.int64) * stride_r + c0 + i, tl.full([BLOCK_T], 1.0, v.dtype),
+                     mask=i < span)
+
+
+def remainder_rows(head_dim: int) -> int:
+    """R's rows per head (`kv_remainder_t`): K's remainder columns, V's, and a row of ones where the
+    remainder leaves a spare accumulator column (72: 8 + 8 + 1; 80: 16 + 16; 0 for powers of two)."""
+    d0, w1, _ = head_dim_split(head_dim)
+    rem = head_dim - d0
+    return 0 if rem == 0 else 2 * rem + (rem < w1)
 
 
 def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
     """The columns of k and v `(T, H, D)` past the power-of-two chunk, transposed for the Hopper kernel:
-    `(2 * H * W1, round_up(T, 8) + 8 * segments)`, K's rows `h * W1 + j` then V's, zero past the head but
-    for V's first row past it, all ones (W1 = the D1 of `head_dim_split`); each segment starts at an
-    aligned column (`_r_start`). One launch;
-    the 8B tower's blocks (T = 25088) spend ~37 us on it (0.99 ms of a 51.6 ms forward on H100,
+    `(H * remainder_rows, round_up(T, 8) + 8 * segments)`, one column per token, each segment from an
+    aligned column (`_r_start`). Head h's rows: K's remainder columns, then V's, then (72) a row of ones.
+    Nothing is padded: the kernel's boxes are W1 rows (16 at 72), so K's box runs into V's rows of the
+    same head, which Q's zero columns past the head cancel, and V's into the next head's, which only fill
+    accumulator columns past the head. One launch; at 72 it writes 544 bytes per token (the zero-padded
+    layout of rev 454b1ab wrote 1024; that one took ~37 us per 8B block, T = 25088, on H100:
     benchmarks/results/profile_qwen3-vl-8b_32x448px_h100_rev725e17e_triton.json)."""
     total, heads, head_dim = k.shape
-    d0, w1, _ = head_dim_split(head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(1) != head_dim or t.stride(2) != 1:
+            raise ValueError(f"{name} must have its heads side by side in each token row; strides {t.stride()}")
+    d0, _, _ = head_dim_split(head_dim)
+    rows = remainder_rows(head_dim)
     segments = cu_seqlens.numel() - 1
-    r = torch.empty((2 * heads * w1, cdiv(total, 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
+    r = torch.empty((heads * rows, cdiv(total, 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
     block_t = 32 if interpreting() else 128
     launch(
         _remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), heads, segments), k, v, r, cu_seqlens, k.stride(0),
-        k.stride(1), v.stride(0), v.stride(1), r.stride(0), HEADS=heads, HEAD_DIM=head_dim, D0=d0, W1=w1,
-        BLOCK_T=block_t)
+        v.stride(0), r.stride(0) // 8, HEAD_DIM=head_dim, D0=d0,
+        REM_P=next_power_of_2(head_dim - d0), R_ROWS=rows, BLOCK_T=block_t)
     return r
 
 
@@ -785,6 +813,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     if use_tma:
         rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder
         rem_stride0 = rem.stride(0)
+        r_rows = remainder_rows(head_dim)
 
         def run(c: TileConfig):
             if c.device_desc:
@@ -795,7 +824,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 # descriptor costs host time at every launch
                 descs = [TensorDescriptor(t, [total, heads * head_dim], [t_stride[0], 1], [c.block_n, d0])
                          for t, t_stride in ((k, k_stride), (v, v_stride))]
-                descs.append(TensorDescriptor(rem, [2 * heads * d1, rem.shape[1]], [rem_stride0, 1], [d1, c.block_n])
+                descs.append(TensorDescriptor(rem, [rem.shape[0], rem.shape[1]], [rem_stride0, 1], [d1, c.block_n])
                              if d1 else None)
             grid = (cdiv(max_seqlen, c.block_m), heads, segments)
             launch(
@@ -803,7 +832,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
                 HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
-                Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, num_warps=c.num_warps, num_stages=c.num_stages)
+                Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host

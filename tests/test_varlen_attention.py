@@ -107,29 +107,32 @@ def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail, sum_mma):
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
 def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
-    """The transposed remainder the Hopper kernel reads: every column written (data, or zeros in the gaps
-    between segments and past the head, but ones in V's first row past the head, where there is one), each
-    segment from a 16-byte aligned column."""
-    from kernels.varlen_attention import kv_remainder_t
+    """The transposed remainder the Hopper kernel reads: per head K's remainder rows, V's, and a row of ones
+    where the remainder leaves a spare column; every column written (data, or zeros in the gaps between
+    segments), each segment from a 16-byte aligned column."""
+    from kernels.varlen_attention import kv_remainder_t, remainder_rows
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    q, k, v, cu, _, _ = make_inputs(lengths, 3, head_dim, torch.float16, False, seed=head_dim)
+    heads = 3
+    q, k, v, cu, _, _ = make_inputs(lengths, heads, head_dim, torch.float16, False, seed=head_dim)
     d0, w1, _ = head_dim_split(head_dim)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))  # poisoned
     r = kv_remainder_t(k, v, cu, max(lengths))
     monkeypatch.undo()
-    heads, rest = 3, head_dim - d0
-    expected = torch.zeros(2, heads, w1, r.shape[1], dtype=r.dtype)
+    rest = head_dim - d0
+    rows = remainder_rows(head_dim)
+    assert rows == 2 * rest + (rest < w1) and r.shape[0] == heads * rows
+    expected = torch.zeros(heads, rows, r.shape[1], dtype=r.dtype)
     if rest < w1:
-        expected[1, :, rest] = 1  # PV's dot sums P's rows with it (the kernel's sum_mma)
+        expected[:, 2 * rest] = 1  # PV's dot sums P's rows with it (the kernel's sum_mma)
     start = 0
     for seg, (tok0, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
         start = -(-tok0 // 8) * 8 + 8 * seg
         assert start * r.element_size() % 16 == 0
         for which, t in enumerate((k, v)):
-            expected[which, :, :rest, start:start + n] = t[tok0:tok0 + n, :, d0:].permute(1, 2, 0)
-    assert torch.equal(r.view(2, heads, w1, -1), expected)
+            expected[:, which * rest:(which + 1) * rest, start:start + n] = t[tok0:tok0 + n, :, d0:].permute(1, 2, 0)
+    assert torch.equal(r.view(heads, rows, -1), expected)
 
 
 @pytest.mark.parametrize("backend", ["triton", "sdpa"])

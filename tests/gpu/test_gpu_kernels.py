@@ -68,24 +68,25 @@ def test_tma_kernel_every_candidate(lengths, head_dim, rope):
 
 
 @hopper
+@pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
-def test_tma_device_descriptors_equal_host_ones(lengths, monkeypatch):
+def test_tma_device_descriptors_equal_host_ones(lengths, head_dim, monkeypatch):
     """Descriptors built by each program give bit-identical results to host-encoded ones, at every TMA tile;
     the automatic path builds them on the device for a small eager call and on the host under CUDA-graph
     capture, with equal results."""
-    q, k, v, cu, _, _ = make_inputs(lengths, 16, 64, torch.bfloat16, False, seed=5, device="cuda")
+    q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=5, device="cuda")
     m = max(lengths)
-    for cfg in va.tma_candidates(64):
+    for cfg in va.tma_candidates(head_dim):
         host = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=False))
         device = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=True))
         assert torch.equal(host, device), cfg
     monkeypatch.setattr(va, "tma_descriptors", lambda: "auto")
-    assert va._device_descriptors(sum(lengths) * m * 16 * 64)  # all three shapes are small eager calls
+    assert va._device_descriptors(sum(lengths) * m * 16 * head_dim)  # all three shapes are small eager calls
     eager = triton_varlen_attention(q, k, v, cu, m)
     out = torch.empty_like(q)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        assert not va._device_descriptors(sum(lengths) * m * 16 * 64)
+        assert not va._device_descriptors(sum(lengths) * m * 16 * head_dim)
         triton_varlen_attention(q, k, v, cu, m, out=out)
     graph.replay()
     torch.cuda.synchronize()
