@@ -547,42 +547,41 @@ if triton is not None:
         return 8 * ((tok0 + 7) // 8 + seg)
 
     @triton.jit
-    def _remainder_t_kernel(K, V, R, CU_SEQLENS, stride_kt, stride_vt, stride_r8, heads,
+    def _remainder_t_kernel(K, V, R, CU_SEQLENS, stride_kt, stride_vt, stride_r8,
                             HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM_P: tl.constexpr, R_ROWS: tl.constexpr,
-                            HEADS_P: tl.constexpr, BLOCK_T: tl.constexpr):
-        """R's columns c = _r_start(segment) + (t - its first token) for BLOCK_T tokens t of one segment, all
-        heads: R[h * R_ROWS + j, c] = K[t, h, D0 + j] and R[h * R_ROWS + REM + j, c] = V[t, h, D0 + j] for
-        j < REM (= HEAD_DIM - D0), and where R_ROWS has room (72), R[h * R_ROWS + 2 * REM, c] = 1: PV's dot
-        then sums P's rows (the kernel's SUM_MMA; masked scores are zero in P). Zero in the gap up to the next
-        segment's start: the attention kernel's last tile of a segment reads into it, and its P is zero only
-        where V is finite. K and V are in the fused QKV layout (head h's columns start at h * HEAD_DIM),
-        which lets the compiler vectorise the loads; R's row stride (`stride_r8` * 8) and segment starts are
-        multiples of 8, which lets it vectorise the stores."""
+                            BLOCK_T: tl.constexpr):
+        """Head h's rows of R (`kv_remainder_t`), at column c = _r_start(segment) + (t - its first token):
+        R[h * R_ROWS + j, c] = K[t, h, D0 + j] and R[h * R_ROWS + REM + j, c] = V[t, h, D0 + j] for j < REM
+        (= HEAD_DIM - D0), and where R_ROWS has room (72), R[h * R_ROWS + 2 * REM, c] = 1: PV's dot then sums
+        P's rows (the kernel's SUM_MMA; masked scores are zero in P). Zero in the gap up to the next segment's
+        start: the attention kernel's last tile of a segment reads into it, and its P is zero only where V is
+        finite. K and V are in the fused QKV layout (head h's columns start at h * HEAD_DIM), which lets the
+        compiler vectorise the loads; R's row stride (`stride_r8` * 8) and segment starts are multiples of 8,
+        which lets it vectorise the stores."""
         REM: tl.constexpr = HEAD_DIM - D0
         blk = tl.program_id(0)
-        seg = tl.program_id(1)
+        h = tl.program_id(1)
+        seg = tl.program_id(2)
         tok0 = tl.load(CU_SEQLENS + seg)
         seqlen = tl.load(CU_SEQLENS + seg + 1) - tok0
         c0 = _r_start(tok0, seg)
         span = _r_start(tok0 + seqlen, seg + 1) - c0  # this segment's columns and the gap after them
+        i = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         if blk * BLOCK_T >= span:
             return
         stride_r = 8 * stride_r8
-        i = (blk * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]  # [T, 1, 1]
-        h = tl.arange(0, HEADS_P)[None, :, None]  # [1, H, 1]
-        j = tl.arange(0, REM_P)[None, None, :]  # [1, 1, J]
-        cols = h * HEAD_DIM + D0 + j
-        mask = (i < seqlen) & (h < heads) & (j < REM)
-        src = (tok0 + i).to(tl.int64)
-        k = tl.load(K + src * stride_kt + cols, mask=mask, other=0.0)
-        v = tl.load(V + src * stride_vt + cols, mask=mask, other=0.0)
-        dst = R + (h * R_ROWS + j).to(tl.int64) * stride_r + c0 + i
-        keep = (i < span) & (h < heads) & (j < REM)
+        j = tl.arange(0, REM_P)
+        mask = (i < seqlen)[:, None] & (j < REM)[None, :]
+        src = (tok0 + i)[:, None].to(tl.int64)
+        k = tl.load(K + src * stride_kt + h * HEAD_DIM + D0 + j[None, :], mask=mask, other=0.0)
+        v = tl.load(V + src * stride_vt + h * HEAD_DIM + D0 + j[None, :], mask=mask, other=0.0)
+        dst = R + (h * R_ROWS + j)[None, :].to(tl.int64) * stride_r + (c0 + i)[:, None]
+        keep = (i < span)[:, None] & (j < REM)[None, :]
         tl.store(dst, k, mask=keep)
         tl.store(dst + REM * stride_r, v, mask=keep)
         if 2 * REM < R_ROWS:
-            ones = R + (h * R_ROWS + 2 * REM).to(tl.int64) * stride_r + c0 + i  # [T, H, 1]
-            tl.store(ones, tl.full([BLOCK_T, HEADS_P, 1], 1.0, v.dtype), mask=(i < span) & (h < heads))
+            tl.store(R + (h * R_ROWS + 2 * REM).to(tl.int64) * stride_r + c0 + i, tl.full([BLOCK_T], 1.0, v.dtype),
+                     mask=i < span)
 
 
 def remainder_rows(head_dim: int) -> int:
@@ -610,13 +609,11 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     rows = remainder_rows(head_dim)
     segments = cu_seqlens.numel() - 1
     r = torch.empty((heads * rows, cdiv(total, 8) * 8 + 8 * segments), dtype=k.dtype, device=k.device)
-    heads_p, rem_p = next_power_of_2(heads), next_power_of_2(head_dim - d0)
-    # ~8K elements of K and of V per program (64 tokens of 16 heads at 72), a few 16-byte loads per thread
-    block_t = 16 if interpreting() else min(128, max(16, 8192 // (heads_p * rem_p)))
+    block_t = 32 if interpreting() else 128
     launch(
-        _remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), segments), k, v, r, cu_seqlens, k.stride(0),
-        v.stride(0), r.stride(0) // 8, heads, HEAD_DIM=head_dim, D0=d0, REM_P=rem_p, R_ROWS=rows,
-        HEADS_P=heads_p, BLOCK_T=block_t)
+        _remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), heads, segments), k, v, r, cu_seqlens, k.stride(0),
+        v.stride(0), r.stride(0) // 8, HEAD_DIM=head_dim, D0=d0,
+        REM_P=next_power_of_2(head_dim - d0), R_ROWS=rows, BLOCK_T=block_t)
     return r
 
 
