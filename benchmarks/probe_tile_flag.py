@@ -31,8 +31,7 @@ CASES = ["1x4096", "1x16384", "8x1024", "64x256", "mixed8", "32x784"]
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--flag", default=None, help="a boolean TileConfig field to time off and on, e.g. sum_mma")
-    ap.add_argument("--tiles", nargs="*", default=[],
-                    help="more tiles, block_m/block_n/warps/stages[/maxnreg], e.g. 64/64/4/2/128")
+    ap.add_argument("--tiles", nargs="*", default=[], help="more tiles, block_m/block_n/warps/stages")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--cases", nargs="+", default=CASES)
     ap.add_argument("--out", default=str(RESULTS))
@@ -51,11 +50,10 @@ def main():
             if cudnn is not None:
                 row["us"]["cudnn (batched)"] = gpu_us(cudnn)
             extra = [dataclasses.replace(va.tma_candidates(head_dim)[0], block_m=bm, block_n=bn, num_warps=w,
-                                         num_stages=s, q_tail=bm >= 128, maxnreg=r[0] if r else 0)
-                     for bm, bn, w, s, *r in (map(int, t.split("/")) for t in args.tiles)]
+                                         num_stages=s, q_tail=bm >= 128)
+                     for bm, bn, w, s in (map(int, t.split("/")) for t in args.tiles)]
             for base in va.tma_candidates(head_dim) + extra:
-                tile = f"{base.block_m}/{base.block_n}/{base.num_warps}/{base.num_stages}" + (
-                    f" r{base.maxnreg}" if base.maxnreg else "")
+                tile = f"{base.block_m}/{base.block_n}/{base.num_warps}/{base.num_stages}"
                 for on in ((False, True) if args.flag else (False,)):
                     cfg = dataclasses.replace(base, device_desc=False, **({args.flag: on} if args.flag else {}))
                     name = f"{tile}{' ' + args.flag if on else ''}"
