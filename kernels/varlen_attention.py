@@ -395,7 +395,7 @@ if triton is not None:
         d = tl.arange(0, D0)
         k = _load_tile(k_rows, n, d, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
         qk = tl.dot(q0, tl.trans(k))
-        if REM:  # R's rows as the TMA boxes hold them, less those the boxes hold only because they are 16 wide
+        if REM:  # K's remainder rows of R only (a TMA box also holds this head's V rows, cancelled by Q's zeros)
             j = tl.arange(0, W1)
             rk = tl.load(r_cols + j[:, None] * stride_r + n[None, :], mask=(j < R_V)[:, None] & n_mask[None, :],
                          other=0.0)
@@ -543,7 +543,7 @@ if triton is not None:
     def _r_start(tok0, seg):
         """R's column of a segment's first token: 16-byte aligned (a TMA box's start in the contiguous dim
         must be; an unaligned one is an illegal instruction on H100), and past the previous segment's
-        columns: round_up(tok0, 8) + 8 * seg."""
+        columns: round_up(tok0, 8) + 8 * seg, written so that the compiler sees a multiple of 8."""
         return 8 * ((tok0 + 7) // 8 + seg)
 
     @triton.jit
@@ -554,8 +554,8 @@ if triton is not None:
         R[h * R_ROWS + j, c] = K[t, h, D0 + j] and R[h * R_ROWS + REM + j, c] = V[t, h, D0 + j] for j < REM
         (= HEAD_DIM - D0), and where R_ROWS has room (72), R[h * R_ROWS + 2 * REM, c] = 1: PV's dot then sums
         P's rows (the kernel's SUM_MMA; masked scores are zero in P). Zero in the gap up to the next segment's
-        start: the attention kernel's last tile of a segment reads into it, and its P is zero only where V is
-        finite. K and V are in the fused QKV layout (head h's columns start at h * HEAD_DIM), which lets the
+        start: the attention kernel's last tile of a segment reads into it, where P's zeros cancel only finite
+        values. K and V are in the fused QKV layout (head h's columns start at h * HEAD_DIM), which lets the
         compiler vectorise the loads; R's row stride (`stride_r8` * 8) and segment starts are multiples of 8,
         which lets it vectorise the stores."""
         REM: tl.constexpr = HEAD_DIM - D0
@@ -589,7 +589,7 @@ def remainder_rows(head_dim: int) -> int:
     remainder leaves a spare accumulator column (72: 8 + 8 + 1; 80: 16 + 16; 0 for powers of two)."""
     d0, w1, _ = head_dim_split(head_dim)
     rem = head_dim - d0
-    return 0 if rem == 0 else 2 * rem + (rem < w1)
+    return 0 if rem == 0 else 2 * rem + int(rem < w1)
 
 
 def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
