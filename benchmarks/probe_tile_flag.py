@@ -52,11 +52,13 @@ def main():
             extra = [dataclasses.replace(va.tma_candidates(head_dim)[0], block_m=bm, block_n=bn, num_warps=w,
                                          num_stages=s, q_tail=bm >= 128)
                      for bm, bn, w, s in (map(int, t.split("/")) for t in args.tiles)]
+            flag_on = {}  # timed name -> whether the flag was on
             for base in va.tma_candidates(head_dim) + extra:
                 tile = f"{base.block_m}/{base.block_n}/{base.num_warps}/{base.num_stages}"
                 for on in ((False, True) if args.flag else (False,)):
                     cfg = dataclasses.replace(base, device_desc=False, **({args.flag: on} if args.flag else {}))
                     name = f"{tile}{' ' + args.flag if on else ''}"
+                    flag_on[name] = on
 
                     def fn(cfg=cfg):
                         return va.triton_varlen_attention(q, k, v, cu, m, config=cfg)
@@ -66,9 +68,8 @@ def main():
                         row["us"][name] = gpu_us(fn)
                     except Exception as e:  # noqa: BLE001 - a tile that does not compile or launch is a result
                         row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:160]}"
-            flag = args.flag or "-"
-            best = {on: min((t, n) for n, t in row["us"].items() if "/" in n and (flag in n) == on)
-                    for on in ((False, True) if args.flag else (False,))}
+            best = {on: min((t, n) for n, t in row["us"].items() if flag_on.get(n) is on)
+                    for on in set(flag_on.values())}
             row["best"] = {(args.flag if on else "off"): {"tile": n, "us": t, "tflops": flops / t / 1e6}
                            for on, (t, n) in best.items()}
             rows.append(row)

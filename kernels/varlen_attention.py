@@ -584,6 +584,7 @@ if triton is not None:
                      mask=i < span)
 
 
+@functools.lru_cache(maxsize=None)
 def remainder_rows(head_dim: int) -> int:
     """R's rows per head (`kv_remainder_t`): K's remainder columns, V's, and a row of ones where the
     remainder leaves a spare accumulator column (72: 8 + 8 + 1; 80: 16 + 16; 0 for powers of two)."""
@@ -603,7 +604,7 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     benchmarks/results/profile_qwen3-vl-8b_32x448px_h100_rev725e17e_triton.json)."""
     total, heads, head_dim = k.shape
     for name, t in (("k", k), ("v", v)):
-        if t.stride(1) != head_dim or t.stride(2) != 1:
+        if not _heads_side_by_side(t):
             raise ValueError(f"{name} must have its heads side by side in each token row; strides {t.stride()}")
     d0, _, _ = head_dim_split(head_dim)
     rows = remainder_rows(head_dim)
@@ -617,6 +618,7 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     return r
 
 
+@functools.lru_cache(maxsize=None)  # called several times per launch, on the host path of small calls
 def head_dim_split(head_dim: int) -> tuple[int, int, int]:
     """(D0, D1, DV1): a power-of-two chunk D0 plus, for other head dims, a remainder D1 columns wide
     (the smallest power of two >= 16 covering it) and the pointer kernel's PV remainder DV1 (0, 0, 0
@@ -756,12 +758,16 @@ def tma_layout_ok(q, k, v) -> bool:
     row (the fused QKV layout), 16-byte aligned rows and bases, half-precision data."""
     if TensorDescriptor is None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    head_dim = q.shape[-1]
     for t in (k, v):
-        stride = t.stride()
-        if stride[2] != 1 or stride[1] != head_dim or (stride[0] * t.element_size()) % 16 or t.data_ptr() % 16:
+        if not _heads_side_by_side(t) or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
     return True
+
+
+def _heads_side_by_side(t) -> bool:
+    """Whether `(T, H, D)` t holds each token's heads side by side in one row (the fused QKV layout)."""
+    stride = t.stride()
+    return stride[2] == 1 and stride[1] == t.shape[2]
 
 
 def _tma_default(q) -> bool:
