@@ -380,8 +380,6 @@ if triton is not None:
         if REM:  # V's remainder, transposed [W1, BLOCK_N]: its transpose is a K-major B operand (its row of
             # ones past the head, where there is one, sums P: SUM_MMA)
             acc1 = tl.dot(p, tl.trans(r_desc.load([r_row + R_V, r_col])), acc1)
-        elif SUM_MMA:  # power-of-two head dims: r_desc is a [BLOCK_N, W1] tile of ones, every column of acc1 sums P
-            acc1 = tl.dot(p, r_desc, acc1)
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -412,8 +410,6 @@ if triton is not None:
             rv = tl.load(r_cols + (R_V + j)[:, None] * stride_r + n[None, :],
                          mask=(j <= R_V)[:, None] & n_mask[None, :], other=0.0)
             acc1 = tl.dot(p, tl.trans(rv), acc1)
-        elif SUM_MMA:  # the main loop's sums are in every column of acc1 (the tail is too short for a dot to pay)
-            acc1 += tl.sum(p, 1)[:, None]
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
@@ -487,8 +483,8 @@ if triton is not None:
         (benchmarks/results/sum_mma_probe_rev11686c6.json). Power-of-two head dims sum in registers: a separate
         dot with ones made ptxas serialise the wgmmas (0.8x). So does 80, whose remainder has no spare column."""
         REM: tl.constexpr = D0 < HEAD_DIM
-        SUM_MMA: tl.constexpr = SUM_MMA_ASKED and (not REM or HEAD_DIM - D0 < W1)
-        SUM_COL: tl.constexpr = HEAD_DIM - D0  # with a remainder: acc1's column holding the row sums
+        SUM_MMA: tl.constexpr = SUM_MMA_ASKED and REM and HEAD_DIM - D0 < W1
+        SUM_COL: tl.constexpr = HEAD_DIM - D0  # acc1's column holding the row sums
         rows_m = row0 + tl.arange(0, BLOCK_M)
         m_mask = rows_m < seqlen
         q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
@@ -514,8 +510,6 @@ if triton is not None:
         col = head * HEAD_DIM
         r_row = head * R_ROWS
         r_col0 = _r_start(tok0, seg)
-        # What the steps read as R: its descriptor, or at power-of-two head dims (SUM_MMA) a tile of ones
-        r_src = rd if REM else tl.full([BLOCK_N, W1], 1.0, Q.dtype.element_ty)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
@@ -523,7 +517,7 @@ if triton is not None:
         # TAIL_IN_LOOP: every step masked, one code path (no separate peeled tail step)
         n_full = tl.cdiv(seqlen, BLOCK_N) * BLOCK_N if TAIL_IN_LOOP else (seqlen // BLOCK_N) * BLOCK_N
         for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
-            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, r_src, tok0 + start_n, col, r_row,
+            acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
                                              r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEAD_DIM - D0,
                                              TAIL_IN_LOOP, SUM_MMA)
         if n_full < seqlen:
@@ -537,14 +531,10 @@ if triton is not None:
                                                         seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEAD_DIM - D0,
                                                         SUM_MMA)
             else:
-                acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, r_src, tok0 + n_full, col,
+                acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
                                                  r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,
                                                  HEAD_DIM - D0, True, SUM_MMA)
-        if SUM_MMA and not REM:
-            # All W1 columns hold the sums. Reading all of them keeps every accumulator register live: with one
-            # column read, the dead ones are fed to the wgmma undefined and ptxas serialises every wgmma.
-            l_i = tl.max(acc1, 1)
-        elif SUM_MMA:
+        if SUM_MMA:
             l_i = tl.sum(tl.where((tl.arange(0, W1) == SUM_COL)[None, :], acc1, 0.0), 1)
         o_rows = O + tok0.to(tl.int64) * stride_ot + head * stride_oh + rows_m[:, None] * stride_ot
         _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, D0, W1)

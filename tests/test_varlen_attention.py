@@ -88,7 +88,7 @@ def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
 @pytest.mark.parametrize("sum_mma", [False, True])
 def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail, sum_mma):
     """P's row sums on the tensor cores (`sum_mma`, on by default: the ones row of the transposed remainder
-    at 72, a tile of ones at powers of two; 80 has no spare column and sums in registers either way): the same tolerance as the
+    at 72; 64 and 80 have no spare column and sum in registers either way): the same tolerance as the
     kernel that sums P in registers, with the last keys in a masked tile or in narrow steps."""
     q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim + 2)
     if rope:
