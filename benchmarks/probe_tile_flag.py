@@ -6,7 +6,7 @@ For each attention case, head dim and tile, the probe times the kernel (µs per 
 every output against the SDPA fallback. Used for `sum_mma` (P's row sums on the tensor cores), rev
 aeff412's `exp_fma` (half the exp2 on the FMA pipes) and 256-key tiles.
 
-Usage: python -m benchmarks.probe_tile_flag [--flag sum_mma] [--tiles 64/256/4/2 ...] [--head-dims 64 72]
+Usage: python -m benchmarks.probe_tile_flag [--flag sum_mma | --flag prefetch=256] [--tiles 64/256/4/2 ...] [--head-dims 64 72]
        [--out DIR]
 """
 
@@ -30,12 +30,15 @@ CASES = ["1x4096", "1x16384", "8x1024", "64x256", "mixed8", "32x784"]
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--flag", default=None, help="a boolean TileConfig field to time off and on, e.g. sum_mma")
+    ap.add_argument("--flag", default=None,
+                    help="a TileConfig field to time off and on: a boolean (sum_mma) or field=value (prefetch=256)")
     ap.add_argument("--tiles", nargs="*", default=[], help="more tiles, block_m/block_n/warps/stages")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--cases", nargs="+", default=CASES)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    field, _, value = (args.flag or "").partition("=")
+    on_off = (int(value), 0) if value else (True, False)
     rows = []
     for head_dim in args.head_dims:
         for case in args.cases:
@@ -56,7 +59,8 @@ def main():
             for base in va.tma_candidates(head_dim) + extra:
                 tile = f"{base.block_m}/{base.block_n}/{base.num_warps}/{base.num_stages}"
                 for on in ((False, True) if args.flag else (False,)):
-                    cfg = dataclasses.replace(base, device_desc=False, **({args.flag: on} if args.flag else {}))
+                    cfg = dataclasses.replace(base, device_desc=False,
+                                              **({field: on_off[0] if on else on_off[1]} if field else {}))
                     name = f"{tile}{' ' + args.flag if on else ''}"
                     flag_on[name] = on
 
@@ -76,7 +80,7 @@ def main():
             print(json.dumps({"case": case, "head_dim": head_dim, "best": row["best"],
                               "cudnn_us": row["us"].get("cudnn (batched)"),
                               "max_rel_err": max(row["rel_err"].values()), "us": row["us"]}), flush=True)
-    out = Path(args.out) / f"{args.flag or 'tiles'}_probe.json"
+    out = Path(args.out) / f"{field or 'tiles'}_probe.json"
     out.write_text(json.dumps({"benchmark": "probe_tile_flag", "flag": args.flag, "env": environment(), "rows": rows},
                               indent=1))
     print("wrote", out)
