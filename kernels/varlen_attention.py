@@ -413,25 +413,6 @@ if triton is not None:
         return acc0, acc1, l_i, m_ij
 
     @triton.jit
-    def _prefetch_l2(ptrs):
-        """Ask L2 for the 128-byte lines at `ptrs` (no registers written, nothing waited for)."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
-    def _prefetch_kv(K, V, tok0, seqlen, col, stride_kt, stride_vt, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-                     ROWS: tl.constexpr):
-        """L2 prefetch of a segment's first ROWS keys and values of one head (columns [0, D0))."""
-        rows = (tok0 + tl.minimum(tl.arange(0, ROWS), seqlen - 1)).to(tl.int64)
-        k_first = K + rows * stride_kt + col
-        v_first = V + rows * stride_vt + col
-        _prefetch_l2(k_first)
-        _prefetch_l2(v_first)
-        if (HEAD_DIM * 2) % 128 != 0:  # rows not line-aligned: D0 columns can span two lines
-            _prefetch_l2(k_first + (D0 - 1))
-            _prefetch_l2(v_first + (D0 - 1))
-
-    @triton.jit
     def _varlen_attn_fwd_tma(
         Q, k_desc, v_desc, r_desc, O, CU_SEQLENS, COS, SIN,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
@@ -440,7 +421,6 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
         Q_TAIL: tl.constexpr = False, SUM_MMA: tl.constexpr = False, R_ROWS: tl.constexpr = 0,
-        PREFETCH: tl.constexpr = 0,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -458,10 +438,7 @@ if triton is not None:
         and 16 keys.
         Q_TAIL: a segment's last query rows, when they fill at most half a Q tile, run as a tile of
         BLOCK_M / 2 rows (at 784 tokens the 7th 128-row tile holds 16 rows: half its MMA and softmax
-        work is saved).
-        PREFETCH: the program first asks L2 for the segment's first PREFETCH keys and values. Q's loads come
-        before the pipeline's first TMA load (the program stores Q to shared memory, which waits for them), so
-        without it a program waits for two trips to memory before its first MMA."""
+        work is saved)."""
         start_m = tl.program_id(0)
         head = tl.program_id(1)
         seg = tl.program_id(2)
@@ -470,8 +447,6 @@ if triton is not None:
         if start_m * BLOCK_M >= seqlen:
             return
         REM: tl.constexpr = D0 < HEAD_DIM
-        if PREFETCH > 0:
-            _prefetch_kv(K, V, tok0, seqlen, head * HEAD_DIM, stride_kt, stride_vt, HEAD_DIM, D0, PREFETCH)
         if DEVICE_DESC:
             kd = tl.make_tensor_descriptor(K, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_kt, 1],
                                            block_shape=[BLOCK_N, D0])
@@ -695,7 +670,6 @@ class TileConfig:
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
     q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
     sum_mma: bool = True  # TMA kernel: P's row sums by the tensor cores where the remainder has a spare column (72)
-    prefetch: int = 0  # TMA kernel: a segment's first keys whose K/V rows each program prefetches into L2 (0: none)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -864,7 +838,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
                 HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
-                Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages)
+                Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
