@@ -421,7 +421,6 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
         TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
         Q_TAIL: tl.constexpr = False, SUM_MMA: tl.constexpr = False, R_ROWS: tl.constexpr = 0,
-        SKEW: tl.constexpr = False,
     ):
         """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
         K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
@@ -465,13 +464,11 @@ if triton is not None:
         if Q_TAIL and seqlen - start_m * BLOCK_M <= BLOCK_M // 2:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS,
-                      SKEW and start_m % 2 == 1)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
         else:
             _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
                       K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS,
-                      SKEW and start_m % 2 == 1)
+                      HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
 
     @triton.jit
     def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
@@ -479,7 +476,7 @@ if triton is not None:
                   HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
                   TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, SUM_MMA_ASKED: tl.constexpr,
-                  R_ROWS: tl.constexpr, skew):
+                  R_ROWS: tl.constexpr):
         """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys.
         SUM_MMA_ASKED: P's row sums on the tensor cores where the remainder has a spare column (72: R's V rows
         hold ones there, so PV's remainder dot sums P at no cost): 1.5-3% faster on every benchmark case
@@ -517,26 +514,17 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc0 = tl.zeros([BLOCK_M, D0], tl.float32)
         acc1 = tl.zeros([BLOCK_M, W1], tl.float32)
-        k_rows = K + tok0.to(tl.int64) * stride_kt + col
-        v_rows = V + tok0.to(tl.int64) * stride_vt + col
-        r_cols = R + r_row * stride_r + r_col0
-        n0 = 0
-        if skew and seqlen >= 2 * BLOCK_N:  # half a step first: this program's MMA and softmax phases are offset
-            acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS,
-                                                SIN, stride_kt, stride_vt, stride_r, stride_c, tok0, 0,
-                                                seqlen, qk_scale, HEAD_DIM, D0, W1, BLOCK_N // 2, REM, HEAD_DIM - D0,
-                                                SUM_MMA)
-            n0 = BLOCK_N // 2
         # TAIL_IN_LOOP: every step masked, one code path (no separate peeled tail step)
-        n_full = n0 + ((seqlen - n0) // BLOCK_N) * BLOCK_N
-        if TAIL_IN_LOOP:
-            n_full = n0 + tl.cdiv(seqlen - n0, BLOCK_N) * BLOCK_N
-        for start_n in tl.range(n0, n_full, BLOCK_N, warp_specialize=WS):
+        n_full = tl.cdiv(seqlen, BLOCK_N) * BLOCK_N if TAIL_IN_LOOP else (seqlen // BLOCK_N) * BLOCK_N
+        for start_n in tl.range(0, n_full, BLOCK_N, warp_specialize=WS):
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + start_n, col, r_row,
                                              r_col0 + start_n, start_n, seqlen, qk_scale, BLOCK_N, REM, HEAD_DIM - D0,
                                              TAIL_IN_LOOP, SUM_MMA)
         if n_full < seqlen:
             if TAIL_N > 0 and seqlen - n_full <= BLOCK_N // 2:
+                k_rows = K + tok0.to(tl.int64) * stride_kt + col
+                v_rows = V + tok0.to(tl.int64) * stride_vt + col
+                r_cols = R + r_row * stride_r + r_col0
                 for start_n in range(n_full, seqlen, TAIL_N):
                     acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS,
                                                         SIN, stride_kt, stride_vt, stride_r, stride_c, tok0, start_n,
@@ -682,7 +670,6 @@ class TileConfig:
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
     q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
     sum_mma: bool = True  # TMA kernel: P's row sums by the tensor cores where the remainder has a spare column (72)
-    skew: bool = False  # TMA kernel: odd query tiles start with half a key tile (experiment)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -851,7 +838,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
                 HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
                 BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
-                Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, SKEW=c.skew, num_warps=c.num_warps, num_stages=c.num_stages)
+                Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
