@@ -4,6 +4,12 @@ in tests/gpu/."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -278,3 +284,28 @@ def test_sdpa_fallback_runs_and_gathers(lengths):
     out = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths)
     assert out.shape == q.shape
     assert rel_err(out, reference_varlen_attention(q, k, v, cu)) <= 1e-5
+
+
+@pytest.mark.parametrize("head_dim,tile", [(64, (64, 128, 4, 2)), (72, (128, 64, 4, 3))])
+def test_hopper_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
+    """The Hopper kernel's most-chosen tile per head dim, compiled for sm90 here (ptxas, no GPU) the way the JIT
+    specialises the benchmark's calls: no spills, wgmmas not serialised, at least two programs per SM, and a
+    steady-state step holding every wgmma of QK^T and PV (64: 4 + 8; 72: 5 + 8 per 64-row half, remainder dots
+    included) with one exp2 per score plus the rows' rescale factors."""
+    bm, bn, warps, stages = tile
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", str(head_dim),
+                          "--tiles", "/".join(map(str, tile))], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parents[1], timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["spill_bytes"] == 0 and report["wgmma_serialised"] is None, report
+    assert report["programs_per_sm"] >= 2, report
+    ops = dict(report["loop_ops"])
+    halves = bm // 64 // (warps // 4)  # m64 wgmmas per warpgroup
+    rem = head_dim > 64
+    qk = 64 // 16 + rem  # QK^T: 16 columns per wgmma, the remainder's 8 padded to 16
+    pv = bn // 16 * (1 + rem)  # PV: 16 keys per wgmma, for chunk 0 and for the remainder
+    assert ops.get("HGMMA") == halves * (qk + pv), report
+    scores = bm * bn // (32 * warps)
+    assert scores <= ops.get("MUFU", 0) <= scores + 2 * halves, report

@@ -1,0 +1,135 @@
+"""What ptxas makes of the Hopper attention kernel, on any machine (no GPU needed): registers, spills,
+programs per SM, whether ptxas serialised the wgmmas, and the main loop's SASS instruction mix.
+
+The kernel is compiled for sm90 with the specialisation Triton's JIT gives the benchmark's calls: pointers and
+the row strides of the fused QKV layout divisible by 16, no RoPE, host tensor descriptors. Without those
+divisibility hints the same source compiles to a different kernel (2-byte loads of Q, ~30 more registers),
+so numbers read off a plain `triton.compile` are not the ones the GPU runs.
+
+Usage: python -m benchmarks.inspect_sass [--head-dims 64 72] [--tiles 64/128/4/2 ...] [--json]
+(with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
+
+SM90_REGS = 65536
+SM90_SMEM = 227 * 1024  # per SM, usable by CTAs (each also reserves 1 KB)
+DIVISIBLE = ("Q", "O", "CU_SEQLENS", "COS", "SIN", "K", "V", "R", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+             "stride_kt", "stride_vt", "stride_r")
+
+
+def _tool(name: str) -> str:
+    if name == "ptxas":  # the one Triton itself runs for sm90 (3.9 ships two)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(90).path
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16) -> dict:
+    d0, d1, _ = va.head_dim_split(head_dim)
+    w1 = max(d1, 16)
+    bn = config.block_n
+    fn = va._varlen_attn_fwd_tma
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update({name: "*bf16" for name in ("Q", "O", "COS", "SIN", "K", "V", "R")})
+    sig.update(CU_SEQLENS="*i32", qk_scale="fp32", k_desc=f"tensordesc<bf16[{bn},{d0}]>",
+               v_desc=f"tensordesc<bf16[{bn},{d0}]>", r_desc=f"tensordesc<bf16[{w1},{bn}]>" if d1 else "constexpr")
+    constants = dict(HEAD_DIM=head_dim, D0=d0, W1=w1, HEADS=heads, BLOCK_M=config.block_m, BLOCK_N=bn, ROPE_Q=False,
+                     WS=config.ws, TAIL_IN_LOOP=config.tail_in_loop, DEVICE_DESC=False, TAIL_N=config.tail_n,
+                     Q_TAIL=config.q_tail, SUM_MMA=config.sum_mma, R_ROWS=va.remainder_rows(head_dim))
+    if not d1:
+        constants["r_desc"] = None
+    sig.update({name: "constexpr" for name in constants})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    kernel = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 128),
+                            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True,
+                             text=True, check=True).stderr
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    threads = 32 * config.num_warps
+    smem = kernel.metadata.shared
+    per_sm = min(SM90_REGS // (-(-regs // 8) * 8 * threads), SM90_SMEM // (smem + 1024))
+    serialised = re.search(r"wgmma[^\n]*serialized due to ([^\n]*?) in the function", log)
+    loop = _main_loop(sass)
+    scores = config.block_m * bn / threads  # scores per thread per step
+    return {
+        "registers": regs, "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+        "shared_bytes": smem, "programs_per_sm": per_sm,
+        "wgmma_serialised": serialised.group(1) if serialised else None,
+        "loop_instructions": len(loop), "per_score": round(len(loop) / scores, 2),
+        "loop_ops": collections.Counter(_opcode(i) for i in loop).most_common(10),
+    }
+
+
+def _opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def _main_loop(sass: str) -> list[str]:
+    """The steady-state step of the full tile: of the backward branches whose span holds a TMA load, an exp2
+    and a wgmma, the longest unmasked one (a `q_tail` kernel also has the half-height tile's loop; ptxas may
+    place other blocks inside a loop's address span, so spans are told apart by their content)."""
+    instructions, labels, pending = [], {}, None
+    for line in sass.splitlines():
+        line = line.strip()
+        if m := re.match(r"\.(L_x_\d+):", line):
+            pending = m.group(1)
+        elif m := re.match(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            address = int(m.group(1), 16)
+            instructions.append((address, m.group(2)))
+            if pending:
+                labels[pending], pending = address, None
+    spans = []
+    for address, text in instructions:
+        m = re.search(r"BRA.*?\.(L_x_\d+)", text)
+        if m and labels.get(m.group(1), address) < address:
+            body = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
+            if all(any(op in t for t in body) for op in ("HGMMA", "MUFU", "UTMALDG")):
+                spans.append((labels[m.group(1)], address, body))
+    # Masked steps (the tails) select with FSEL; of the unmasked loops, the full tile's is the longest
+    return min((body for _, _, body in spans), key=lambda b: (sum("FSEL" in t for t in b), -len(b)), default=[])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
+    ap.add_argument("--tiles", nargs="*", default=None, help="block_m/block_n/warps/stages (default: the candidates)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    args = ap.parse_args()
+    for head_dim in args.head_dims:
+        configs = va.tma_candidates(head_dim)
+        if args.tiles:
+            configs = [va.TileConfig(bm, bn, w, s, tma=True, tail_n=va.TAIL_N, q_tail=bm >= 128)
+                       for bm, bn, w, s in (map(int, t.split("/")) for t in args.tiles)]
+        for config in configs:
+            tile = f"{config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
+            report = compile_tile(config, head_dim)
+            if args.json:
+                print(json.dumps({"head_dim": head_dim, "tile": tile, **report}), flush=True)
+            else:
+                print(f"d{head_dim} {tile}", report, flush=True)
+
+
+if __name__ == "__main__":
+    main()
