@@ -1,8 +1,9 @@
 """What ptxas makes of the Hopper attention kernel, on any machine (no GPU needed): registers, spills,
 programs per SM, whether ptxas serialised the wgmmas, and the main loop's SASS instruction mix.
 
-The kernel is compiled for sm90 with the specialisation Triton's JIT gives the benchmark's calls: pointers and
-the row strides of the fused QKV layout divisible by 16, no RoPE, host tensor descriptors. Without those
+The kernel is compiled for sm90 with the specialisation Triton's JIT gives the benchmark's 8x1024 call: 16-byte
+aligned pointers, the strides of the fused QKV layout marked divisible by 16 where they are (not the head strides
+at 72), no RoPE, host tensor descriptors. Without those
 divisibility hints the same source compiles to a different kernel (2-byte loads of Q, ~30 more registers),
 so numbers read off a plain `triton.compile` are not the ones the GPU runs.
 
@@ -29,8 +30,16 @@ va = importlib.import_module("kernels.varlen_attention")  # the package also exp
 
 SM90_REGS = 65536
 SM90_SMEM = 227 * 1024  # per SM, usable by CTAs (each also reserves 1 KB)
-DIVISIBLE = ("Q", "O", "CU_SEQLENS", "COS", "SIN", "K", "V", "R", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-             "stride_kt", "stride_vt", "stride_r")
+POINTERS = ("Q", "O", "CU_SEQLENS", "COS", "SIN", "K", "V", "R")  # 16-byte aligned: the JIT marks them divisible by 16
+
+
+def _int_args(head_dim: int, heads: int, lengths: list[int]) -> dict[str, int]:
+    """The integer arguments of a call on a fused `(T, 3, H, D)` QKV buffer (the benchmark's layout), contiguous
+    output: the JIT marks those divisible by 16 (at 72, the head strides are 72)."""
+    total = sum(lengths)
+    return {"stride_qt": 3 * heads * head_dim, "stride_qh": head_dim, "stride_ot": heads * head_dim,
+            "stride_oh": head_dim, "stride_kt": 3 * heads * head_dim, "stride_vt": 3 * heads * head_dim,
+            "stride_r": -(-total // 8) * 8 + 8 * len(lengths), "total_tokens": total}
 
 
 def _tool(name: str) -> str:
@@ -41,7 +50,7 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16) -> dict:
+def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16, lengths: list[int] = (1024,) * 8) -> dict:
     d0, d1, _ = va.head_dim_split(head_dim)
     w1 = max(d1, 16)
     bn = config.block_n
@@ -56,7 +65,8 @@ def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16) -> dict:
     if not d1:
         constants["r_desc"] = None
     sig.update({name: "constexpr" for name in constants})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE}
+    divisible = list(POINTERS) + [n for n, value in _int_args(head_dim, heads, list(lengths)).items() if value % 16 == 0]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     kernel = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 128),
                             options={"num_warps": config.num_warps, "num_stages": config.num_stages})
     with tempfile.TemporaryDirectory() as tmp:

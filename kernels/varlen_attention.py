@@ -446,6 +446,13 @@ if triton is not None:
         seqlen = tl.load(CU_SEQLENS + seg + 1) - tok0
         if start_m * BLOCK_M >= seqlen:
             return
+        # Q's and O's strides are multiples of 8 (16 bytes; the launcher checks). The JIT only marks multiples of
+        # 16, so at 72 the head strides would look unaligned, and Q's loads and O's stores would be 2 bytes each
+        # (190-255 registers instead of 114-212). Written as multiples of 8, they are seen to be.
+        stride_qt = stride_qt // 8 * 8
+        stride_qh = stride_qh // 8 * 8
+        stride_ot = stride_ot // 8 * 8
+        stride_oh = stride_oh // 8 * 8
         REM: tl.constexpr = D0 < HEAD_DIM
         if DEVICE_DESC:
             kd = tl.make_tensor_descriptor(K, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_kt, 1],
@@ -753,15 +760,16 @@ def _set_scratch_allocator():
     triton.set_allocator(_scratch)
 
 
-def tma_layout_ok(q, k, v) -> bool:
-    """Whether k and v can be read through tensor descriptors: heads packed side by side in each token
-    row (the fused QKV layout), 16-byte aligned rows and bases, half-precision data."""
+def tma_layout_ok(q, k, v, out=None) -> bool:
+    """Whether the Hopper kernel can take these tensors: k and v readable through tensor descriptors (heads
+    side by side in each token row, as in the fused QKV layout), half-precision data, and every row and head
+    of q, k, v and out starting on 16 bytes (the kernel's Q loads and O stores assume it)."""
     if TensorDescriptor is None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    for t in (k, v):
-        if not _heads_side_by_side(t) or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return False
-    return True
+    if not all(_heads_side_by_side(t) for t in (k, v)):
+        return False
+    return all((t.stride(0) * t.element_size()) % 16 == 0 and (t.stride(1) * t.element_size()) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in (q, k, v) + ((out,) if out is not None else ()))
 
 
 def _heads_side_by_side(t) -> bool:
@@ -811,10 +819,11 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     k_rope = rope and rotate_k
     if config is not None:
         use_tma = config.tma
-        if use_tma and (k_rope or not tma_layout_ok(q, k, v)):
-            raise ValueError("the TMA kernel needs K/V in the fused QKV layout and K rotated by the caller")
+        if use_tma and (k_rope or not tma_layout_ok(q, k, v, out)):
+            raise ValueError("the TMA kernel needs K/V in the fused QKV layout, K rotated by the caller and "
+                             "16-byte aligned rows and heads in q and out")
     else:
-        use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v)
+        use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v, out)
 
     if use_tma:
         rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder

@@ -23,6 +23,7 @@ from kernels.varlen_attention import (
     sdpa_gathers,
     sdpa_varlen_attention,
     segment_runs,
+    tma_layout_ok,
     triton_varlen_attention,
 )
 
@@ -109,6 +110,21 @@ def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail, sum_mma):
     ref = reference_varlen_attention(qr, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
     assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
+
+
+def test_tma_kernel_needs_16_byte_rows_and_heads_in_q_and_out():
+    """The Hopper kernel rounds Q's and O's strides down to multiples of 8 elements so that the compiler sees them
+    aligned (at 72 the JIT does not mark the head stride): a q or out whose rows or heads do not start on 16 bytes
+    is refused, not misread."""
+    q, k, v, cu, _, _ = make_inputs([7, 33], 2, 72, torch.float16, False)
+    config = TileConfig(32, 16, tma=True)
+    assert tma_layout_ok(q, k, v, torch.empty_like(q))
+    skewed = torch.empty(q.shape[0], 2, 76, dtype=q.dtype)[..., :72]  # heads 152 bytes apart
+    assert not tma_layout_ok(skewed, k, v) and not tma_layout_ok(q, k, v, skewed)
+    with pytest.raises(ValueError, match="16-byte aligned rows and heads"):
+        triton_varlen_attention(skewed.copy_(q), k, v, cu, 33, config=config)
+    with pytest.raises(ValueError, match="16-byte aligned rows and heads"):
+        triton_varlen_attention(q, k, v, cu, 33, out=skewed, config=config)
 
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
