@@ -6,8 +6,9 @@ For each attention case, head dim and tile, the probe times the kernel (µs per 
 every output against the SDPA fallback. Used for `sum_mma` (P's row sums on the tensor cores), rev
 aeff412's `exp_fma` (half the exp2 on the FMA pipes) and 256-key tiles.
 
-Usage: python -m benchmarks.probe_tile_flag [--flag sum_mma | --flag prefetch=256] [--tiles 64/256/4/2 ...] [--head-dims 64 72]
+Usage: python -m benchmarks.probe_tile_flag [--flag FIELD[=VALUE]] [--tiles 64/256/4/2 ...] [--head-dims 64 72]
        [--out DIR]
+(a boolean field is timed False and True; FIELD=VALUE times 0 and VALUE, as rev 4b9e864's prefetch=256)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ CASES = ["1x4096", "1x16384", "8x1024", "64x256", "mixed8", "32x784"]
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--flag", default=None,
-                    help="a TileConfig field to time off and on: a boolean (sum_mma) or field=value (prefetch=256)")
+                    help="a TileConfig field to time off and on: a boolean (sum_mma) or an int, FIELD=VALUE")
     ap.add_argument("--tiles", nargs="*", default=[], help="more tiles, block_m/block_n/warps/stages")
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--cases", nargs="+", default=CASES)

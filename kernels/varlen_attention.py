@@ -448,7 +448,7 @@ if triton is not None:
             return
         # Q's and O's strides are multiples of 8 (16 bytes; the launcher checks). The JIT only marks multiples of
         # 16, so at 72 the head strides would look unaligned, and Q's loads and O's stores would be 2 bytes each
-        # (190-255 registers instead of 114-212). Written as multiples of 8, they are seen to be.
+        # (190-255 registers instead of 114-217). Written as multiples of 8, they are seen to be.
         stride_qt = stride_qt // 8 * 8
         stride_qh = stride_qh // 8 * 8
         stride_ot = stride_ot // 8 * 8
