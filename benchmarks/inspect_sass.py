@@ -56,7 +56,7 @@ def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16, lengths:
     bn = config.block_n
     fn = va._varlen_attn_fwd_tma
     sig = {name: "i32" for name in fn.arg_names}
-    sig.update({name: "*bf16" for name in ("Q", "O", "COS", "SIN", "K", "V", "R")})
+    sig.update({name: "*bf16" for name in POINTERS})
     sig.update(CU_SEQLENS="*i32", qk_scale="fp32", k_desc=f"tensordesc<bf16[{bn},{d0}]>",
                v_desc=f"tensordesc<bf16[{bn},{d0}]>", r_desc=f"tensordesc<bf16[{w1},{bn}]>" if d1 else "constexpr")
     constants = dict(HEAD_DIM=head_dim, D0=d0, W1=w1, HEADS=heads, BLOCK_M=config.block_m, BLOCK_N=bn, ROPE_Q=False,

@@ -446,13 +446,12 @@ if triton is not None:
         seqlen = tl.load(CU_SEQLENS + seg + 1) - tok0
         if start_m * BLOCK_M >= seqlen:
             return
-        # Q's and O's strides are multiples of 8 (16 bytes; the launcher checks). The JIT only marks multiples of
-        # 16, so at 72 the head strides would look unaligned, and Q's loads and O's stores would be 2 bytes each
-        # (190-255 registers instead of 114-217). Written as multiples of 8, they are seen to be.
-        stride_qt = stride_qt // 8 * 8
-        stride_qh = stride_qh // 8 * 8
-        stride_ot = stride_ot // 8 * 8
-        stride_oh = stride_oh // 8 * 8
+        # Q's and O's strides are multiples of 8 (the launcher checks). At 72 the head strides would otherwise look
+        # unaligned, and Q's loads and O's stores would be 2 bytes each (190-255 registers instead of 114-217).
+        stride_qt = _multiple_of_8(stride_qt)
+        stride_qh = _multiple_of_8(stride_qh)
+        stride_ot = _multiple_of_8(stride_ot)
+        stride_oh = _multiple_of_8(stride_oh)
         REM: tl.constexpr = D0 < HEAD_DIM
         if DEVICE_DESC:
             kd = tl.make_tensor_descriptor(K, shape=[total_tokens, HEADS * HEAD_DIM], strides=[stride_kt, 1],
@@ -547,6 +546,13 @@ if triton is not None:
         _store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM, D0, REM, D0, W1)
 
     @triton.jit
+    def _multiple_of_8(x):
+        """x, for an x the caller knows to be a multiple of 8 elements (16 bytes at 16 bits), written so that the
+        compiler sees it too: the JIT marks integer arguments divisible by 16 only, and an unmarked stride makes
+        every access through it a 2-byte one."""
+        return x // 8 * 8
+
+    @triton.jit
     def _r_start(tok0, seg):
         """R's column of a segment's first token: 16-byte aligned (a TMA box's start in the contiguous dim
         must be; an unaligned one is an illegal instruction on H100), and past the previous segment's
@@ -554,7 +560,7 @@ if triton is not None:
         return 8 * ((tok0 + 7) // 8 + seg)
 
     @triton.jit
-    def _remainder_t_kernel(K, V, R, CU_SEQLENS, stride_kt, stride_vt, stride_r8,
+    def _remainder_t_kernel(K, V, R, CU_SEQLENS, stride_kt, stride_vt, stride_r,
                             HEAD_DIM: tl.constexpr, D0: tl.constexpr, REM_P: tl.constexpr, R_ROWS: tl.constexpr,
                             BLOCK_T: tl.constexpr):
         """Head h's rows of R (`kv_remainder_t`), at column c = _r_start(segment) + (t - its first token):
@@ -563,8 +569,8 @@ if triton is not None:
         P's rows (the kernel's SUM_MMA; masked scores are zero in P). Zero in the gap up to the next segment's
         start: the attention kernel's last tile of a segment reads into it, where P's zeros cancel only finite
         values. K and V are in the fused QKV layout (head h's columns start at h * HEAD_DIM), which lets the
-        compiler vectorise the loads; R's row stride (`stride_r8` * 8) and segment starts are multiples of 8,
-        which lets it vectorise the stores."""
+        compiler vectorise the loads; R's row stride and segment starts are multiples of 8, written so
+        (`_multiple_of_8`, `_r_start`) that it vectorises the stores."""
         REM: tl.constexpr = HEAD_DIM - D0
         blk = tl.program_id(0)
         h = tl.program_id(1)
@@ -576,7 +582,7 @@ if triton is not None:
         i = blk * BLOCK_T + tl.arange(0, BLOCK_T)
         if blk * BLOCK_T >= span:
             return
-        stride_r = 8 * stride_r8
+        stride_r = _multiple_of_8(stride_r)
         j = tl.arange(0, REM_P)
         mask = (i < seqlen)[:, None] & (j < REM)[None, :]
         src = (tok0 + i)[:, None].to(tl.int64)
@@ -620,7 +626,7 @@ def kv_remainder_t(k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, m
     block_t = 32 if interpreting() else 128
     launch(
         _remainder_t_kernel, (cdiv(max_seqlen + 16, block_t), heads, segments), k, v, r, cu_seqlens, k.stride(0),
-        v.stride(0), r.stride(0) // 8, HEAD_DIM=head_dim, D0=d0,
+        v.stride(0), r.stride(0), HEAD_DIM=head_dim, D0=d0,
         REM_P=next_power_of_2(head_dim - d0), R_ROWS=rows, BLOCK_T=block_t)
     return r
 
