@@ -1,0 +1,94 @@
+"""The Gluon attention kernel (kernels/gluon_attention.py) against the Triton TMA kernel and cuDNN, GPU time only.
+
+For each case (the attention benchmark's, plus awkward packs: lengths 1, 7, 131, 1023, a mixed pack, 48x33) and
+each Gluon tile and schedule: the relative error against a float32 reference next to the Triton kernel's, and the
+GPU time per call (20 calls in one CUDA graph, median of 20 replays), with every Triton TMA candidate and batched
+cuDNN (equal lengths) in the same run.
+
+Usage: python -m benchmarks.probe_gluon_attention [--head-dim 64] [--cases 1x16384 64x256] [--tiles 64/128/4/2/2]
+Writes gluon_attention_probe_d<head dim>.json under --out (default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+from benchmarks.common import (ATTENTION_CASES, RESULTS, attention_flops, batched_cudnn, environment, packed_qkv,
+                               print_table, write_results)
+from benchmarks.profile_launch import gpu_us
+from kernels.gluon_attention import GLUON_TILES, gluon_varlen_attention
+
+va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
+
+AWKWARD = {"1": [1], "7": [7], "131": [131], "1023": [1023], "awkward": [1, 7, 131, 1023, 64, 129, 1, 300],
+           "48x33": [33] * 48}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--cases", nargs="+", default=list(AWKWARD) + [c for c in ATTENTION_CASES if c != "1x1024"])
+    ap.add_argument("--tiles", nargs="*", default=None, help="Gluon tiles, block_m/block_n/warps/ring/schedule")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    d = args.head_dim
+    tiles = [tuple(map(int, t.split("/"))) for t in args.tiles] if args.tiles else GLUON_TILES
+    cases = {**AWKWARD, **ATTENTION_CASES}
+    rows = []
+    for case in args.cases:
+        lengths = cases[case]
+        maxlen = max(lengths)
+        qkv, cu = packed_qkv(lengths, d, torch.Generator(device="cuda").manual_seed(0))
+        q, k, v = qkv.unbind(1)
+        ref = (va.reference_varlen_attention(q, k, v, cu) if maxlen <= 4096
+               else va.sdpa_varlen_attention(q, k, v, cu, maxlen, seqlens=lengths).float())
+        fns = {}
+        for c in va.tma_candidates(d):
+            fns[f"triton {c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}"] = (
+                lambda c=c: va.triton_varlen_attention(q, k, v, cu, maxlen, config=c))
+        for tile in tiles:
+            fns["gluon " + "/".join(map(str, tile))] = (
+                lambda tile=tile: gluon_varlen_attention(q, k, v, cu, maxlen, tile=tile))
+        cudnn = batched_cudnn(q, k, v, lengths)
+        if cudnn is not None:
+            fns["cudnn"] = cudnn
+        row = {"case": case, "lengths": lengths if len(lengths) <= 8 else f"{len(lengths)}x{lengths[0]}",
+               "flops": attention_flops(lengths, d), "us": {}, "rel_err": {}, "errors": {}}
+        for name, fn in fns.items():
+            try:
+                torch.cuda.synchronize()
+                o = fn()
+                torch.cuda.synchronize()
+                if name != "cudnn":
+                    o.fill_(float("nan"))  # poison: every element must be written again
+                    o = fn()
+                    row["rel_err"][name] = ((o.float() - ref).norm() / ref.norm()).item()
+                row["us"][name] = gpu_us(fn)
+            except Exception as e:  # noqa: BLE001 - a failing tile is reported, the others still run
+                row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
+        for kind in ("triton", "gluon"):
+            timed = {n: t for n, t in row["us"].items() if n.startswith(kind)}
+            if timed:
+                best = min(timed, key=timed.get)
+                row[f"best {kind}"] = {"tile": best, "us": timed[best], "tflops": row["flops"] / timed[best] / 1e6}
+        rows.append(row)
+        print(case, {n: round(t, 1) for n, t in row["us"].items()},
+              {n: f"{e:.1e}" for n, e in row["rel_err"].items()}, row["errors"] or "", flush=True)
+    summary = []
+    for r in rows:
+        bt, bg, cu_us = r.get("best triton", {}), r.get("best gluon", {}), r["us"].get("cudnn")
+        summary.append({"case": r["case"], "triton us": bt.get("us"), "triton tile": bt.get("tile", "")[7:],
+                        "gluon us": bg.get("us"), "gluon tile": bg.get("tile", "")[6:], "cudnn us": cu_us,
+                        "gluon/triton": bt["us"] / bg["us"] if bg and bt else None,
+                        "gluon/cudnn": cu_us / bg["us"] if bg and cu_us else None,
+                        "max rel err": max(r["rel_err"].values(), default=None)})
+    print_table(summary, list(summary[0]))
+    write_results(f"gluon_attention_probe_d{d}", {"benchmark": "gluon_attention_probe", "unit": "us per call (GPU only)",
+                                                   "env": environment(), "head_dim": d, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
