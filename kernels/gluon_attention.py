@@ -206,9 +206,11 @@ def gluon_supported(q) -> bool:
 
 def gluon_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=None, out=None,
                            tile=(64, 128, 4, 2, 2)):
-    """Varlen attention through the Gluon kernel; `tile` = (block_m, block_n, warps, ring depth, schedule)."""
+    """Varlen attention through the Gluon kernel; `tile` = (block_m, block_n, warps, ring depth, schedule[,
+    register cap per thread])."""
     total, heads, head_dim = q.shape
-    bm, bn, warps, nbuf, sched = tile
+    bm, bn, warps, nbuf, sched, *cap = tile
+    options = {"maxnreg": cap[0]} if cap else {}
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_layout = gl.NVMMASharedLayout.get_default_for([bm, head_dim], dtype)
     kv_layout = gl.NVMMASharedLayout.get_default_for([bn, head_dim], dtype)
@@ -221,5 +223,6 @@ def gluon_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=Non
     scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * math.log2(math.e)
     grid = (cdiv(max_seqlen, bm), heads, cu_seqlens.numel() - 1)
     _gl_varlen_attn_fwd[grid](q_desc, k_desc, v_desc, out, cu_seqlens, out.stride(0), out.stride(1), scale,
-                              HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, SCHED=sched, num_warps=warps)
+                              HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, SCHED=sched, num_warps=warps,
+                              **options)
     return out

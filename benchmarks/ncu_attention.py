@@ -1,0 +1,112 @@
+"""One call of each attention kernel for Nsight Compute: the Triton TMA kernel, the Gluon kernel and cuDNN, on the
+same inputs. Each kernel is warmed up (compiled, tuned) outside the profiled range, then called once between
+cudaProfilerStart/Stop, so `ncu --profile-from-start off` sees exactly one launch per kernel spec.
+
+Usage (on the GPU machine):
+  ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section Occupancy -o REPORT \
+      python -m benchmarks.ncu_attention --cases 1x16384 8x1024 --kernels triton:64/128/4/2 gluon:64/128/4/2/0 cudnn
+  python -m benchmarks.ncu_attention --summarise REPORT.ncu-rep   (pipe utilisation, issue, stalls per kernel)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib
+import io
+import subprocess
+
+# Raw metrics the summary prints (ncu --page raw names), with a short label
+SUMMARY = {
+    "gpu__time_duration.sum": "us",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm %",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "gmma %",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "xu (mufu) %",
+    "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "fma %",
+    "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active": "alu %",
+    "sm__inst_executed.avg.per_cycle_active": "ipc",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+    "launch__registers_per_thread": "regs",
+    "launch__occupancy_limit_registers": "ctas/sm (regs)",
+    "launch__occupancy_limit_shared_mem": "ctas/sm (smem)",
+    "smsp__average_warp_latency_issue_stalled_long_scoreboard": "stall long sb",
+    "smsp__average_warp_latency_issue_stalled_wait": "stall wait",
+    "smsp__average_warp_latency_issue_stalled_math_pipe_throttle": "stall math throttle",
+    "smsp__average_warp_latency_issue_stalled_short_scoreboard": "stall short sb",
+    "smsp__average_warp_latency_issue_stalled_barrier": "stall barrier",
+    "smsp__average_warp_latency_issue_stalled_membar": "stall membar",
+    "smsp__average_warp_latency_issue_stalled_not_selected": "stall not selected",
+    "smsp__average_warp_latency_issue_stalled_selected": "selected",
+    "smsp__average_warp_latency_issue_stalled_dispatch_stall": "stall dispatch",
+    "smsp__average_warp_latency_issue_stalled_mio_throttle": "stall mio throttle",
+    "smsp__average_warp_latency_issue_stalled_sleeping": "stall sleeping",
+    "smsp__average_warp_latency_issue_stalled_math_pipe_throttle_pred_on": "stall math throttle (pred on)",
+}
+
+
+def run_kernels(cases, specs, head_dim):
+    import torch
+
+    from benchmarks.common import ATTENTION_CASES, batched_cudnn, packed_qkv
+    from kernels.gluon_attention import gluon_varlen_attention
+
+    va = importlib.import_module("kernels.varlen_attention")
+    for case in cases:
+        lengths = ATTENTION_CASES[case]
+        qkv, cu = packed_qkv(lengths, head_dim, torch.Generator(device="cuda").manual_seed(0))
+        q, k, v = qkv.unbind(1)
+        m = max(lengths)
+        for spec in specs:
+            kind, _, tile = spec.partition(":")
+            if kind == "triton":
+                bm, bn, w, s = map(int, tile.split("/"))
+                config = dataclasses.replace(va.tma_candidates(head_dim)[0], block_m=bm, block_n=bn, num_warps=w,
+                                             num_stages=s, q_tail=bm >= 128)
+                fn = lambda config=config: va.triton_varlen_attention(q, k, v, cu, m, config=config)  # noqa: E731
+            elif kind == "gluon":
+                fn = lambda t=tuple(map(int, tile.split("/"))): gluon_varlen_attention(q, k, v, cu, m, tile=t)  # noqa: E731
+            else:
+                fn = batched_cudnn(q, k, v, lengths)
+                if fn is None:
+                    continue
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"profiled {case} {spec}", flush=True)
+
+
+def summarise(report: str):
+    raw = subprocess.run(["ncu", "--import", report, "--page", "raw", "--csv"], capture_output=True, text=True,
+                         check=True).stdout
+    rows = list(csv.reader(io.StringIO(raw)))
+    header, units, data = rows[0], rows[1], rows[2:]
+    col = {name: i for i, name in enumerate(header)}
+    for r in data:
+        print(f"{r[col['Kernel Name']][:60]}  grid {r[col['Grid Size']]}  block {r[col['Block Size']]}")
+        for metric, label in SUMMARY.items():
+            if metric in col:
+                print(f"    {label:<32} {r[col[metric]]} {units[col[metric]]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="+", default=["1x16384"])
+    ap.add_argument("--kernels", nargs="+", default=["triton:64/128/4/2", "gluon:64/128/4/2/0", "cudnn"])
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--summarise", default=None, help="an .ncu-rep file: print the summary metrics per kernel")
+    args = ap.parse_args()
+    if args.summarise:
+        summarise(args.summarise)
+    else:
+        run_kernels(args.cases, args.kernels, args.head_dim)
+
+
+if __name__ == "__main__":
+    main()
