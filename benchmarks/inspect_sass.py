@@ -8,6 +8,7 @@ divisibility hints the same source compiles to a different kernel (2-byte loads 
 so numbers read off a plain `triton.compile` are not the ones the GPU runs.
 
 Usage: python -m benchmarks.inspect_sass [--head-dims 64 72] [--tiles 64/128/4/2 ...] [--json]
+       python -m benchmarks.inspect_sass --head-dims 64 --gluon [128/128/8/2/128 ...]  (the Gluon kernel)
 (with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled)
 """
 
@@ -22,6 +23,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -69,6 +71,35 @@ def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16, lengths:
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     kernel = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 128),
                             options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+    return _report(kernel, config.num_warps, config.block_m * bn)
+
+
+def compile_gluon_tile(tile: tuple[int, ...], head_dim: int) -> dict:
+    """The Gluon kernel (kernels/gluon_attention.py) for one of its tiles, (block_m, block_n, warps, ring depth,
+    register cap or 0), specialised as the JIT does for a fused QKV buffer and a contiguous output."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from kernels import gluon_attention as ga
+
+    bm, bn, warps, nbuf, maxnreg = tile
+    fn = ga._gl_varlen_attn_fwd
+    sig = {name: "i32" for name in fn.arg_names}
+    for name, rows in (("q_desc", bm), ("k_desc", bn), ("v_desc", bn)):
+        sig[name] = f"tensordesc<bf16[{rows},{head_dim}],{ga._smem_layout(rows, head_dim, torch.bfloat16)!r}>"
+    sig.update(O="*bf16", CU_SEQLENS="*i32", qk_scale="fp32")
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, num_warps=warps)
+    sig.update({name: "constexpr" for name in constants})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "CU_SEQLENS", "stride_ot",
+                                                                                  "stride_oh")}
+    options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = triton.compile(GluonASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    return _report(kernel, warps, bm * bn)
+
+
+def _report(kernel, num_warps: int, tile_scores: int) -> dict:
+    """ptxas's report and the main loop's SASS mix of a kernel compiled for sm90 (ptxas run again here on its PTX,
+    which carries any register cap as .maxnreg, so that the -v report is captured)."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -77,18 +108,18 @@ def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16, lengths:
                              text=True, check=True).stderr
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    threads = 32 * config.num_warps
+    threads = 32 * num_warps
     smem = kernel.metadata.shared
     per_sm = min(SM90_REGS // (-(-regs // 8) * 8 * threads), SM90_SMEM // (smem + 1024))
     serialised = re.search(r"wgmma[^\n]*serialized due to ([^\n]*?) in the function", log)
     loop = _main_loop(sass)
-    scores = config.block_m * bn / threads  # scores per thread per step
+    scores = tile_scores / threads  # scores per thread per step
     return {
         "registers": regs, "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
         "shared_bytes": smem, "programs_per_sm": per_sm,
         "wgmma_serialised": serialised.group(1) if serialised else None,
         "loop_instructions": len(loop), "per_score": round(len(loop) / scores, 2),
-        "loop_ops": collections.Counter(_opcode(i) for i in loop).most_common(10),
+        "loop_ops": collections.Counter(_opcode(i) for i in loop).most_common(),
     }
 
 
@@ -126,7 +157,20 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--tiles", nargs="*", default=None, help="block_m/block_n/warps/stages (default: the candidates)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
+    ap.add_argument("--gluon", nargs="*", default=None,
+                    help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap")
     args = ap.parse_args()
+    if args.gluon is not None:
+        from kernels.gluon_attention import GLUON_TILES
+
+        tiles = [tuple(map(int, t.split("/"))) for t in args.gluon] or GLUON_TILES
+        for head_dim in args.head_dims:
+            for tile in tiles:
+                report = compile_gluon_tile(tile, head_dim)
+                name = "/".join(map(str, tile))
+                print(json.dumps({"head_dim": head_dim, "tile": name, **report}) if args.json
+                      else f"gluon d{head_dim} {name} {report}", flush=True)
+        return
     for head_dim in args.head_dims:
         configs = va.tma_candidates(head_dim)
         if args.tiles:

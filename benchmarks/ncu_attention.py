@@ -5,7 +5,7 @@ cudaProfilerStart/Stop, so `ncu --profile-from-start off` sees exactly one launc
 Usage (on the GPU machine):
   ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
       --section WarpStateStats --section Occupancy -o REPORT \
-      python -m benchmarks.ncu_attention --cases 1x16384 8x1024 --kernels triton:64/128/4/2 gluon:64/128/4/2/0 cudnn
+      python -m benchmarks.ncu_attention --cases 1x16384 8x1024 --kernels triton:64/128/4/2 gluon:128/128/8/2/128 cudnn
   python -m benchmarks.ncu_attention --summarise REPORT.ncu-rep   (pipe utilisation, issue, stalls per kernel)
 """
 
@@ -51,8 +51,6 @@ def run_kernels(cases, specs, head_dim):
     import torch
 
     from benchmarks.common import ATTENTION_CASES, batched_cudnn, packed_qkv
-    from kernels.gluon_attention import gluon_varlen_attention
-
     va = importlib.import_module("kernels.varlen_attention")
     for case in cases:
         lengths = ATTENTION_CASES[case]
@@ -67,7 +65,9 @@ def run_kernels(cases, specs, head_dim):
                                              num_stages=s, q_tail=bm >= 128)
                 fn = lambda config=config: va.triton_varlen_attention(q, k, v, cu, m, config=config)  # noqa: E731
             elif kind == "gluon":
-                fn = lambda t=tuple(map(int, tile.split("/"))): gluon_varlen_attention(q, k, v, cu, m, tile=t)  # noqa: E731
+                bm, bn, w, nbuf, cap = map(int, tile.split("/"))
+                config = va.TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap)
+                fn = lambda config=config: va.triton_varlen_attention(q, k, v, cu, m, config=config)  # noqa: E731
             else:
                 fn = batched_cudnn(q, k, v, lengths)
                 if fn is None:
@@ -98,7 +98,7 @@ def summarise(report: str):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["1x16384"])
-    ap.add_argument("--kernels", nargs="+", default=["triton:64/128/4/2", "gluon:64/128/4/2/0", "cudnn"])
+    ap.add_argument("--kernels", nargs="+", default=["triton:64/128/4/2", "gluon:128/128/8/2/128", "cudnn"])
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--summarise", default=None, help="an .ncu-rep file: print the summary metrics per kernel")
     args = ap.parse_args()

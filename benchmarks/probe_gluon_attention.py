@@ -1,11 +1,11 @@
 """The Gluon attention kernel (kernels/gluon_attention.py) against the Triton TMA kernel and cuDNN, GPU time only.
 
 For each case (the attention benchmark's, plus awkward packs: lengths 1, 7, 131, 1023, a mixed pack, 48x33) and
-each Gluon tile and schedule: the relative error against a float32 reference next to the Triton kernel's, and the
+each Gluon tile: the relative error against a float32 reference next to the Triton kernel's, and the
 GPU time per call (20 calls in one CUDA graph, median of 20 replays), with every Triton TMA candidate and batched
 cuDNN (equal lengths) in the same run.
 
-Usage: python -m benchmarks.probe_gluon_attention [--head-dim 64] [--cases 1x16384 64x256] [--tiles 64/128/4/2/2]
+Usage: python -m benchmarks.probe_gluon_attention [--head-dim 64] [--cases 1x16384 64x256] [--tiles 128/128/8/2/128]
 Writes gluon_attention_probe_d<head dim>.json under --out (default benchmarks/results).
 """
 
@@ -19,7 +19,6 @@ import torch
 from benchmarks.common import (ATTENTION_CASES, RESULTS, attention_flops, batched_cudnn, environment, packed_qkv,
                                print_table, write_results)
 from benchmarks.profile_launch import gpu_us
-from kernels.gluon_attention import GLUON_TILES, gluon_varlen_attention
 
 va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
 
@@ -31,11 +30,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--cases", nargs="+", default=list(AWKWARD) + [c for c in ATTENTION_CASES if c != "1x1024"])
-    ap.add_argument("--tiles", nargs="*", default=None, help="Gluon tiles, block_m/block_n/warps/ring/schedule")
+    ap.add_argument("--tiles", nargs="*", default=None, help="Gluon tiles, block_m/block_n/warps/ring/register cap")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     d = args.head_dim
-    tiles = [tuple(map(int, t.split("/"))) for t in args.tiles] if args.tiles else GLUON_TILES
+    gluon = ([va.TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap)
+              for bm, bn, w, nbuf, cap in (map(int, t.split("/")) for t in args.tiles)] if args.tiles
+             else va.gluon_candidates(d))
     cases = {**AWKWARD, **ATTENTION_CASES}
     rows = []
     for case in args.cases:
@@ -49,9 +50,9 @@ def main():
         for c in va.tma_candidates(d):
             fns[f"triton {c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}"] = (
                 lambda c=c: va.triton_varlen_attention(q, k, v, cu, maxlen, config=c))
-        for tile in tiles:
-            fns["gluon " + "/".join(map(str, tile))] = (
-                lambda tile=tile: gluon_varlen_attention(q, k, v, cu, maxlen, tile=tile))
+        for c in gluon:
+            fns[f"gluon {c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}/{c.maxnreg}"] = (
+                lambda c=c: va.triton_varlen_attention(q, k, v, cu, maxlen, config=c))
         cudnn = batched_cudnn(q, k, v, lengths)
         if cudnn is not None:
             fns["cudnn"] = cudnn

@@ -1,26 +1,28 @@
-"""Hopper varlen attention in Gluon (Triton's explicit-layout dialect), power-of-two head dims.
+"""Hopper varlen attention in Gluon (Triton's explicit-layout dialect), for power-of-two head dims.
 
-Same contract as `kernels.varlen_attention`'s TMA kernel: q, k, v `(total_tokens, heads, head_dim)` views with
-heads side by side in each token row (the fused QKV buffer), int32 `cu_seqlens`, one program per (query tile,
-head, segment). What Gluon gives that `tl.dot` does not is the tensor cores' schedule:
+The contract of `kernels.varlen_attention`'s TMA kernel: q, k, v `(total_tokens, heads, head_dim)` views with each
+token's heads side by side in one row (the fused QKV buffer), int32 `cu_seqlens`, one program per (query tile,
+head, segment); tiles past a segment's end exit at once. Q, K and V arrive by TMA (K and V in NBUF-deep rings, one
+mbarrier per slot, each slot refilled as soon as the wgmma that read it is done); each key tile is one QK^T wgmma,
+an online softmax in base 2, and one PV wgmma with P from registers. Only a segment's last key tile is masked,
+and only where the segment ends inside it.
 
-- SCHED 2 (FlashAttention-3's intra-warpgroup overlap): each step issues QK^T of key tile j and PV of tile j - 1
-  together, waits for QK^T only, runs tile j's softmax while PV still runs on the tensor cores, then waits for PV
-  and rescales the accumulator. No wgmma stays in flight across the loop's back-edge;
-- SCHED 1: QK^T of tile j + 1 is issued before tile j's softmax, PV is waited for at once;
-- SCHED 0: every wgmma waited for at once (the control).
+Each wgmma is waited for at once: where several programs share an SM, the warp schedulers overlap one program's
+softmax with another's tensor-core work, and a program that keeps a second score tile in flight needs ~205
+registers instead of ~130, so fewer programs fit. Measured on H100 at head_dim 64 (rev 19a3e6d,
+benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): FlashAttention-3's intra-warpgroup overlap (QK^T of
+tile j and PV of tile j - 1 in flight during tile j's softmax) ran 5-20% slower than this schedule, and issuing the
+next QK^T before the softmax 3-15% slower. (The session 12 prototype of that overlap, rev 66bd4ed, kept a wgmma in
+flight across the loop's back-edge, and ptxas serialised every wgmma of it: "non wgmma instructions reading
+accumulator registers of a wgmma between start and end of the pipeline stage".)
 
-A wgmma still in flight across the back-edge whose accumulator the next iteration reads (the schedule of the
-session 12 prototype, rev 66bd4ed) makes ptxas serialise every wgmma of the kernel ("wgmma.mma_async instructions
-are serialized due to non wgmma instructions reading accumulator registers"): that prototype measured a serial
-kernel. `benchmarks/inspect_sass.py --gluon` checks the ptxas report of each schedule.
-K and V tiles arrive by TMA into NBUF-deep rings, one mbarrier per slot, refilled by the softmax warps as soon as
-the wgmma that read a slot is waited for.
+Against the `tl.dot` kernel, the gain is in registers and staging: ~130 registers per thread instead of 154, Q by
+TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per SM.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 
@@ -28,14 +30,17 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except Exception:  # noqa: BLE001 - Triton without Gluon's Hopper API (older, or a changed experimental API)
     gluon = None
 
-from .tuning import cdiv
+from .tuning import cdiv, launch
 
 if gluon is not None:
+    # renamed after Triton 3.6 (the GPU machine's version; CI runs a newer one)
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
     def _softmax(s, m_i, l_i, qk_scale, n_valid, MASK: gl.constexpr, s_layout: gl.constexpr):
@@ -55,69 +60,45 @@ if gluon is not None:
         """Key tile `tile` of the segment into its ring slot, if the segment has it. The slot's last reader, a wgmma,
         has been waited for; with two warpgroups, by both (one thread of the CTA issues the copy)."""
         if gl.num_warps() > 4:
-            gl.thread_barrier()
+            _cta_barrier()
         slot = tile % NBUF
         nbytes: gl.constexpr = BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8
         mbarrier.expect(ready.index(slot), nbytes, pred=tile < n)
-        tma.async_copy_global_to_shared(desc, [tok0 + tile * BLOCK_N, col], ready.index(slot), bufs.index(slot),
+        _tma_load(desc, [tok0 + tile * BLOCK_N, col], ready.index(slot), bufs.index(slot),
                                         pred=tile < n)
 
     @gluon.jit
     def _qk(q_smem, k_bufs, k_ready, tile, s_zero, NBUF: gl.constexpr):
+        """S = Q K^T for key tile `tile`, once its K tile has landed."""
         slot = tile % NBUF
         mbarrier.wait(k_ready.index(slot), (tile // NBUF) & 1)
-        return warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _pv(p, acc, v_bufs, v_ready, tile, p_layout: gl.constexpr, NBUF: gl.constexpr):
-        slot = tile % NBUF
+    def _step(j, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, s_zero, tok0, col, n,
+              seqlen, qk_scale, MASK: gl.constexpr, NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
+              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Key tile j: the softmax of S_j, the accumulator rescaled, O += P_j V_j, then (NEXT) S_{j+1}. Each slot is
+        refilled with the tile NBUF ahead as soon as its wgmma is done."""
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - j * BLOCK_N, MASK, s_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        slot = j % NBUF
         p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        mbarrier.wait(v_ready.index(slot), (tile // NBUF) & 1)
-        return warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-
-    @gluon.jit
-    def _step2(j, p, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, s_zero, tok0, col, n,
-               seqlen, qk_scale, MASK: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-               s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """SCHED 2, step j >= 1: QK^T of tile j and PV of tile j - 1 issued together; tile j's softmax while PV runs."""
-        s_tok = _qk(q_smem, k_bufs, k_ready, j, s_zero, NBUF)
-        acc_tok = _pv(p, acc, v_bufs, v_ready, j - 1, p_layout, NBUF)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-        _load_kv(k_desc, k_bufs, k_ready, j + NBUF, tok0, col, n, BLOCK_N, NBUF)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - j * BLOCK_N, MASK, s_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-        _load_kv(v_desc, v_bufs, v_ready, j - 1 + NBUF, tok0, col, n, BLOCK_N, NBUF)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        return p, acc, m_i, l_i
-
-    @gluon.jit
-    def _step01(j, acc, m_i, l_i, s, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, s_zero, tok0, col,
-                n, seqlen, qk_scale, MASK: gl.constexpr, SCHED: gl.constexpr, BLOCK_N: gl.constexpr,
-                NBUF: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """SCHED 0/1, step j: softmax of S_j (given), PV of tile j; SCHED 1 issues QK^T of tile j + 1 first and
-        returns it waited for."""
-        if SCHED == 1:
-            s_tok = _qk(q_smem, k_bufs, k_ready, j + 1, s_zero, NBUF)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - j * BLOCK_N, MASK, s_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        acc_tok = _pv(p, acc, v_bufs, v_ready, j, p_layout, NBUF)
-        if SCHED == 1:
-            acc, s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, s_tok))
-            _load_kv(k_desc, k_bufs, k_ready, j + 1 + NBUF, tok0, col, n, BLOCK_N, NBUF)
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok,))
-            s = s_zero
-            if j + 1 < n:
-                s = warpgroup_mma_wait(num_outstanding=0,
-                                       deps=(_qk(q_smem, k_bufs, k_ready, j + 1, s_zero, NBUF),))
-                _load_kv(k_desc, k_bufs, k_ready, j + 1 + NBUF, tok0, col, n, BLOCK_N, NBUF)
+        mbarrier.wait(v_ready.index(slot), (j // NBUF) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         _load_kv(v_desc, v_bufs, v_ready, j + NBUF, tok0, col, n, BLOCK_N, NBUF)
-        return acc, m_i, l_i, s
+        if NEXT:
+            s = _qk(q_smem, k_bufs, k_ready, j + 1, s_zero, NBUF)
+            _load_kv(k_desc, k_bufs, k_ready, j + 1 + NBUF, tok0, col, n, BLOCK_N, NBUF)
+        return s, acc, m_i, l_i
 
     @gluon.jit
     def _gl_varlen_attn_fwd(q_desc, k_desc, v_desc, O, CU_SEQLENS, stride_ot, stride_oh, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NBUF: gl.constexpr, SCHED: gl.constexpr, num_warps: gl.constexpr):
+                            NBUF: gl.constexpr, num_warps: gl.constexpr):
+        """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys."""
         start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
@@ -147,7 +128,7 @@ if gluon is not None:
             fence_async_shared()
 
             mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
-            tma.async_copy_global_to_shared(q_desc, [tok0 + row0, col], q_bar, q_smem)
+            _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
             for i in gl.static_range(NBUF):
                 _load_kv(k_desc, k_bufs, k_ready, i, tok0, col, n, BLOCK_N, NBUF)
                 _load_kv(v_desc, v_bufs, v_ready, i, tok0, col, n, BLOCK_N, NBUF)
@@ -158,28 +139,21 @@ if gluon is not None:
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
             mbarrier.wait(q_bar, 0)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(_qk(q_smem, k_bufs, k_ready, 0, s_zero, NBUF),))
+            s = _qk(q_smem, k_bufs, k_ready, 0, s_zero, NBUF)
             _load_kv(k_desc, k_bufs, k_ready, NBUF, tok0, col, n, BLOCK_N, NBUF)
-            if SCHED == 2:
-                p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen, n == 1, s_layout)
-                for j in range(1, n - 1):
-                    p, acc, m_i, l_i = _step2(j, p, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready,
-                                              v_ready, s_zero, tok0, col, n, seqlen, qk_scale, False, BLOCK_N, NBUF,
-                                              s_layout, o_layout, p_layout)
-                if n > 1:
-                    p, acc, m_i, l_i = _step2(n - 1, p, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs,
-                                              k_ready, v_ready, s_zero, tok0, col, n, seqlen, qk_scale, True, BLOCK_N,
-                                              NBUF, s_layout, o_layout, p_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0,
-                                         deps=(_pv(p, acc, v_bufs, v_ready, n - 1, p_layout, NBUF),))
+            for j in range(0, n - 1):
+                s, acc, m_i, l_i = _step(j, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready,
+                                         v_ready, s_zero, tok0, col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF,
+                                         s_layout, o_layout, p_layout)
+            # the last key tile: masked only where the segment ends inside it
+            if seqlen % BLOCK_N == 0:
+                s, acc, m_i, l_i = _step(n - 1, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready,
+                                         v_ready, s_zero, tok0, col, n, seqlen, qk_scale, False, False, BLOCK_N,
+                                         NBUF, s_layout, o_layout, p_layout)
             else:
-                for j in range(0, n - 1):
-                    acc, m_i, l_i, s = _step01(j, acc, m_i, l_i, s, q_smem, k_desc, v_desc, k_bufs, v_bufs,
-                                               k_ready, v_ready, s_zero, tok0, col, n, seqlen, qk_scale, False, SCHED,
-                                               BLOCK_N, NBUF, s_layout, o_layout, p_layout)
-                acc, m_i, l_i, s = _step01(n - 1, acc, m_i, l_i, s, q_smem, k_desc, v_desc, k_bufs, v_bufs,
-                                           k_ready, v_ready, s_zero, tok0, col, n, seqlen, qk_scale, True, 0, BLOCK_N,
-                                           NBUF, s_layout, o_layout, p_layout)
+                s, acc, m_i, l_i = _step(n - 1, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready,
+                                         v_ready, s_zero, tok0, col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF,
+                                         s_layout, o_layout, p_layout)
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(NBUF):
@@ -194,35 +168,33 @@ if gluon is not None:
             gl.store(ptrs, o.to(O.dtype.element_ty), mask=(rows < seqlen)[:, None])
 
 
-# (block_m, block_n, warps, ring depth, schedule)
-GLUON_TILES = [(64, 128, 4, 2, 2), (128, 128, 8, 2, 2), (128, 64, 8, 3, 2), (64, 64, 4, 3, 2), (64, 128, 4, 2, 1),
-               (64, 128, 4, 2, 0)]
+# The candidates (block_m, block_n, warps, ring depth, register cap or 0), from
+# benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json (GPU time per call, H100): 128/128 on 8 warps
+# capped at 128 registers (2 CTAs per SM instead of 1; no spills) is the fastest from 1x4096 up, 64/128 at
+# 8x1024, 64/64 on packs of short segments (64x256, 32x784).
+GLUON_TILES = [(128, 128, 8, 2, 128), (64, 128, 4, 2, 0), (64, 64, 4, 2, 0)]
 
 
-def gluon_supported(q) -> bool:
-    return (gluon is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] in (64, 128) and torch.cuda.get_device_capability(q.device)[0] == 9)
+def gluon_available() -> bool:
+    """Whether this Triton has the Gluon Hopper API the kernel is written in."""
+    return gluon is not None
 
 
-def gluon_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=None, out=None,
-                           tile=(64, 128, 4, 2, 2)):
-    """Varlen attention through the Gluon kernel; `tile` = (block_m, block_n, warps, ring depth, schedule[,
-    register cap per thread])."""
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, block_m: int, block_n: int,
+                 num_warps: int, nbuf: int, maxnreg: int = 0):
+    """One launch over the packed segments. q, k, v: `(T, H, D)` with each token's heads side by side in one
+    row and 16-byte aligned rows (the fused QKV layout); `qk_scale` includes log2(e)."""
     total, heads, head_dim = q.shape
-    bm, bn, warps, nbuf, sched, *cap = tile
-    options = {"maxnreg": cap[0]} if cap else {}
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_layout = gl.NVMMASharedLayout.get_default_for([bm, head_dim], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, head_dim], dtype)
     width = heads * head_dim
-    q_desc = TensorDescriptor(q, [total, width], [q.stride(0), 1], [bm, head_dim], q_layout)
-    k_desc = TensorDescriptor(k, [total, width], [k.stride(0), 1], [bn, head_dim], kv_layout)
-    v_desc = TensorDescriptor(v, [total, width], [v.stride(0), 1], [bn, head_dim], kv_layout)
-    if out is None:
-        out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
-    scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * math.log2(math.e)
-    grid = (cdiv(max_seqlen, bm), heads, cu_seqlens.numel() - 1)
-    _gl_varlen_attn_fwd[grid](q_desc, k_desc, v_desc, out, cu_seqlens, out.stride(0), out.stride(1), scale,
-                              HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, SCHED=sched, num_warps=warps,
-                              **options)
-    return out
+    q_desc, k_desc, v_desc = (
+        TensorDescriptor(t, [total, width], [t.stride(0), 1], [rows, head_dim], _smem_layout(rows, head_dim, t.dtype))
+        for t, rows in ((q, block_m), (k, block_n), (v, block_n)))
+    options = {"maxnreg": maxnreg} if maxnreg else {}
+    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, v_desc,
+           out, cu_seqlens, out.stride(0), out.stride(1), qk_scale, HEAD_DIM=head_dim, BLOCK_M=block_m,
+           BLOCK_N=block_n, NBUF=nbuf, num_warps=num_warps, **options)

@@ -23,7 +23,10 @@ Kernel design:
   (`kv_remainder_t`, one small launch) and read in boxes of 16 rows, so 72 costs 64 + 16 lanes in both
   dots. With `cos`/`sin` at power-of-two head dims it rotates Q into the program's own output rows first
   and reads it back from there, so that Q is staged in shared memory like an unrotated one (see
-  `_tma_tile`). The pointer kernel serves every other case.
+  `_tma_tile`). The pointer kernel serves every other case;
+- at head_dim 64 without RoPE in the kernel, the Hopper path also offers the Gluon kernel
+  (kernels/gluon_attention.py: Q by TMA too, ~130 registers, 128-row tiles on two warpgroups), and the tuner
+  picks between both kernels' tiles per size class.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .gluon_attention import GLUON_TILES, gluon_available, launch_gluon
 from .rope import apply_vision_rope
 from .tuning import (  # noqa: F401 - tuned_choices is re-exported
     cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, tuned_choices)
@@ -683,6 +687,8 @@ class TileConfig:
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
     q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
     sum_mma: bool = True  # TMA kernel: P's row sums by the tensor cores where the remainder has a spare column (72)
+    gluon: bool = False  # the Gluon kernel (kernels/gluon_attention.py) instead; num_stages is its K/V ring depth
+    maxnreg: int = 0  # Gluon kernel: registers per thread, capped (0: ptxas's choice)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -740,6 +746,24 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
     rem = head_dim_split(head_dim)[1] > 0
     return [TileConfig(bm, bn, w, s, tma=True, device_desc=device, tail_n=TAIL_N, q_tail=bm >= 128)
             for bm, bn, w, s in TMA_TILES if not (rem and bm == bn == 128 and w == 4)]
+
+
+# Head dims the Gluon kernel's candidates were measured at (the tower's 64); others keep the TMA kernel.
+GLUON_HEAD_DIMS = (64,)
+
+
+def gluon_candidates(head_dim: int) -> list[TileConfig]:
+    """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing)."""
+    if head_dim not in GLUON_HEAD_DIMS or not gluon_available():
+        return []
+    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap) for bm, bn, w, nbuf, cap in GLUON_TILES]
+
+
+def hopper_candidates(head_dim: int, gluon: bool) -> list[TileConfig]:
+    """Every configuration the automatic Hopper path may pick: the TMA kernel's, and with `gluon` (no RoPE in the
+    kernel, q in the fused QKV layout too) the Gluon kernel's. At 64 the Gluon kernel is 4-16% faster from 1x4096
+    up and on packs of short segments (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json)."""
+    return tma_candidates(head_dim) + (gluon_candidates(head_dim) if gluon else [])
 
 
 @functools.lru_cache(maxsize=None)
@@ -828,6 +852,9 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if use_tma and (k_rope or not tma_layout_ok(q, k, v, out)):
             raise ValueError("the TMA kernel needs K/V in the fused QKV layout, K rotated by the caller and "
                              "16-byte aligned rows and heads in q and out")
+        if config.gluon and (rope or d1 or not _heads_side_by_side(q)):
+            raise ValueError("the Gluon kernel needs a power-of-two head dim, no RoPE in the kernel and q in the "
+                             "fused QKV layout too")
     else:
         use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v, out)
 
@@ -837,6 +864,10 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         r_rows = remainder_rows(head_dim)
 
         def run(c: TileConfig):
+            if c.gluon:
+                launch_gluon(q, k, v, out, cu_seqlens, max_seqlen, scale, c.block_m, c.block_n, c.num_warps,
+                             c.num_stages, c.maxnreg)
+                return
             if c.device_desc:
                 _set_scratch_allocator()
                 descs = [None] * 3
@@ -858,10 +889,13 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
             # time than GPU time, and the timings would rank launch overhead, not tiles.
+            # (The Gluon kernel encodes its descriptors on the host either way.)
             device_desc = _device_descriptors(total * max_seqlen * heads * head_dim)
-            key = ("tma", bucket, load_class(total, heads), head_dim, rope, q.dtype, q.device)
+            gluon = not rope and _heads_side_by_side(q)
+            key = ("tma", bucket, load_class(total, heads), head_dim, rope, gluon, q.dtype, q.device)
             config = _with_descriptors(choose(key, lambda: [_with_descriptors(c, device_desc)
-                                                            for c in tma_candidates(head_dim)], run), device_desc)
+                                                            for c in hopper_candidates(head_dim, gluon)], run),
+                                       device_desc)
         run(config)
         return out
 

@@ -127,6 +127,29 @@ def test_tma_kernel_needs_16_byte_rows_and_heads_in_q_and_out():
         triton_varlen_attention(q, k, v, cu, 33, out=skewed, config=config)
 
 
+def test_gluon_kernel_only_where_it_applies():
+    """The automatic Hopper path offers the Gluon kernel only at the head dims it was measured at, without RoPE in
+    the kernel and with q in the fused QKV layout (its Q arrives by TMA too); a pinned Gluon configuration outside
+    those is refused, not misread."""
+    from kernels.gluon_attention import gluon_available
+    from kernels.varlen_attention import GLUON_HEAD_DIMS, gluon_candidates, hopper_candidates, tma_candidates
+
+    if not gluon_available():
+        pytest.skip("this Triton has no Gluon Hopper API")
+    assert GLUON_HEAD_DIMS == (64,)
+    assert hopper_candidates(64, True) == tma_candidates(64) + gluon_candidates(64)
+    assert gluon_candidates(64) and all(c.gluon and c.tma for c in gluon_candidates(64))
+    assert hopper_candidates(64, False) == tma_candidates(64)
+    assert hopper_candidates(72, True) == tma_candidates(72) and not gluon_candidates(128)
+    q, k, v, cu, cos, sin = make_inputs([7, 33], 2, 64, torch.float16, True)
+    config = gluon_candidates(64)[0]
+    with pytest.raises(ValueError, match="Gluon kernel needs"):
+        triton_varlen_attention(q, k, v, cu, 33, cos=cos, sin=sin, rotate_k=False, config=config)
+    with pytest.raises(ValueError, match="Gluon kernel needs"):
+        triton_varlen_attention(q.contiguous().transpose(0, 1).contiguous().transpose(0, 1), k, v, cu, 33,
+                                config=config)
+
+
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
 def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
     """The transposed remainder the Hopper kernel reads: per head K's remainder rows, V's, and a row of ones
@@ -325,3 +348,29 @@ def test_hopper_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
     assert ops.get("HGMMA") == halves * (qk + pv), report
     scores = bm * bn // (32 * warps)
     assert scores <= ops.get("MUFU", 0) <= scores + 2 * halves, report
+
+
+@pytest.mark.parametrize("tile", __import__("kernels.gluon_attention").gluon_attention.GLUON_TILES,
+                         ids=lambda t: "/".join(map(str, t)))
+def test_gluon_kernel_compiles_to_a_wgmma_pipeline(tile):
+    """Each Gluon candidate at 64, compiled for sm90 here: no spills (the 128-row tile runs capped at 128
+    registers), no serialised wgmmas, at least two CTAs per SM, and a steady-state step of one key tile's PV and
+    the next one's QK^T (4 + block_n / 16 wgmmas per warpgroup) with one exp2 per score plus the rescale
+    factors."""
+    from kernels.gluon_attention import gluon_available
+
+    if not gluon_available():
+        pytest.skip("this Triton has no Gluon Hopper API")
+    bm, bn, warps, _, cap = tile
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", "64", "--gluon",
+                          "/".join(map(str, tile))], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).parents[1], timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["spill_bytes"] == 0 and report["wgmma_serialised"] is None, report
+    assert report["programs_per_sm"] >= 2 and (not cap or report["registers"] <= cap), report
+    ops = dict(report["loop_ops"])
+    assert ops.get("HGMMA") == 64 // 16 + bn // 16, report
+    scores = bm * bn // (32 * warps)
+    assert scores <= ops.get("MUFU", 0) <= scores + 2, report

@@ -13,7 +13,6 @@ from kernels.rope import apply_vision_rope
 from kernels.varlen_attention import (
     reference_varlen_attention,
     sdpa_varlen_attention,
-    tma_candidates,
     triton_varlen_attention,
 )
 from test_varlen_attention import make_inputs
@@ -52,16 +51,33 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("head_dim", [64, 72, 80, 128])
 @pytest.mark.parametrize("rope", [False, True])
 def test_tma_kernel_every_candidate(lengths, head_dim, rope):
-    """Each configuration the tuner may pick, and the automatic call, against fp32 (bf16)."""
+    """Each configuration the tuner may pick (the Gluon kernel's too, at 64 without RoPE), and the automatic call,
+    against fp32 (bf16)."""
     q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, rope, seed=head_dim, device="cuda")
     if rope:
         k.copy_(apply_vision_rope(k, cos, sin))  # the tower's K pass; the kernel rotates Q
     qr = apply_vision_rope(q, cos, sin) if rope else q
     ref = reference_varlen_attention(qr, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
-    for cfg in [*tma_candidates(head_dim), None]:
+    for cfg in [*va.hopper_candidates(head_dim, not rope), None]:
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
         triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out, config=cfg)
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"unwritten output elements with {cfg}"
+        assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)
+
+
+@hopper
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: f"{len(l)}seg_max{max(l)}")
+def test_gluon_kernel_fp16(lengths):
+    """The Gluon kernel's candidates on fp16 inputs against fp32, output poisoned before each call."""
+    q, k, v, cu, _, _ = make_inputs(lengths, 16, 64, torch.float16, False, seed=11, device="cuda")
+    ref = reference_varlen_attention(q, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
+    assert va.gluon_candidates(64)
+    for cfg in va.gluon_candidates(64):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        triton_varlen_attention(q, k, v, cu, max(lengths), out=out, config=cfg)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"unwritten output elements with {cfg}"
         assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)
@@ -115,13 +131,15 @@ def test_small_call_from_a_worker_thread(monkeypatch):
 def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
     """kernels.tuning.launch (compiled kernels by the binder's specialisation) gives bit-identical results
     to Triton's own JIT launch, for the TMA kernel with host and device descriptors, the pointer kernel
-    with in-kernel RoPE and (72) the remainder copy, and the second call takes the lean path."""
+    with in-kernel RoPE, (72) the remainder copy and (64) the Gluon kernel, and the second call takes the lean
+    path."""
     import kernels.tuning as tuning
 
     q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, True, seed=7, device="cuda")
     m = max(lengths)
     calls = [dict(config=dataclasses.replace(c, device_desc=d)) for c in va.tma_candidates(head_dim)[:2]
              for d in (False, True)] + [dict(cos=cos, sin=sin), dict(cos=cos, sin=sin, rotate_k=False)]
+    calls += [dict(config=c) for c in va.gluon_candidates(head_dim)]
     lean, jit = [], []
     for kwargs in calls:
         for _ in range(2):  # the first call with a specialisation compiles through the JIT, the second is lean
