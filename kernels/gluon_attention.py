@@ -68,8 +68,10 @@ if gluon is not None:
     @gluon.jit
     def _both_done():
         """With two warpgroups, a CTA barrier: both have waited for the wgmmas that read the slots about to be
-        refilled. One per key tile: each barrier holds the warpgroups in step, where the other's softmax would
-        otherwise overlap this one's tensor-core work (two per tile measured 6-8% slower at 1x4096 and 16k)."""
+        refilled. One per key tile, after the next QK^T: each barrier holds the two warpgroups in step, where one's
+        softmax could otherwise overlap the other's tensor-core work. With one before each refill (rev 6b841b4)
+        the 128-row tile took 146.8 us at 1x4096 and 2412 at 16k, against 140.6 and 2291 with this one (H100,
+        gluon_attention_probe_d64_rev6b841b4.json and _rev92dade2.json; cuDNN 144.6-146.7 and 2450-2453 in both)."""
         if gl.num_warps() > 4:
             _cta_barrier()
 
