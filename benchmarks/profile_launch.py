@@ -8,8 +8,8 @@ For each shape and path it measures
   call; a call whose host cost outlasts the flush shows host time here);
 - `max_err`: against the float32 reference.
 Paths: the automatic Triton path (lean launch, and through Triton's JIT launch), the TMA kernel with
-host- and with device-encoded descriptors at each TMA tile, the pointer kernel, batched cuDNN. Then
-the cProfile table of the automatic path on the first shape. Writes launch_profile_d<head dim>.json
+host- and with device-encoded descriptors at each TMA tile, the Gluon kernel's tiles, the pointer kernel, batched cuDNN. Then
+the cProfile table of one path (`--profile-path`, default the automatic one) on the first shape. Writes launch_profile_d<head dim>.json
 under $OUT or benchmarks/results.
 
 Usage: python -m benchmarks.profile_launch [--calls 2000] [--shapes 1x1024 8x1024 64x256 1x4096] [--head-dim 72]
@@ -34,6 +34,7 @@ import kernels.tuning as tuning
 from kernels.varlen_attention import (
     TMA_TILES,
     TileConfig,
+    gluon_candidates,
     reference_varlen_attention,
     triton_varlen_attention,
     tuned_choices,
@@ -86,6 +87,9 @@ def shape_paths(lengths, d, tiles=True):
             c = TileConfig(bm, bn, w, s, tma=True, device_desc=device)
             fns[f"tma {bm}x{bn} w{w} s{s} {'device' if device else 'host'} desc"] = (
                 lambda c=c: triton_varlen_attention(q, k, v, cu, maxlen, out=out, config=c))
+    for c in gluon_candidates(d) if tiles else []:
+        fns[f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} r{c.maxnreg}"] = (
+            lambda c=c: triton_varlen_attention(q, k, v, cu, maxlen, out=out, config=c))
     fns["pointer 128x64 w4 s3"] = lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out,
                                                                   config=TileConfig(128, 64, 4, 3))
     if len(set(lengths)) == 1:
@@ -105,6 +109,7 @@ def main():
     ap.add_argument("--shapes", nargs="+", default=["1x1024", "8x1024", "64x256", "1x4096"])
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--no-tiles", action="store_true", help="only the automatic paths and cuDNN")
+    ap.add_argument("--profile-path", default="triton (automatic)", help="the path whose host time cProfile splits")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     d = args.head_dim
@@ -130,7 +135,7 @@ def main():
                   + (f"  err {row['max_err']:.2e}" if "max_err" in row else "")), flush=True)
         if profiled is None:
             prof = cProfile.Profile()
-            fn = fns["triton (automatic)"]
+            fn = fns[args.profile_path]
             prof.enable()
             for _ in range(args.calls):
                 fn()
