@@ -8,12 +8,12 @@ For each shape and path it measures
   call; a call whose host cost outlasts the flush shows host time here);
 - `max_err`: against the float32 reference.
 Paths: the automatic Triton path (lean launch, and through Triton's JIT launch), the TMA kernel with
-host- and with device-encoded descriptors at each TMA tile, the Gluon kernel's tiles, the pointer kernel, batched cuDNN. Then
-the cProfile table of one path (`--profile-path`, default the automatic one) on the first shape. Writes launch_profile_d<head dim>.json
-under $OUT or benchmarks/results.
+host- and with device-encoded descriptors at each TMA tile, the Gluon kernel's tiles, the pointer kernel,
+batched cuDNN. Then the cProfile table of one path (`--profile-path`, default the automatic one) on the first
+shape. Writes launch_profile_d<head dim>.json under $OUT or benchmarks/results.
 
 Usage: python -m benchmarks.profile_launch [--calls 2000] [--shapes 1x1024 8x1024 64x256 1x4096] [--head-dim 72]
-       [--no-tiles]
+       [--no-tiles] [--profile-path "gluon 64x128 w4 s2 r0"]
 """
 
 from __future__ import annotations
