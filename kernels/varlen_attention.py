@@ -768,7 +768,11 @@ def hopper_candidates(head_dim: int, gluon: bool) -> list[TileConfig]:
 
 @functools.lru_cache(maxsize=None)
 def _with_descriptors(config: TileConfig, device_desc: bool) -> TileConfig:
-    return config if config.device_desc == device_desc else dataclasses.replace(config, device_desc=device_desc)
+    """`config` encoding its descriptors where `device_desc` says; a Gluon configuration as it is (that kernel
+    encodes them on the host either way, and a field it ignores would mislead the logged choice)."""
+    if config.gluon or config.device_desc == device_desc:
+        return config
+    return dataclasses.replace(config, device_desc=device_desc)
 
 
 def _device_descriptors(work: int) -> bool:
@@ -889,7 +893,6 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if config is None:
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
             # time than GPU time, and the timings would rank launch overhead, not tiles.
-            # (The Gluon kernel encodes its descriptors on the host either way.)
             device_desc = _device_descriptors(total * max_seqlen * heads * head_dim)
             gluon = not rope and _heads_side_by_side(q)
             key = ("tma", bucket, load_class(total, heads), head_dim, rope, gluon, q.dtype, q.device)
