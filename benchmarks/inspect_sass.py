@@ -82,15 +82,27 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int) -> dict:
     from kernels import gluon_attention as ga
 
     bm, bn, warps, nbuf, maxnreg = tile
+    d0, d1, _ = va.head_dim_split(head_dim)
+    w1 = ga.REM_WIDTH if d1 else 0
     fn = ga._gl_varlen_attn_fwd
     sig = {name: "i32" for name in fn.arg_names}
-    for name, rows in (("q_desc", bm), ("k_desc", bn), ("v_desc", bn)):
-        sig[name] = f"tensordesc<bf16[{rows},{head_dim}],{ga._smem_layout(rows, head_dim, torch.bfloat16)!r}>"
-    sig.update(O="*bf16", CU_SEQLENS="*i32", qk_scale="fp32")
-    constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, num_warps=warps)
+
+    def desc(rows, cols):
+        return f"tensordesc<bf16[{rows},{cols}],{ga._smem_layout(rows, cols, torch.bfloat16)!r}>"
+
+    sig.update(q_desc=desc(bm, d0), k_desc=desc(bn, d0), v_desc=desc(bn, d0), O="*bf16", CU_SEQLENS="*i32",
+               qk_scale="fp32")
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, R_ROWS=va.remainder_rows(head_dim),
+                     num_warps=warps)
+    if w1:
+        sig.update(q1_desc=desc(bm, w1), r_desc=desc(w1, bn))
+    else:
+        constants.update(q1_desc=None, r_desc=None)
     sig.update({name: "constexpr" for name in constants})
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in ("O", "CU_SEQLENS", "stride_ot",
-                                                                                  "stride_oh")}
+    # the JIT marks O's strides divisible by 16 where they are (at 72 the head stride is not)
+    strides = {"stride_ot": 16 * head_dim, "stride_oh": head_dim}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name in ("O", "CU_SEQLENS") + tuple(n for n, value in strides.items() if value % 16 == 0)}
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)

@@ -1,4 +1,4 @@
-"""Hopper varlen attention in Gluon (Triton's explicit-layout dialect), for power-of-two head dims.
+"""Hopper varlen attention in Gluon (Triton's explicit-layout dialect).
 
 The contract of `kernels.varlen_attention`'s TMA kernel: q, k, v `(total_tokens, heads, head_dim)` views with each
 token's heads side by side in one row (the fused QKV buffer), int32 `cu_seqlens`, one program per (query tile,
@@ -6,6 +6,13 @@ head, segment); tiles past a segment's end exit at once. Q, K and V arrive by TM
 mbarrier per slot, each slot refilled as soon as the wgmma that read it is done); each key tile is one QK^T wgmma,
 an online softmax in base 2, and one PV wgmma with P from registers. Only a segment's last key tile is masked,
 and only where the segment ends inside it.
+
+Head dims past a power of two (72, 80) take the TMA kernel's remainder scheme: the columns past D0 = 64 come
+from R, K's and V's remainder transposed (`varlen_attention.kv_remainder_t`), read in boxes of 16 rows of one
+column per token, so each dot is a 64-wide wgmma plus a 16-wide one. Q's remainder is a [BLOCK_M, 16] box whose
+columns past the head are zeroed once in shared memory, so the rows of R's K box that are V's cancel; V's box
+runs into the row of ones R has at 72 (P's row sums then come out of PV's accumulator, no row sum per tile) and
+into the next head's rows, accumulator columns that are never stored.
 
 Each wgmma is waited for at once: where several programs share an SM, the warp schedulers overlap one program's
 softmax with another's tensor-core work, and a program that keeps a second score tile in flight needs ~205
@@ -43,26 +50,33 @@ if gluon is not None:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, qk_scale, n_valid, MASK: gl.constexpr, s_layout: gl.constexpr):
+    def _softmax(s, m_i, l_i, qk_scale, n_valid, MASK: gl.constexpr, SUM_MMA: gl.constexpr,
+                 s_layout: gl.constexpr):
         """Online softmax of one score tile in base 2: P (fp32), the rescale factor of the running sums, the new
-        row maxima (already scaled) and row sums. MASK: only the first n_valid columns are keys."""
+        row maxima (already scaled) and row sums (unchanged with SUM_MMA: PV sums P's rows). MASK: only the first
+        n_valid columns are keys."""
         if MASK:
             cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
             s = gl.where((cols < n_valid)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        if not SUM_MMA:
+            l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _load_kv(desc, bufs, ready, tile, tok0, col, n, BLOCK_N: gl.constexpr, NBUF: gl.constexpr):
-        """Key tile `tile` of the segment into its ring slot, if the segment has it. The caller has waited for the
+    def _load_kv(desc, bufs, r_desc, r_bufs, ready, tile, tok0, col, r_row, r_col, n, BLOCK_N: gl.constexpr,
+                 NBUF: gl.constexpr, W1: gl.constexpr):
+        """Key tile `tile` of the segment into its ring slot, if the segment has it: BLOCK_N rows of K (or V) and,
+        with a remainder (W1 > 0), W1 rows of R from row `r_row`, on one barrier. The caller has waited for the
         slot's last reader, a wgmma; with two warpgroups, both have (`_both_done`: one thread issues the copy)."""
         slot = tile % NBUF
-        nbytes: gl.constexpr = BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8
+        nbytes: gl.constexpr = BLOCK_N * (desc.block_type.shape[1] + W1) * desc.dtype.primitive_bitwidth // 8
         mbarrier.expect(ready.index(slot), nbytes, pred=tile < n)
         _tma_load(desc, [tok0 + tile * BLOCK_N, col], ready.index(slot), bufs.index(slot), pred=tile < n)
+        if W1 > 0:
+            _tma_load(r_desc, [r_row, r_col + tile * BLOCK_N], ready.index(slot), r_bufs.index(slot), pred=tile < n)
 
     @gluon.jit
     def _both_done():
@@ -75,41 +89,70 @@ if gluon is not None:
             _cta_barrier()
 
     @gluon.jit
-    def _qk(q_smem, k_bufs, k_ready, tile, s_zero, NBUF: gl.constexpr):
-        """S = Q K^T for key tile `tile`, once its K tile has landed."""
+    def _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, tile, s_zero, NBUF: gl.constexpr, W1: gl.constexpr):
+        """S = Q K^T for key tile `tile`, once its K tile has landed; with a remainder, + Q's remainder columns
+        times R's K box ([W1, BLOCK_N], the B operand as it is)."""
         slot = tile % NBUF
         mbarrier.wait(k_ready.index(slot), (tile // NBUF) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if W1 > 0:
+            s = warpgroup_mma(q1_smem, rk_bufs.index(slot), s, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _step(j, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, s_zero, tok0, col, n,
-              seqlen, qk_scale, MASK: gl.constexpr, NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-        """Key tile j: the softmax of S_j, the accumulator rescaled, O += P_j V_j, then (NEXT) S_{j+1}; only then are
-        the slots read by both wgmmas refilled with the tiles NBUF ahead. Refilling V's slot before issuing QK^T
+    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
+              k_ready, v_ready, s_zero, tok0, col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
+              NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, R_V: gl.constexpr,
+              SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
+              p_layout: gl.constexpr):
+        """Key tile j: the softmax of S_j, the accumulators rescaled, O += P_j V_j, then (NEXT) S_{j+1}; only then
+        are the slots read by both wgmmas refilled with the tiles NBUF ahead. Refilling V's slot before issuing QK^T
         (rev 6b841b4) put the copy's issue in front of the tensor cores: 64/128 on 4 warps took 90.6 us at 8x1024
         there, 80.1 here (cuDNN 83.6 and 82.6 in the same runs)."""
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - j * BLOCK_N, MASK, s_layout)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - j * BLOCK_N, MASK, SUM_MMA, s_layout)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         slot = j % NBUF
         p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
         mbarrier.wait(v_ready.index(slot), (j // NBUF) & 1)
         acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        if W1 > 0:  # V's remainder: R's box transposed is a K-major B operand
+            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
+            acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if NEXT:
-            s = _qk(q_smem, k_bufs, k_ready, j + 1, s_zero, NBUF)
+            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1)
         _both_done()
-        _load_kv(v_desc, v_bufs, v_ready, j + NBUF, tok0, col, n, BLOCK_N, NBUF)
+        _load_kv(v_desc, v_bufs, r_desc, rv_bufs, v_ready, j + NBUF, tok0, col, r_row + R_V, r_col, n, BLOCK_N, NBUF,
+                 W1)
         if NEXT:
-            _load_kv(k_desc, k_bufs, k_ready, j + 1 + NBUF, tok0, col, n, BLOCK_N, NBUF)
-        return s, acc, m_i, l_i
+            _load_kv(k_desc, k_bufs, r_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, col, r_row, r_col, n, BLOCK_N,
+                     NBUF, W1)
+        return s, acc, acc1, m_i, l_i
 
     @gluon.jit
-    def _gl_varlen_attn_fwd(q_desc, k_desc, v_desc, O, CU_SEQLENS, stride_ot, stride_oh, qk_scale,
+    def _store_rows(O, vals, row0, tok0, seqlen, stride_ot, col, WIDTH: gl.constexpr, num_warps: gl.constexpr):
+        """The first WIDTH columns of `vals` into O's rows row0.. of the segment, from column `col` of the head's
+        row (8 columns, 16 bytes, per thread and store)."""
+        cols_w: gl.constexpr = vals.shape[1] // 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_w, cols_w], [num_warps, 1], [1, 0])
+        o = gl.convert_layout(vals, layout)
+        rows = row0 + gl.arange(0, vals.shape[0], layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, vals.shape[1], layout=gl.SliceLayout(0, layout))
+        ptrs = O + (tok0 + rows).to(gl.int64)[:, None] * stride_ot + col + cols[None, :]
+        mask = (rows < seqlen)[:, None]
+        if WIDTH < vals.shape[1]:
+            mask = mask & (cols < WIDTH)[None, :]
+        gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _gl_varlen_attn_fwd(q_desc, k_desc, v_desc, q1_desc, r_desc, O, CU_SEQLENS, stride_ot, stride_oh, qk_scale,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NBUF: gl.constexpr, num_warps: gl.constexpr):
-        """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys."""
+                            NBUF: gl.constexpr, W1: gl.constexpr, R_ROWS: gl.constexpr, num_warps: gl.constexpr):
+        """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. Past
+        D0 = q_desc's width (W1 > 0), `q1_desc` reads Q's remainder ([BLOCK_M, W1] boxes) and `r_desc` R (R_ROWS
+        rows per head, [W1, BLOCK_N] boxes); both None at power-of-two head dims (W1 = 0)."""
         start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
@@ -117,18 +160,35 @@ if gluon is not None:
         seqlen = gl.load(CU_SEQLENS + seg + 1) - tok0
         row0 = start_m * BLOCK_M
         if row0 < seqlen:
+            D0: gl.constexpr = q_desc.block_type.shape[1]
+            R_V: gl.constexpr = HEAD_DIM - D0  # R's rows per head: K's R_V remainder columns, then V's
+            SUM_MMA: gl.constexpr = 0 < R_V and R_V < W1  # R's row of ones lands in acc1's column R_V
             col = head * HEAD_DIM
+            # O's head stride is a multiple of 8 (the launcher checks); written so, the compiler sees it at 72 too
+            stride_oh = stride_oh // 8 * 8
+            r_row = head * R_ROWS
+            r_col = 8 * ((tok0 + 7) // 8 + seg)  # varlen_attention._r_start: the segment's first column in R
             n = (seqlen + BLOCK_N - 1) // BLOCK_N
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                                instr_shape=[16, BLOCK_N, 16])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                               instr_shape=[16, HEAD_DIM, 16])
+                                                               instr_shape=[16, D0, 16])
+            o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                                instr_shape=[16, 16, 16])
             p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
             dtype: gl.constexpr = q_desc.dtype
 
-            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-            k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-            v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], q_desc.layout)
+            k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], k_desc.layout)
+            v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], v_desc.layout)
+            if W1 > 0:
+                q1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, W1], q1_desc.layout)
+                rk_bufs = gl.allocate_shared_memory(dtype, [NBUF, W1, BLOCK_N], r_desc.layout)
+                rv_bufs = gl.allocate_shared_memory(dtype, [NBUF, W1, BLOCK_N], r_desc.layout)
+            else:  # placeholders, never read
+                q1_smem = q_smem
+                rk_bufs = k_bufs
+                rv_bufs = v_bufs
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
             v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -138,53 +198,74 @@ if gluon is not None:
                 mbarrier.init(v_ready.index(i), count=1)
             fence_async_shared()
 
-            mbarrier.expect(q_bar, BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8)
+            mbarrier.expect(q_bar, BLOCK_M * (D0 + W1) * dtype.primitive_bitwidth // 8)
             _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
+            if W1 > 0:
+                _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
-                _load_kv(k_desc, k_bufs, k_ready, i, tok0, col, n, BLOCK_N, NBUF)
-                _load_kv(v_desc, v_bufs, v_ready, i, tok0, col, n, BLOCK_N, NBUF)
+                _load_kv(k_desc, k_bufs, r_desc, rk_bufs, k_ready, i, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1)
+                _load_kv(v_desc, v_bufs, r_desc, rv_bufs, v_ready, i, tok0, col, r_row + R_V, r_col, n, BLOCK_N, NBUF,
+                         W1)
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
+            acc = gl.zeros([BLOCK_M, D0], gl.float32, layout=o_layout)
+            acc1 = gl.zeros([BLOCK_M, 16], gl.float32, layout=o1_layout)
             s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
 
             mbarrier.wait(q_bar, 0)
-            s = _qk(q_smem, k_bufs, k_ready, 0, s_zero, NBUF)
+            if R_V < W1:  # Q's remainder box runs past the head (into the next head, or TMA's zero fill): zeroed
+                q1_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
+                q1 = q1_smem.load(q1_layout)
+                q1_cols = gl.arange(0, W1, layout=gl.SliceLayout(0, q1_layout))
+                q1_smem.store(gl.where((q1_cols < R_V)[None, :], q1, gl.zeros_like(q1)))
+                fence_async_shared()
+                _cta_barrier()
+            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1)
             _both_done()
-            _load_kv(k_desc, k_bufs, k_ready, NBUF, tok0, col, n, BLOCK_N, NBUF)
+            _load_kv(k_desc, k_bufs, r_desc, rk_bufs, k_ready, NBUF, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1)
             for j in range(0, n - 1):
-                s, acc, m_i, l_i = _step(j, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready,
-                                         v_ready, s_zero, tok0, col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF,
-                                         s_layout, o_layout, p_layout)
+                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
+                                               r_row, r_col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF, W1, R_V,
+                                               SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             # the last key tile: masked only where the segment ends inside it
             if seqlen % BLOCK_N == 0:
-                s, acc, m_i, l_i = _step(n - 1, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready,
-                                         v_ready, s_zero, tok0, col, n, seqlen, qk_scale, False, False, BLOCK_N,
-                                         NBUF, s_layout, o_layout, p_layout)
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
+                                               r_row, r_col, n, seqlen, qk_scale, False, False, BLOCK_N, NBUF, W1, R_V,
+                                               SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             else:
-                s, acc, m_i, l_i = _step(n - 1, s, acc, m_i, l_i, q_smem, k_desc, v_desc, k_bufs, v_bufs, k_ready,
-                                         v_ready, s_zero, tok0, col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF,
-                                         s_layout, o_layout, p_layout)
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
+                                               r_row, r_col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF, W1, R_V,
+                                               SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(NBUF):
                 mbarrier.invalidate(k_ready.index(i))
                 mbarrier.invalidate(v_ready.index(i))
 
-            out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-            o = gl.convert_layout(acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None], out_layout)
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
-            ptrs = O + (tok0 + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
-            gl.store(ptrs, o.to(O.dtype.element_ty), mask=(rows < seqlen)[:, None])
-
+            if SUM_MMA:
+                sum_col = gl.arange(0, 16, layout=gl.SliceLayout(0, o1_layout))
+                l_o1 = gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
+                l_o = gl.convert_layout(l_o1, gl.SliceLayout(1, o_layout))
+            else:
+                l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+                l_o1 = gl.convert_layout(l_i, gl.SliceLayout(1, o1_layout))
+            o_row = O + head * stride_oh
+            _store_rows(o_row, acc / l_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
+            if W1 > 0:
+                _store_rows(o_row, acc1 / l_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
 
 # The candidates (block_m, block_n, warps, ring depth, register cap or 0), from
 # benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json (GPU time per call, H100): 128/128 on 8 warps
 # capped at 128 registers (2 CTAs per SM instead of 1; no spills) is the fastest from 1x4096 up, 64/128 at
 # 8x1024, 64/64 on packs of short segments (64x256, 32x784).
 GLUON_TILES = [(128, 128, 8, 2, 128), (64, 128, 4, 2, 0), (64, 64, 4, 2, 0)]
+
+# The remainder's width past D0 (72: 8 columns; 80: 16) in Q's and R's boxes: a wgmma's K step at 16 bits.
+REM_WIDTH = 16
 
 
 def gluon_available() -> bool:
@@ -198,15 +279,26 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
 
 
 def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, block_m: int, block_n: int,
-                 num_warps: int, nbuf: int, maxnreg: int = 0):
+                 num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None, rem_rows: int = 0):
     """One launch over the packed segments. q, k, v: `(T, H, D)` with each token's heads side by side in one
-    row and 16-byte aligned rows (the fused QKV layout); `qk_scale` includes log2(e)."""
+    row and 16-byte aligned rows (the fused QKV layout); `qk_scale` includes log2(e). Past a power-of-two head
+    dim, `rem` is `kv_remainder_t(k, v, ...)`, `rem_rows` its rows per head."""
     total, heads, head_dim = q.shape
     width = heads * head_dim
+    d0 = 1 << (head_dim.bit_length() - 1)
     q_desc, k_desc, v_desc = (
-        TensorDescriptor(t, [total, width], [t.stride(0), 1], [rows, head_dim], _smem_layout(rows, head_dim, t.dtype))
+        TensorDescriptor(t, [total, width], [t.stride(0), 1], [rows, d0], _smem_layout(rows, d0, t.dtype))
         for t, rows in ((q, block_m), (k, block_n), (v, block_n)))
+    q1_desc = r_desc = None
+    w1 = 0
+    if d0 < head_dim:
+        if head_dim - d0 > REM_WIDTH:
+            raise ValueError(f"the Gluon kernel takes at most {REM_WIDTH} columns past {d0}; head_dim {head_dim}")
+        w1 = REM_WIDTH
+        q1_desc = TensorDescriptor(q, [total, width], [q.stride(0), 1], [block_m, w1], _smem_layout(block_m, w1, q.dtype))
+        r_desc = TensorDescriptor(rem, list(rem.shape), [rem.stride(0), 1], [w1, block_n],
+                                  _smem_layout(w1, block_n, rem.dtype))
     options = {"maxnreg": maxnreg} if maxnreg else {}
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, v_desc,
-           out, cu_seqlens, out.stride(0), out.stride(1), qk_scale, HEAD_DIM=head_dim, BLOCK_M=block_m,
-           BLOCK_N=block_n, NBUF=nbuf, num_warps=num_warps, **options)
+           q1_desc, r_desc, out, cu_seqlens, out.stride(0), out.stride(1), qk_scale, HEAD_DIM=head_dim,
+           BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, R_ROWS=rem_rows, num_warps=num_warps, **options)

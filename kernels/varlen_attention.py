@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .gluon_attention import GLUON_TILES, gluon_available, launch_gluon
+from .gluon_attention import REM_WIDTH as GLUON_REM_WIDTH
 from .rope import apply_vision_rope
 from .tuning import (  # noqa: F401 - tuned_choices is re-exported
     cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, tuned_choices)
@@ -856,9 +857,9 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if use_tma and (k_rope or not tma_layout_ok(q, k, v, out)):
             raise ValueError("the TMA kernel needs K/V in the fused QKV layout, K rotated by the caller and "
                              "16-byte aligned rows and heads in q and out")
-        if config.gluon and (rope or d1 or not _heads_side_by_side(q)):
-            raise ValueError("the Gluon kernel needs a power-of-two head dim, no RoPE in the kernel and q in the "
-                             "fused QKV layout too")
+        if config.gluon and (rope or head_dim - d0 > GLUON_REM_WIDTH or not _heads_side_by_side(q)):
+            raise ValueError(f"the Gluon kernel needs at most {GLUON_REM_WIDTH} head-dim columns past a power of two, "
+                             "no RoPE in the kernel and q in the fused QKV layout too")
     else:
         use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v, out)
 
@@ -870,7 +871,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         def run(c: TileConfig):
             if c.gluon:
                 launch_gluon(q, k, v, out, cu_seqlens, max_seqlen, scale, c.block_m, c.block_n, c.num_warps,
-                             c.num_stages, c.maxnreg)
+                             c.num_stages, c.maxnreg, rem if d1 else None, r_rows)
                 return
             if c.device_desc:
                 _set_scratch_allocator()
