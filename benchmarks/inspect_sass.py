@@ -81,7 +81,8 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int) -> dict:
 
     from kernels import gluon_attention as ga
 
-    bm, bn, warps, nbuf, maxnreg = tile
+    bm, bn, warps, nbuf, maxnreg, *rest = tile
+    rem_copy = bool(rest[0]) if rest else True
     d0, d1, _ = va.head_dim_split(head_dim)
     w1 = ga.REM_WIDTH if d1 else 0
     fn = ga._gl_varlen_attn_fwd
@@ -92,12 +93,13 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int) -> dict:
 
     sig.update(q_desc=desc(bm, d0), k_desc=desc(bn, d0), v_desc=desc(bn, d0), O="*bf16", CU_SEQLENS="*i32",
                qk_scale="fp32")
-    constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, R_ROWS=va.remainder_rows(head_dim),
-                     num_warps=warps)
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
+                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, num_warps=warps)
     if w1:
-        sig.update(q1_desc=desc(bm, w1), r_desc=desc(w1, bn))
+        sig.update(q1_desc=desc(bm, w1), k1_desc=desc(w1, bn) if rem_copy else desc(bn, w1),
+                   v1_desc=desc(w1, bn) if rem_copy else desc(bn, w1))
     else:
-        constants.update(q1_desc=None, r_desc=None)
+        constants.update(q1_desc=None, k1_desc=None, v1_desc=None)
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks O's strides divisible by 16 where they are (at 72 the head stride is not)
     strides = {"stride_ot": 16 * head_dim, "stride_oh": head_dim}

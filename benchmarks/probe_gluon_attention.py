@@ -26,17 +26,27 @@ AWKWARD = {"1": [1], "7": [7], "131": [131], "1023": [1023], "awkward": [1, 7, 1
            "48x33": [33] * 48}
 
 
+def tile_config(tile: str) -> va.TileConfig:
+    """block_m/block_n/warps/ring/register cap[/rem_copy[/sum_mma]] (the last two 0 or 1, default 1)."""
+    bm, bn, w, nbuf, cap, *flags = map(int, tile.split("/"))
+    flags += [1] * (2 - len(flags))
+    return va.TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=bool(flags[0]),
+                         sum_mma=bool(flags[1]))
+
+
+def tile_name(c: va.TileConfig) -> str:
+    return f"{c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}/{c.maxnreg}/{int(c.rem_copy)}/{int(c.sum_mma)}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--cases", nargs="+", default=list(AWKWARD) + [c for c in ATTENTION_CASES if c != "1x1024"])
-    ap.add_argument("--tiles", nargs="*", default=None, help="Gluon tiles, block_m/block_n/warps/ring/register cap")
+    ap.add_argument("--tiles", nargs="*", default=None, help="Gluon tiles (see tile_config)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     d = args.head_dim
-    gluon = ([va.TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap)
-              for bm, bn, w, nbuf, cap in (map(int, t.split("/")) for t in args.tiles)] if args.tiles
-             else va.gluon_candidates(d))
+    gluon = [tile_config(t) for t in args.tiles] if args.tiles else va.gluon_candidates(d)
     cases = {**AWKWARD, **ATTENTION_CASES}
     rows = []
     for case in args.cases:
@@ -51,7 +61,7 @@ def main():
             fns[f"triton {c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}"] = (
                 lambda c=c: va.triton_varlen_attention(q, k, v, cu, maxlen, config=c))
         for c in gluon:
-            fns[f"gluon {c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}/{c.maxnreg}"] = (
+            fns[f"gluon {tile_name(c)}"] = (
                 lambda c=c: va.triton_varlen_attention(q, k, v, cu, maxlen, config=c))
         cudnn = batched_cudnn(q, k, v, lengths)
         if cudnn is not None:

@@ -67,16 +67,22 @@ if gluon is not None:
 
     @gluon.jit
     def _load_kv(desc, bufs, r_desc, r_bufs, ready, tile, tok0, col, r_row, r_col, n, BLOCK_N: gl.constexpr,
-                 NBUF: gl.constexpr, W1: gl.constexpr):
+                 NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr):
         """Key tile `tile` of the segment into its ring slot, if the segment has it: BLOCK_N rows of K (or V) and,
-        with a remainder (W1 > 0), W1 rows of R from row `r_row`, on one barrier. The caller has waited for the
-        slot's last reader, a wgmma; with two warpgroups, both have (`_both_done`: one thread issues the copy)."""
+        with a remainder (W1 > 0), its W1 columns past D0 on the same barrier: W1 rows of R from row `r_row`
+        (REM_T), or the next W1 columns of the same rows. The caller has waited for the slot's last reader, a
+        wgmma; with two warpgroups, both have (`_both_done`: one thread issues the copy)."""
         slot = tile % NBUF
         nbytes: gl.constexpr = BLOCK_N * (desc.block_type.shape[1] + W1) * desc.dtype.primitive_bitwidth // 8
         mbarrier.expect(ready.index(slot), nbytes, pred=tile < n)
         _tma_load(desc, [tok0 + tile * BLOCK_N, col], ready.index(slot), bufs.index(slot), pred=tile < n)
         if W1 > 0:
-            _tma_load(r_desc, [r_row, r_col + tile * BLOCK_N], ready.index(slot), r_bufs.index(slot), pred=tile < n)
+            if REM_T:
+                _tma_load(r_desc, [r_row, r_col + tile * BLOCK_N], ready.index(slot), r_bufs.index(slot),
+                          pred=tile < n)
+            else:
+                _tma_load(r_desc, [tok0 + tile * BLOCK_N, col + desc.block_type.shape[1]], ready.index(slot),
+                          r_bufs.index(slot), pred=tile < n)
 
     @gluon.jit
     def _both_done():
@@ -89,21 +95,25 @@ if gluon is not None:
             _cta_barrier()
 
     @gluon.jit
-    def _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, tile, s_zero, NBUF: gl.constexpr, W1: gl.constexpr):
+    def _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, tile, s_zero, NBUF: gl.constexpr, W1: gl.constexpr,
+            REM_T: gl.constexpr):
         """S = Q K^T for key tile `tile`, once its K tile has landed; with a remainder, + Q's remainder columns
-        times R's K box ([W1, BLOCK_N], the B operand as it is)."""
+        times K's (R's K box [W1, BLOCK_N] is the B operand as it is)."""
         slot = tile % NBUF
         mbarrier.wait(k_ready.index(slot), (tile // NBUF) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if W1 > 0:
-            s = warpgroup_mma(q1_smem, rk_bufs.index(slot), s, is_async=True)
+            if REM_T:
+                s = warpgroup_mma(q1_smem, rk_bufs.index(slot), s, is_async=True)
+            else:
+                s = warpgroup_mma(q1_smem, rk_bufs.index(slot).permute((1, 0)), s, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
+    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
               k_ready, v_ready, s_zero, tok0, col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
               NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, R_V: gl.constexpr,
-              SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
+              REM_T: gl.constexpr, SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
               p_layout: gl.constexpr):
         """Key tile j: the softmax of S_j, the accumulators rescaled, O += P_j V_j, then (NEXT) S_{j+1}; only then
         are the slots read by both wgmmas refilled with the tiles NBUF ahead. Refilling V's slot before issuing QK^T
@@ -115,20 +125,23 @@ if gluon is not None:
         p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
         mbarrier.wait(v_ready.index(slot), (j // NBUF) & 1)
         acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-        if W1 > 0:  # V's remainder: R's box transposed is a K-major B operand
+        if W1 > 0:  # V's remainder (R's box transposed is a K-major B operand)
             acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
-            acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            if REM_T:
+                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            else:
+                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
             acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if NEXT:
-            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1)
+            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1, REM_T)
         _both_done()
-        _load_kv(v_desc, v_bufs, r_desc, rv_bufs, v_ready, j + NBUF, tok0, col, r_row + R_V, r_col, n, BLOCK_N, NBUF,
-                 W1)
+        _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, j + NBUF, tok0, col, r_row + R_V, r_col, n, BLOCK_N, NBUF,
+                 W1, REM_T)
         if NEXT:
-            _load_kv(k_desc, k_bufs, r_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, col, r_row, r_col, n, BLOCK_N,
-                     NBUF, W1)
+            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, col, r_row, r_col, n, BLOCK_N,
+                     NBUF, W1, REM_T)
         return s, acc, acc1, m_i, l_i
 
     @gluon.jit
@@ -147,12 +160,15 @@ if gluon is not None:
         gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _gl_varlen_attn_fwd(q_desc, k_desc, v_desc, q1_desc, r_desc, O, CU_SEQLENS, stride_ot, stride_oh, qk_scale,
-                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NBUF: gl.constexpr, W1: gl.constexpr, R_ROWS: gl.constexpr, num_warps: gl.constexpr):
+    def _gl_varlen_attn_fwd(q_desc, k_desc, v_desc, q1_desc, k1_desc, v1_desc, O, CU_SEQLENS, stride_ot, stride_oh,
+                            qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr, R_ROWS: gl.constexpr,
+                            SUM_ASKED: gl.constexpr, num_warps: gl.constexpr):
         """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. Past
-        D0 = q_desc's width (W1 > 0), `q1_desc` reads Q's remainder ([BLOCK_M, W1] boxes) and `r_desc` R (R_ROWS
-        rows per head, [W1, BLOCK_N] boxes); both None at power-of-two head dims (W1 = 0)."""
+        D0 = q_desc's width (W1 > 0), `q1_desc` reads Q's remainder ([BLOCK_M, W1] boxes), `k1_desc` and
+        `v1_desc` K's and V's: both R (REM_T; R_ROWS rows per head, [W1, BLOCK_N] boxes), or K and V themselves
+        ([BLOCK_N, W1] boxes from column D0 of the head); all three None at power-of-two head dims (W1 = 0).
+        SUM_ASKED: P's row sums from R's row of ones, where it has one."""
         start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
@@ -162,7 +178,7 @@ if gluon is not None:
         if row0 < seqlen:
             D0: gl.constexpr = q_desc.block_type.shape[1]
             R_V: gl.constexpr = HEAD_DIM - D0  # R's rows per head: K's R_V remainder columns, then V's
-            SUM_MMA: gl.constexpr = 0 < R_V and R_V < W1  # R's row of ones lands in acc1's column R_V
+            SUM_MMA: gl.constexpr = SUM_ASKED and REM_T and 0 < R_V and R_V < W1  # R's row of ones: acc1's column R_V
             col = head * HEAD_DIM
             # O's head stride is a multiple of 8 (the launcher checks); written so, the compiler sees it at 72 too
             stride_oh = stride_oh // 8 * 8
@@ -183,8 +199,8 @@ if gluon is not None:
             v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], v_desc.layout)
             if W1 > 0:
                 q1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, W1], q1_desc.layout)
-                rk_bufs = gl.allocate_shared_memory(dtype, [NBUF, W1, BLOCK_N], r_desc.layout)
-                rv_bufs = gl.allocate_shared_memory(dtype, [NBUF, W1, BLOCK_N], r_desc.layout)
+                rk_bufs = gl.allocate_shared_memory(dtype, [NBUF] + k1_desc.block_type.shape, k1_desc.layout)
+                rv_bufs = gl.allocate_shared_memory(dtype, [NBUF] + v1_desc.block_type.shape, v1_desc.layout)
             else:  # placeholders, never read
                 q1_smem = q_smem
                 rk_bufs = k_bufs
@@ -203,9 +219,10 @@ if gluon is not None:
             if W1 > 0:
                 _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
-                _load_kv(k_desc, k_bufs, r_desc, rk_bufs, k_ready, i, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1)
-                _load_kv(v_desc, v_bufs, r_desc, rv_bufs, v_ready, i, tok0, col, r_row + R_V, r_col, n, BLOCK_N, NBUF,
-                         W1)
+                _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, i, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1,
+                         REM_T)
+                _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, i, tok0, col, r_row + R_V, r_col, n, BLOCK_N,
+                         NBUF, W1, REM_T)
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -221,25 +238,26 @@ if gluon is not None:
                 q1_smem.store(gl.where((q1_cols < R_V)[None, :], q1, gl.zeros_like(q1)))
                 fence_async_shared()
                 _cta_barrier()
-            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1)
+            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
             _both_done()
-            _load_kv(k_desc, k_bufs, r_desc, rk_bufs, k_ready, NBUF, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1)
+            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, NBUF, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1,
+                     REM_T)
             for j in range(0, n - 1):
-                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc,
+                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
                                                r_row, r_col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF, W1, R_V,
-                                               SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                                               REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             # the last key tile: masked only where the segment ends inside it
             if seqlen % BLOCK_N == 0:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc,
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
                                                r_row, r_col, n, seqlen, qk_scale, False, False, BLOCK_N, NBUF, W1, R_V,
-                                               SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                                               REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             else:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, r_desc,
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
                                                r_row, r_col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF, W1, R_V,
-                                               SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                                               REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(NBUF):
@@ -279,26 +297,33 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
 
 
 def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, block_m: int, block_n: int,
-                 num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None, rem_rows: int = 0):
+                 num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None, rem_rows: int = 0,
+                 sum_mma: bool = True):
     """One launch over the packed segments. q, k, v: `(T, H, D)` with each token's heads side by side in one
     row and 16-byte aligned rows (the fused QKV layout); `qk_scale` includes log2(e). Past a power-of-two head
-    dim, `rem` is `kv_remainder_t(k, v, ...)`, `rem_rows` its rows per head."""
+    dim, the remainder columns of K and V come from `rem` = `kv_remainder_t(k, v, ...)` (`rem_rows` rows per
+    head; `sum_mma`: P's row sums from its row of ones, where it has one) or, without it, from K and V in place."""
     total, heads, head_dim = q.shape
     width = heads * head_dim
     d0 = 1 << (head_dim.bit_length() - 1)
-    q_desc, k_desc, v_desc = (
-        TensorDescriptor(t, [total, width], [t.stride(0), 1], [rows, d0], _smem_layout(rows, d0, t.dtype))
-        for t, rows in ((q, block_m), (k, block_n), (v, block_n)))
-    q1_desc = r_desc = None
+
+    def desc(t, rows, cols, shape=(total, width)):  # (T, H, D) tensors as their (T, H * D) rows
+        return TensorDescriptor(t, list(shape), [t.stride(0), 1], [rows, cols], _smem_layout(rows, cols, t.dtype))
+
+    q_desc, k_desc, v_desc = desc(q, block_m, d0), desc(k, block_n, d0), desc(v, block_n, d0)
+    q1_desc = k1_desc = v1_desc = None
     w1 = 0
     if d0 < head_dim:
         if head_dim - d0 > REM_WIDTH:
             raise ValueError(f"the Gluon kernel takes at most {REM_WIDTH} columns past {d0}; head_dim {head_dim}")
         w1 = REM_WIDTH
-        q1_desc = TensorDescriptor(q, [total, width], [q.stride(0), 1], [block_m, w1], _smem_layout(block_m, w1, q.dtype))
-        r_desc = TensorDescriptor(rem, list(rem.shape), [rem.stride(0), 1], [w1, block_n],
-                                  _smem_layout(w1, block_n, rem.dtype))
+        q1_desc = desc(q, block_m, w1)
+        if rem is not None:
+            k1_desc = v1_desc = desc(rem, w1, block_n, rem.shape)
+        else:
+            k1_desc, v1_desc = desc(k, block_n, w1), desc(v, block_n, w1)
     options = {"maxnreg": maxnreg} if maxnreg else {}
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, v_desc,
-           q1_desc, r_desc, out, cu_seqlens, out.stride(0), out.stride(1), qk_scale, HEAD_DIM=head_dim,
-           BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, R_ROWS=rem_rows, num_warps=num_warps, **options)
+           q1_desc, k1_desc, v1_desc, out, cu_seqlens, out.stride(0), out.stride(1), qk_scale, HEAD_DIM=head_dim,
+           BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
+           SUM_ASKED=sum_mma, num_warps=num_warps, **options)

@@ -690,6 +690,7 @@ class TileConfig:
     sum_mma: bool = True  # TMA kernel: P's row sums by the tensor cores where the remainder has a spare column (72)
     gluon: bool = False  # the Gluon kernel (kernels/gluon_attention.py) instead; num_stages is its K/V ring depth
     maxnreg: int = 0  # Gluon kernel: registers per thread, capped (0: ptxas's choice)
+    rem_copy: bool = True  # Gluon kernel, past a power of two: K's and V's remainder from kv_remainder_t (else in place)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -864,15 +865,21 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v, out)
 
     if use_tma:
-        rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder
-        rem_stride0 = rem.stride(0)
         r_rows = remainder_rows(head_dim)
+        copies = {}
+
+        def remainder():  # kv_remainder_t, once per call and only for the kernels that read it
+            if "r" not in copies:
+                copies["r"] = kv_remainder_t(k, v, cu_seqlens, max_seqlen)
+            return copies["r"]
 
         def run(c: TileConfig):
             if c.gluon:
                 launch_gluon(q, k, v, out, cu_seqlens, max_seqlen, scale, c.block_m, c.block_n, c.num_warps,
-                             c.num_stages, c.maxnreg, rem if d1 else None, r_rows)
+                             c.num_stages, c.maxnreg, remainder() if d1 and c.rem_copy else None, r_rows, c.sum_mma)
                 return
+            rem = remainder() if d1 else q  # q: a placeholder without a remainder
+            rem_stride0 = rem.stride(0)
             if c.device_desc:
                 _set_scratch_allocator()
                 descs = [None] * 3
