@@ -172,16 +172,15 @@ def main():
     ap.add_argument("--tiles", nargs="*", default=None, help="block_m/block_n/warps/stages (default: the candidates)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--gluon", nargs="*", default=None,
-                    help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap")
+                    help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap[/remainder copied]")
     args = ap.parse_args()
     if args.gluon is not None:
         from kernels.gluon_attention import GLUON_TILES
 
-        tiles = [tuple(map(int, t.split("/"))) for t in args.gluon] or GLUON_TILES
         for head_dim in args.head_dims:
-            for tile in tiles:
+            for tile in [tuple(map(int, t.split("/"))) for t in args.gluon] or GLUON_TILES.get(head_dim, []):
                 report = compile_gluon_tile(tile, head_dim)
-                name = "/".join(map(str, tile))
+                name = "/".join(map(str, map(int, tile)))
                 print(json.dumps({"head_dim": head_dim, "tile": name, **report}) if args.json
                       else f"gluon d{head_dim} {name} {report}", flush=True)
         return

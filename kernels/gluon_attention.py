@@ -7,12 +7,14 @@ mbarrier per slot, each slot refilled as soon as the wgmma that read it is done)
 an online softmax in base 2, and one PV wgmma with P from registers. Only a segment's last key tile is masked,
 and only where the segment ends inside it.
 
-Head dims past a power of two (72, 80) take the TMA kernel's remainder scheme: the columns past D0 = 64 come
-from R, K's and V's remainder transposed (`varlen_attention.kv_remainder_t`), read in boxes of 16 rows of one
-column per token, so each dot is a 64-wide wgmma plus a 16-wide one. Q's remainder is a [BLOCK_M, 16] box whose
-columns past the head are zeroed once in shared memory, so the rows of R's K box that are V's cancel; V's box
-runs into the row of ones R has at 72 (P's row sums then come out of PV's accumulator, no row sum per tile) and
-into the next head's rows, accumulator columns that are never stored.
+Head dims past a power of two (72, 80): each dot is a 64-wide wgmma plus a 16-wide one over the columns past
+D0 = 64. Q's remainder is a [BLOCK_M, 16] box whose columns past the head are zeroed once in shared memory; K's and
+V's come two ways, picked per size class by the tuner:
+- in place: [BLOCK_N, 16] boxes from column D0 of the head. At 72 they run into the next head's first columns (or
+  TMA's zero fill), which Q's zeros cancel in QK^T and which land in accumulator columns never stored in PV;
+- copied (REM_T): R, K's and V's remainder transposed (`varlen_attention.kv_remainder_t`), [16, BLOCK_N] boxes of
+  one column per token. At 72 R has a row of ones after V's rows, so PV's remainder wgmma also sums P's rows and the
+  softmax sums none. That pays from 1x4096 up; on packs of short segments the copy (~19 us at 16k tokens) does not.
 
 Each wgmma is waited for at once: where several programs share an SM, the warp schedulers overlap one program's
 softmax with another's tensor-core work, and a program that keeps a second score tile in flight needs ~205
@@ -110,11 +112,11 @@ if gluon is not None:
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
-              k_ready, v_ready, s_zero, tok0, col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
+    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc, k_bufs, v_bufs, rk_bufs,
+              rv_bufs, k_ready, v_ready, s_zero, tok0, col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
               NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, R_V: gl.constexpr,
-              REM_T: gl.constexpr, SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
-              p_layout: gl.constexpr):
+              REM_T: gl.constexpr, SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+              o1_layout: gl.constexpr, p_layout: gl.constexpr):
         """Key tile j: the softmax of S_j, the accumulators rescaled, O += P_j V_j, then (NEXT) S_{j+1}; only then
         are the slots read by both wgmmas refilled with the tiles NBUF ahead. Refilling V's slot before issuing QK^T
         (rev 6b841b4) put the copy's issue in front of the tensor cores: 64/128 on 4 warps took 90.6 us at 8x1024
@@ -243,21 +245,21 @@ if gluon is not None:
             _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, NBUF, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1,
                      REM_T)
             for j in range(0, n - 1):
-                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc,
-                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
-                                               r_row, r_col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF, W1, R_V,
-                                               REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
+                                               v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                                               tok0, col, r_row, r_col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF,
+                                               W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             # the last key tile: masked only where the segment ends inside it
             if seqlen % BLOCK_N == 0:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc,
-                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
-                                               r_row, r_col, n, seqlen, qk_scale, False, False, BLOCK_N, NBUF, W1, R_V,
-                                               REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
+                                               v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                                               tok0, col, r_row, r_col, n, seqlen, qk_scale, False, False, BLOCK_N, NBUF,
+                                               W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             else:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc,
-                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero, tok0, col,
-                                               r_row, r_col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF, W1, R_V,
-                                               REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
+                                               v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                                               tok0, col, r_row, r_col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF,
+                                               W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(NBUF):
@@ -276,13 +278,22 @@ if gluon is not None:
             if W1 > 0:
                 _store_rows(o_row, acc1 / l_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
 
-# The candidates (block_m, block_n, warps, ring depth, register cap or 0), from
-# benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json (GPU time per call, H100): 128/128 on 8 warps
-# capped at 128 registers (2 CTAs per SM instead of 1; no spills) is the fastest from 1x4096 up, 64/128 at
-# 8x1024, 64/64 on packs of short segments (64x256, 32x784).
-GLUON_TILES = [(128, 128, 8, 2, 128), (64, 128, 4, 2, 0), (64, 64, 4, 2, 0)]
+# The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied), from GPU
+# time per call on H100 (benchmarks/probe_gluon_attention.py):
+# - 64 (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): 128/128 on 8 warps capped at 128 registers
+#   (2 CTAs per SM instead of 1; no spills) is the fastest from 1x4096 up, 64/128 at 8x1024, 64/64 on packs of short
+#   segments (64x256, 32x784);
+# - 72 and 80 (gluon_attention_probe_d72_rev4fdee81.json, _d80_): 128/64 on 8 warps everywhere but the smallest
+#   segments (64/64). At 72, with the remainder copied (kv_remainder_t, whose row of ones sums P's rows on the
+#   tensor cores) from 1x4096 up, 3-5% faster there; read in place on packs of short segments, where the copy's
+#   ~19 us is a fifth of the call (64x256: 83.4 us against 102.2). 128/128 capped at 128 registers spills there.
+GLUON_TILES = {
+    64: [(128, 128, 8, 2, 128, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
+    72: [(128, 64, 8, 2, 0, True), (128, 64, 8, 2, 0, False), (64, 64, 4, 2, 0, False)],
+    80: [(128, 64, 8, 2, 0, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
+}
 
-# The remainder's width past D0 (72: 8 columns; 80: 16) in Q's and R's boxes: a wgmma's K step at 16 bits.
+# The remainder's width past D0 (72: 8 columns; 80: 16) in the remainder's boxes: a wgmma's K step at 16 bits.
 REM_WIDTH = 16
 
 

@@ -24,9 +24,10 @@ Kernel design:
   dots. With `cos`/`sin` at power-of-two head dims it rotates Q into the program's own output rows first
   and reads it back from there, so that Q is staged in shared memory like an unrotated one (see
   `_tma_tile`). The pointer kernel serves every other case;
-- at head_dim 64 without RoPE in the kernel, the Hopper path also offers the Gluon kernel
-  (kernels/gluon_attention.py: Q by TMA too, ~130 registers, 128-row tiles on two warpgroups), and the tuner
-  picks between both kernels' tiles per size class.
+- at head dims 64, 72 and 80 without RoPE in the kernel, the Hopper path also offers the Gluon kernel
+  (kernels/gluon_attention.py: Q by TMA too, fewer registers, 128-row tiles on two warpgroups; past 64 the
+  remainder read in place or from the transposed copy), and the tuner picks between both kernels' tiles per
+  size class.
 """
 
 from __future__ import annotations
@@ -690,7 +691,7 @@ class TileConfig:
     sum_mma: bool = True  # TMA kernel: P's row sums by the tensor cores where the remainder has a spare column (72)
     gluon: bool = False  # the Gluon kernel (kernels/gluon_attention.py) instead; num_stages is its K/V ring depth
     maxnreg: int = 0  # Gluon kernel: registers per thread, capped (0: ptxas's choice)
-    rem_copy: bool = True  # Gluon kernel, past a power of two: K's and V's remainder from kv_remainder_t (else in place)
+    rem_copy: bool = True  # Gluon kernel, past a power of two: K's and V's remainder from kv_remainder_t, or in place
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -750,21 +751,24 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
             for bm, bn, w, s in TMA_TILES if not (rem and bm == bn == 128 and w == 4)]
 
 
-# Head dims the Gluon kernel's candidates were measured at (the tower's 64); others keep the TMA kernel.
-GLUON_HEAD_DIMS = (64,)
+# Head dims the Gluon kernel's candidates were measured at (the towers' 64 and 72, Qwen2.5-VL's 80); others keep the
+# TMA kernel.
+GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 
 
 def gluon_candidates(head_dim: int) -> list[TileConfig]:
     """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing)."""
     if head_dim not in GLUON_HEAD_DIMS or not gluon_available():
         return []
-    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap) for bm, bn, w, nbuf, cap in GLUON_TILES]
+    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy)
+            for bm, bn, w, nbuf, cap, copy in GLUON_TILES[head_dim]]
 
 
 def hopper_candidates(head_dim: int, gluon: bool) -> list[TileConfig]:
     """Every configuration the automatic Hopper path may pick: the TMA kernel's, and with `gluon` (no RoPE in the
     kernel, q in the fused QKV layout too) the Gluon kernel's. At 64 the Gluon kernel is 4-16% faster from 1x4096
-    up and on packs of short segments (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json)."""
+    up and on packs of short segments (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json), at 72 2-32%
+    (gluon_attention_probe_d72_rev4fdee81.json)."""
     return tma_candidates(head_dim) + (gluon_candidates(head_dim) if gluon else [])
 
 

@@ -15,6 +15,7 @@ import torch
 
 from conftest import rel_err
 from kernels import attention as attn_mod
+from kernels.gluon_attention import GLUON_TILES
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.varlen_attention import (
     TileConfig,
@@ -136,18 +137,26 @@ def test_gluon_kernel_only_where_it_applies():
 
     if not gluon_available():
         pytest.skip("this Triton has no Gluon Hopper API")
-    assert GLUON_HEAD_DIMS == (64,)
-    assert hopper_candidates(64, True) == tma_candidates(64) + gluon_candidates(64)
-    assert gluon_candidates(64) and all(c.gluon and c.tma for c in gluon_candidates(64))
-    assert hopper_candidates(64, False) == tma_candidates(64)
-    assert hopper_candidates(72, True) == tma_candidates(72) and not gluon_candidates(128)
-    q, k, v, cu, cos, sin = make_inputs([7, 33], 2, 64, torch.float16, True)
-    config = gluon_candidates(64)[0]
-    with pytest.raises(ValueError, match="Gluon kernel needs"):
-        triton_varlen_attention(q, k, v, cu, 33, cos=cos, sin=sin, rotate_k=False, config=config)
-    with pytest.raises(ValueError, match="Gluon kernel needs"):
-        triton_varlen_attention(q.contiguous().transpose(0, 1).contiguous().transpose(0, 1), k, v, cu, 33,
-                                config=config)
+    assert GLUON_HEAD_DIMS == (64, 72, 80)
+    for head_dim in GLUON_HEAD_DIMS:
+        assert hopper_candidates(head_dim, True) == tma_candidates(head_dim) + gluon_candidates(head_dim)
+        assert gluon_candidates(head_dim) and all(c.gluon and c.tma for c in gluon_candidates(head_dim))
+        assert hopper_candidates(head_dim, False) == tma_candidates(head_dim)
+    # at 72 both ways of reading the remainder are candidates: copied (large segments) and in place (short ones)
+    assert {c.rem_copy for c in gluon_candidates(72)} == {True, False}
+    assert hopper_candidates(96, True) == tma_candidates(96) and not gluon_candidates(128)
+    for head_dim in (64, 72, 96):
+        q, k, v, cu, cos, sin = make_inputs([7, 33], 2, head_dim, torch.float16, True)
+        config = gluon_candidates(min(head_dim, 72))[0]
+        if head_dim == 96:  # 32 columns past 64: more than the kernel's 16-wide remainder
+            with pytest.raises(ValueError, match="Gluon kernel needs at most 16"):
+                triton_varlen_attention(q, k, v, cu, 33, config=config)
+            continue
+        with pytest.raises(ValueError, match="Gluon kernel needs"):
+            triton_varlen_attention(q, k, v, cu, 33, cos=cos, sin=sin, rotate_k=False, config=config)
+        with pytest.raises(ValueError, match="Gluon kernel needs"):
+            triton_varlen_attention(q.contiguous().transpose(0, 1).contiguous().transpose(0, 1), k, v, cu, 33,
+                                    config=config)
 
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
@@ -350,27 +359,28 @@ def test_hopper_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
     assert scores <= ops.get("MUFU", 0) <= scores + 2 * halves, report
 
 
-@pytest.mark.parametrize("tile", __import__("kernels.gluon_attention").gluon_attention.GLUON_TILES,
-                         ids=lambda t: "/".join(map(str, t)))
-def test_gluon_kernel_compiles_to_a_wgmma_pipeline(tile):
-    """Each Gluon candidate at 64, compiled for sm90 here: no spills (the 128-row tile runs capped at 128
-    registers), no serialised wgmmas, at least two CTAs per SM, and a steady-state step of one key tile's PV and
-    the next one's QK^T (4 + block_n / 16 wgmmas per warpgroup) with one exp2 per score plus the rescale
-    factors."""
+@pytest.mark.parametrize("head_dim,tile", [(d, t) for d, tiles in GLUON_TILES.items() for t in tiles],
+                         ids=lambda x: "/".join(map(str, map(int, x))) if isinstance(x, tuple) else f"d{x}")
+def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
+    """Each Gluon candidate, compiled for sm90 here: no spills (the 128-row tile runs capped at 128 registers), no
+    serialised wgmmas, at least two CTAs per SM, and a steady-state step of one key tile's PV and the next one's
+    QK^T (4 + block_n / 16 wgmmas per warpgroup, and past 64 one more for QK^T's remainder and block_n / 16 more
+    for PV's) with one exp2 per score plus the rescale factors."""
     from kernels.gluon_attention import gluon_available
 
     if not gluon_available():
         pytest.skip("this Triton has no Gluon Hopper API")
-    bm, bn, warps, _, cap = tile
+    bm, bn, warps, _, cap, _ = tile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", "64", "--gluon",
-                          "/".join(map(str, tile))], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", str(head_dim),
+                          "--gluon", "/".join(map(str, map(int, tile)))], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parents[1], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.splitlines()[-1])
     assert report["spill_bytes"] == 0 and report["wgmma_serialised"] is None, report
     assert report["programs_per_sm"] >= 2 and (not cap or report["registers"] <= cap), report
     ops = dict(report["loop_ops"])
-    assert ops.get("HGMMA") == 64 // 16 + bn // 16, report
+    rem = head_dim > 64
+    assert ops.get("HGMMA") == 64 // 16 + rem + bn // 16 * (1 + rem), report
     scores = bm * bn // (32 * warps)
     assert scores <= ops.get("MUFU", 0) <= scores + 2, report
