@@ -88,7 +88,8 @@ def shape_paths(lengths, d, tiles=True):
             fns[f"tma {bm}x{bn} w{w} s{s} {'device' if device else 'host'} desc"] = (
                 lambda c=c: triton_varlen_attention(q, k, v, cu, maxlen, out=out, config=c))
     for c in gluon_candidates(d) if tiles else []:
-        fns[f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} r{c.maxnreg}"] = (
+        rem = (" copy" if c.rem_copy else " in place") if d & (d - 1) else ""
+        fns[f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} r{c.maxnreg}{rem}"] = (
             lambda c=c: triton_varlen_attention(q, k, v, cu, maxlen, out=out, config=c))
     fns["pointer 128x64 w4 s3"] = lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out,
                                                                   config=TileConfig(128, 64, 4, 3))
