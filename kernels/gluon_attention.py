@@ -113,7 +113,8 @@ if gluon is not None:
 
     @gluon.jit
     def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc, k_bufs, v_bufs, rk_bufs,
-              rv_bufs, k_ready, v_ready, s_zero, tok0, col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
+              rv_bufs, k_ready, v_ready, s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale,
+              MASK: gl.constexpr,
               NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, R_V: gl.constexpr,
               REM_T: gl.constexpr, SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
               o1_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -139,11 +140,11 @@ if gluon is not None:
         if NEXT:
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1, REM_T)
         _both_done()
-        _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, j + NBUF, tok0, col, r_row + R_V, r_col, n, BLOCK_N, NBUF,
-                 W1, REM_T)
+        _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, j + NBUF, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
+                 NBUF, W1, REM_T)
         if NEXT:
-            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, col, r_row, r_col, n, BLOCK_N,
-                     NBUF, W1, REM_T)
+            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, k_col, r_row, r_col, n,
+                     BLOCK_N, NBUF, W1, REM_T)
         return s, acc, acc1, m_i, l_i
 
     @gluon.jit
@@ -163,14 +164,26 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_varlen_attn_fwd(q_desc, k_desc, v_desc, q1_desc, k1_desc, v1_desc, O, CU_SEQLENS, stride_ot, stride_oh,
-                            qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr, R_ROWS: gl.constexpr,
-                            SUM_ASKED: gl.constexpr, num_warps: gl.constexpr):
+                            q_col, k_col, v_col, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
+                            R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, K_IS_Q: gl.constexpr,
+                            V_IS_K: gl.constexpr, K1_IS_Q1: gl.constexpr, V1_IS_K1: gl.constexpr,
+                            num_warps: gl.constexpr):
         """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. Past
         D0 = q_desc's width (W1 > 0), `q1_desc` reads Q's remainder ([BLOCK_M, W1] boxes), `k1_desc` and
         `v1_desc` K's and V's: both R (REM_T; R_ROWS rows per head, [W1, BLOCK_N] boxes), or K and V themselves
         ([BLOCK_N, W1] boxes from column D0 of the head); all three None at power-of-two head dims (W1 = 0).
-        SUM_ASKED: P's row sums from R's row of ones, where it has one."""
+        SUM_ASKED: P's row sums from R's row of ones, where it has one. Q's, K's and V's heads start at columns
+        q_col, k_col and v_col of their descriptors' rows; K_IS_Q, V_IS_K, K1_IS_Q1, V1_IS_K1: a descriptor passed
+        as None is the one named (q, k, v in one buffer: fewer descriptors to encode per launch)."""
+        if K_IS_Q:
+            k_desc = q_desc
+        if V_IS_K:
+            v_desc = k_desc
+        if K1_IS_Q1:
+            k1_desc = q1_desc
+        if V1_IS_K1:
+            v1_desc = k1_desc
         start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
@@ -182,6 +195,9 @@ if gluon is not None:
             R_V: gl.constexpr = HEAD_DIM - D0  # R's rows per head: K's R_V remainder columns, then V's
             SUM_MMA: gl.constexpr = SUM_ASKED and REM_T and 0 < R_V and R_V < W1  # R's row of ones: acc1's column R_V
             col = head * HEAD_DIM
+            q_col = q_col + col
+            k_col = k_col + col
+            v_col = v_col + col
             # O's head stride is a multiple of 8 (the launcher checks); written so, the compiler sees it at 72 too
             stride_oh = stride_oh // 8 * 8
             r_row = head * R_ROWS
@@ -217,13 +233,13 @@ if gluon is not None:
             fence_async_shared()
 
             mbarrier.expect(q_bar, BLOCK_M * (D0 + W1) * dtype.primitive_bitwidth // 8)
-            _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
+            _tma_load(q_desc, [tok0 + row0, q_col], q_bar, q_smem)
             if W1 > 0:
-                _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
+                _tma_load(q1_desc, [tok0 + row0, q_col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
-                _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, i, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1,
-                         REM_T)
-                _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, i, tok0, col, r_row + R_V, r_col, n, BLOCK_N,
+                _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+                         W1, REM_T)
+                _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, i, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
                          NBUF, W1, REM_T)
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -242,23 +258,23 @@ if gluon is not None:
                 _cta_barrier()
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
             _both_done()
-            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, NBUF, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1,
-                     REM_T)
+            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+                     W1, REM_T)
             for j in range(0, n - 1):
                 s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
                                                v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, col, r_row, r_col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF,
                                                W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             # the last key tile: masked only where the segment ends inside it
             if seqlen % BLOCK_N == 0:
                 s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
                                                v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, col, r_row, r_col, n, seqlen, qk_scale, False, False, BLOCK_N, NBUF,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False, BLOCK_N, NBUF,
                                                W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
             else:
                 s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
                                                v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, col, r_row, r_col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF,
                                                W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
 
             mbarrier.invalidate(q_bar)
@@ -307,34 +323,71 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
+@functools.lru_cache(maxsize=None)
+def _template(rows: int, cols: int, dtype: torch.dtype) -> dict:
+    """The fields of a descriptor with this box, built once through the validating constructor."""
+    probe = torch.empty((rows, cols), dtype=dtype)
+    return dict(vars(TensorDescriptor(probe, [rows, cols], [cols, 1], [rows, cols], _smem_layout(rows, cols, dtype))))
+
+
+def _descriptor(t: torch.Tensor, shape: list[int], stride: int, rows: int, cols: int):
+    """A host descriptor over `t`'s rows (`shape`, row stride `stride`), [rows, cols] boxes. Its constructor's checks
+    (alignment, shape, dtype) cost ~10 us of host time per descriptor, six per launch at 72; the launcher has
+    checked the same (16-byte aligned base and rows: `varlen_attention.tma_layout_ok`), so the fields of a
+    validated descriptor with the same box are reused and only the tensor, shape and strides set."""
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    fields = vars(desc)
+    fields.update(_template(rows, cols, t.dtype))
+    fields.update(base=t, shape=shape, strides=[stride, 1])
+    return desc
+
+
 def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, block_m: int, block_n: int,
                  num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None, rem_rows: int = 0,
                  sum_mma: bool = True):
     """One launch over the packed segments. q, k, v: `(T, H, D)` with each token's heads side by side in one
     row and 16-byte aligned rows (the fused QKV layout); `qk_scale` includes log2(e). Past a power-of-two head
     dim, the remainder columns of K and V come from `rem` = `kv_remainder_t(k, v, ...)` (`rem_rows` rows per
-    head; `sum_mma`: P's row sums from its row of ones, where it has one) or, without it, from K and V in place."""
+    head; `sum_mma`: P's row sums from its row of ones, where it has one) or, without it, from K and V in place.
+
+    Where q, k and v are the three parts of one buffer's rows (the tower's fused QKV projection), one descriptor
+    per box shape serves all three, read from their column offsets: at 72 two to four descriptors instead of six.
+    Each costs host time at every launch (built, specialised and encoded: ~10-25 us on the H100 machines' hosts,
+    benchmarks/results/launch_profile_d72_h100_rev*.json), which sets the time of a small call."""
     total, heads, head_dim = q.shape
     width = heads * head_dim
     d0 = 1 << (head_dim.bit_length() - 1)
+    if d0 < head_dim and head_dim - d0 > REM_WIDTH:
+        raise ValueError(f"the Gluon kernel takes at most {REM_WIDTH} columns past {d0}; head_dim {head_dim}")
+    w1 = REM_WIDTH if d0 < head_dim else 0
+    row = q.stride(0)
+    k_col = (k.data_ptr() - q.data_ptr()) // q.element_size()
+    v_col = (v.data_ptr() - q.data_ptr()) // q.element_size()
+    fused = k.stride(0) == row and v.stride(0) == row and 0 <= min(k_col, v_col) and max(k_col, v_col) + width <= row
+    if fused:  # one (T, row) view from q's first element: q's heads at column 0, k's at k_col, v's at v_col
+        base, shape = q, [total, max(k_col, v_col) + width]
+    else:
+        base, shape, k_col, v_col = None, [total, width], 0, 0
+    same_rows = fused and block_m == block_n
 
-    def desc(t, rows, cols, shape=(total, width)):  # (T, H, D) tensors as their (T, H * D) rows
-        return TensorDescriptor(t, list(shape), [t.stride(0), 1], [rows, cols], _smem_layout(rows, cols, t.dtype))
+    def desc(t, rows, cols):
+        return _descriptor(t, shape, t.stride(0), rows, cols)
 
-    q_desc, k_desc, v_desc = desc(q, block_m, d0), desc(k, block_n, d0), desc(v, block_n, d0)
+    q_desc = desc(q, block_m, d0)
+    k_desc = None if same_rows else desc(k if base is None else base, block_n, d0)
+    v_desc = None if fused else desc(v, block_n, d0)
     q1_desc = k1_desc = v1_desc = None
-    w1 = 0
-    if d0 < head_dim:
-        if head_dim - d0 > REM_WIDTH:
-            raise ValueError(f"the Gluon kernel takes at most {REM_WIDTH} columns past {d0}; head_dim {head_dim}")
-        w1 = REM_WIDTH
+    if w1 and rem is not None:
         q1_desc = desc(q, block_m, w1)
-        if rem is not None:
-            k1_desc = v1_desc = desc(rem, w1, block_n, rem.shape)
-        else:
-            k1_desc, v1_desc = desc(k, block_n, w1), desc(v, block_n, w1)
+        k1_desc = _descriptor(rem, list(rem.shape), rem.stride(0), w1, block_n)
+    elif w1:
+        q1_desc = desc(q, block_m, w1)
+        k1_desc = None if same_rows else desc(k if base is None else base, block_n, w1)
+        v1_desc = None if fused else desc(v, block_n, w1)
     options = {"maxnreg": maxnreg} if maxnreg else {}
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, v_desc,
-           q1_desc, k1_desc, v1_desc, out, cu_seqlens, out.stride(0), out.stride(1), qk_scale, HEAD_DIM=head_dim,
-           BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
-           SUM_ASKED=sum_mma, num_warps=num_warps, **options)
+           q1_desc, k1_desc, v1_desc, out, cu_seqlens, out.stride(0), out.stride(1), 0, k_col, v_col, qk_scale,
+           HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None,
+           R_ROWS=rem_rows, SUM_ASKED=sum_mma, K_IS_Q=same_rows, V_IS_K=fused,
+           K1_IS_Q1=same_rows and w1 > 0 and rem is None, V1_IS_K1=w1 > 0 and (fused or rem is not None),
+           num_warps=num_warps, **options)
