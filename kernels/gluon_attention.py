@@ -353,7 +353,7 @@ def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, blo
     Where q, k and v are the three parts of one buffer's rows (the tower's fused QKV projection), one descriptor
     per box shape serves all three, read from their column offsets: at 72 two to four descriptors instead of six.
     Each costs host time at every launch (built, specialised and encoded: ~10-25 us on the H100 machines' hosts,
-    benchmarks/results/launch_profile_d72_h100_rev*.json), which sets the time of a small call."""
+    benchmarks/results/launch/launch_profile_d72_h100_rev*.json), which sets the time of a small call."""
     total, heads, head_dim = q.shape
     width = heads * head_dim
     d0 = 1 << (head_dim.bit_length() - 1)

@@ -10,7 +10,7 @@ import kernels.tuning as tuning
 
 @pytest.fixture
 def timer(monkeypatch):
-    """do_bench replaced by a script: candidate -> [first timing, re-timing]; records each call."""
+    """do_bench replaced by a script: candidate -> its timings, one per call in order; records each call."""
     calls = []
 
     def install(script):
@@ -25,24 +25,34 @@ def timer(monkeypatch):
     return install
 
 
+R = tuning.TIMING_ROUNDS
+
+
 def test_close_candidates_are_retimed_longer(timer):
-    # "b" looks best in the short timing by 2%, "a" wins the longer one; "c" is 20% off and not re-timed
-    calls = timer({"a": [1.02, 0.98], "b": [1.00, 1.01], "c": [1.20]})
+    # "b" looks best in the short timings by 2%, "a" wins the longer ones; "c" is 20% off and not re-timed
+    calls = timer({"a": [1.02] * R + [0.98] * R, "b": [1.00] * R + [1.01] * R, "c": [1.20] * R})
     assert tuning.choose(("k", 1), lambda: ["a", "b", "c"], lambda c: c) == "a"
-    assert [c for c, rep in calls if rep > 40] == ["a", "b"]
-    assert len(calls) == 5
+    assert [c for c, rep in calls if rep > 40] == ["a", "b"] * R
+    # the rounds interleave the candidates
+    assert [c for c, _ in calls[:3 * R]] == ["a", "b", "c"] * R
     # chosen once: later calls with the key neither list nor time candidates
     assert tuning.choose(("k", 1), lambda: pytest.fail("re-listed"), lambda c: pytest.fail("re-timed")) == "a"
 
 
 def test_clear_winner_is_not_retimed(timer):
-    calls = timer({"a": [1.0], "b": [1.5]})
+    calls = timer({"a": [1.0] * R, "b": [1.5] * R})
     assert tuning.choose(("k", 2), lambda: ["a", "b"], lambda c: c) == "a"
-    assert len(calls) == 2
+    assert len(calls) == 2 * R
+
+
+def test_one_slow_round_does_not_decide(timer):
+    # the host's slow spell lands on "a"'s first timing: its median still wins, and "b" is more than 5% off
+    timer({"a": [3.0] + [1.0] * (R - 1), "b": [1.1] * R})
+    assert tuning.choose(("k", 6), lambda: ["a", "b"], lambda c: c) == "a"
 
 
 def test_failing_candidates_are_skipped_and_all_failing_raises(timer):
-    timer({"a": [1.0, 1.0]})
+    timer({"a": [1.0] * R})
 
     def launch(c):
         if c == "bad":
