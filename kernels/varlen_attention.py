@@ -764,12 +764,17 @@ def gluon_candidates(head_dim: int) -> list[TileConfig]:
             for bm, bn, w, nbuf, cap, copy in GLUON_TILES[head_dim]]
 
 
-def hopper_candidates(head_dim: int, gluon: bool) -> list[TileConfig]:
+def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TileConfig]:
     """Every configuration the automatic Hopper path may pick: the TMA kernel's, and with `gluon` (no RoPE in the
     kernel, q in the fused QKV layout too) the Gluon kernel's. At 64 the Gluon kernel is 4-16% faster from 1x4096
     up and on packs of short segments (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json), at 72 2-32%
-    (gluon_attention_probe_d72_rev4fdee81.json)."""
-    return tma_candidates(head_dim) + (gluon_candidates(head_dim) if gluon else [])
+    (gluon_attention_probe_d72_rev4fdee81.json).
+    With `max_seqlen` up to 1024, no Gluon candidate copies the remainder: the copy only pays from 1x4096 up, and
+    below it would be picked only by the tuner's noise (its second launch and descriptor cost host time)."""
+    own = gluon_candidates(head_dim) if gluon else []
+    if max_seqlen is not None and seq_bucket(max_seqlen) < 2:
+        own = [c for c in own if not (c.rem_copy and head_dim_split(head_dim)[1])]
+    return tma_candidates(head_dim) + own
 
 
 @functools.lru_cache(maxsize=None)
@@ -909,7 +914,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             gluon = not rope and _heads_side_by_side(q)
             key = ("tma", bucket, load_class(total, heads), head_dim, rope, gluon, q.dtype, q.device)
             config = _with_descriptors(choose(key, lambda: [_with_descriptors(c, device_desc)
-                                                            for c in hopper_candidates(head_dim, gluon)], run),
+                                                            for c in hopper_candidates(head_dim, gluon, max_seqlen)], run),
                                        device_desc)
         run(config)
         return out

@@ -144,6 +144,9 @@ def test_gluon_kernel_only_where_it_applies():
         assert hopper_candidates(head_dim, False) == tma_candidates(head_dim)
     # at 72 both ways of reading the remainder are candidates: copied (large segments) and in place (short ones)
     assert {c.rem_copy for c in gluon_candidates(72)} == {True, False}
+    assert {c.rem_copy for c in hopper_candidates(72, True, 4096) if c.gluon} == {True, False}
+    assert {c.rem_copy for c in hopper_candidates(72, True, 1024) if c.gluon} == {False}
+    assert hopper_candidates(64, True, 256) == hopper_candidates(64, True)
     assert hopper_candidates(96, True) == tma_candidates(96) and not gluon_candidates(128)
     for head_dim in (64, 72, 96):
         q, k, v, cu, cos, sin = make_inputs([7, 33], 2, head_dim, torch.float16, True)
