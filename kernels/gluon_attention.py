@@ -360,33 +360,30 @@ def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, blo
     if d0 < head_dim and head_dim - d0 > REM_WIDTH:
         raise ValueError(f"the Gluon kernel takes at most {REM_WIDTH} columns past {d0}; head_dim {head_dim}")
     w1 = REM_WIDTH if d0 < head_dim else 0
-    row = q.stride(0)
-    k_col = (k.data_ptr() - q.data_ptr()) // q.element_size()
-    v_col = (v.data_ptr() - q.data_ptr()) // q.element_size()
-    fused = k.stride(0) == row and v.stride(0) == row and 0 <= min(k_col, v_col) and max(k_col, v_col) + width <= row
+    row, k_row, v_row = q.stride(0), k.stride(0), v.stride(0)
+    q_ptr, size = q.data_ptr(), q.element_size()
+    k_col, v_col = (k.data_ptr() - q_ptr) // size, (v.data_ptr() - q_ptr) // size
+    fused = k_row == row and v_row == row and 0 <= min(k_col, v_col) and max(k_col, v_col) + width <= row
     if fused:  # one (T, row) view from q's first element: q's heads at column 0, k's at k_col, v's at v_col
-        base, shape = q, [total, max(k_col, v_col) + width]
+        k, v, shape = q, q, [total, max(k_col, v_col) + width]
     else:
-        base, shape, k_col, v_col = None, [total, width], 0, 0
+        shape, k_col, v_col = [total, width], 0, 0
     same_rows = fused and block_m == block_n
-
-    def desc(t, rows, cols):
-        return _descriptor(t, shape, t.stride(0), rows, cols)
-
-    q_desc = desc(q, block_m, d0)
-    k_desc = None if same_rows else desc(k if base is None else base, block_n, d0)
-    v_desc = None if fused else desc(v, block_n, d0)
+    q_desc = _descriptor(q, shape, row, block_m, d0)
+    k_desc = None if same_rows else _descriptor(k, shape, k_row, block_n, d0)
+    v_desc = None if fused else _descriptor(v, shape, v_row, block_n, d0)
     q1_desc = k1_desc = v1_desc = None
-    if w1 and rem is not None:
-        q1_desc = desc(q, block_m, w1)
-        k1_desc = _descriptor(rem, list(rem.shape), rem.stride(0), w1, block_n)
-    elif w1:
-        q1_desc = desc(q, block_m, w1)
-        k1_desc = None if same_rows else desc(k if base is None else base, block_n, w1)
-        v1_desc = None if fused else desc(v, block_n, w1)
+    if w1:
+        q1_desc = _descriptor(q, shape, row, block_m, w1)
+        if rem is not None:
+            k1_desc = _descriptor(rem, list(rem.shape), rem.stride(0), w1, block_n)
+        else:
+            k1_desc = None if same_rows else _descriptor(k, shape, k_row, block_n, w1)
+            v1_desc = None if fused else _descriptor(v, shape, v_row, block_n, w1)
+    o_stride = out.stride()
     options = {"maxnreg": maxnreg} if maxnreg else {}
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, v_desc,
-           q1_desc, k1_desc, v1_desc, out, cu_seqlens, out.stride(0), out.stride(1), 0, k_col, v_col, qk_scale,
+           q1_desc, k1_desc, v1_desc, out, cu_seqlens, o_stride[0], o_stride[1], 0, k_col, v_col, qk_scale,
            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None,
            R_ROWS=rem_rows, SUM_ASKED=sum_mma, K_IS_Q=same_rows, V_IS_K=fused,
            K1_IS_Q1=same_rows and w1 > 0 and rem is None, V1_IS_K1=w1 > 0 and (fused or rem is not None),
