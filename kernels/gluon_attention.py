@@ -1,8 +1,9 @@
 """Hopper varlen attention in Gluon (Triton's explicit-layout dialect).
 
-The contract of `kernels.varlen_attention`'s TMA kernel: q, k, v `(total_tokens, heads, head_dim)` views with each
-token's heads side by side in one row (the fused QKV buffer), int32 `cu_seqlens`, one program per (query tile,
-head, segment); tiles past a segment's end exit at once. Q, K and V arrive by TMA (K and V in NBUF-deep rings, one
+The contract of `kernels.varlen_attention`'s TMA kernel, narrowed to the tower's layout: q, k, v `(total_tokens,
+heads, head_dim)` views that are the three parts of one buffer's rows, each token's heads side by side (the fused
+QKV buffer; `qkv_columns`), read through descriptors over q's rows; int32 `cu_seqlens`, one program per (query
+tile, head, segment); tiles past a segment's end exit at once. Q, K and V arrive by TMA (K and V in NBUF-deep rings, one
 mbarrier per slot, each slot refilled as soon as the wgmma that read it is done); each key tile is one QK^T wgmma,
 an online softmax in base 2, and one PV wgmma with P from registers. Only a segment's last key tile is masked,
 and only where the segment ends inside it.
@@ -263,19 +264,22 @@ if gluon is not None:
             for j in range(0, n - 1):
                 s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
                                                v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True, BLOCK_N, NBUF,
-                                               W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True,
+                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                               p_layout)
             # the last key tile: masked only where the segment ends inside it
             if seqlen % BLOCK_N == 0:
                 s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
                                                v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False, BLOCK_N, NBUF,
-                                               W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False,
+                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                               p_layout)
             else:
                 s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
                                                v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False, BLOCK_N, NBUF,
-                                               W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False,
+                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                               p_layout)
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(NBUF):
@@ -342,49 +346,58 @@ def _descriptor(t: torch.Tensor, shape: list[int], stride: int, rows: int, cols:
     return desc
 
 
+def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
+    """Where q, k and v `(T, H, D)` are the three parts of one buffer's rows, as the tower's fused QKV projection
+    emits them (one row stride, each token's heads side by side, k's and v's heads after q's in the row): the
+    columns of q's rows where k's and v's heads start. None otherwise; the Gluon kernel takes only this layout."""
+    row, head_stride, col_stride = q.stride()
+    width = q.shape[1] * q.shape[2]
+    if k.stride() != q.stride() or v.stride() != q.stride() or head_stride != q.shape[2] or col_stride != 1:
+        return None
+    q_ptr, size = q.data_ptr(), q.element_size()
+    k_col, v_col = (k.data_ptr() - q_ptr) // size, (v.data_ptr() - q_ptr) // size
+    if min(k_col, v_col) < width or max(k_col, v_col) + width > row or abs(k_col - v_col) < width:
+        return None
+    return k_col, v_col
+
+
 def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, block_m: int, block_n: int,
                  num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None, rem_rows: int = 0,
                  sum_mma: bool = True):
-    """One launch over the packed segments. q, k, v: `(T, H, D)` with each token's heads side by side in one
-    row and 16-byte aligned rows (the fused QKV layout); `qk_scale` includes log2(e). Past a power-of-two head
-    dim, the remainder columns of K and V come from `rem` = `kv_remainder_t(k, v, ...)` (`rem_rows` rows per
-    head; `sum_mma`: P's row sums from its row of ones, where it has one) or, without it, from K and V in place.
+    """One launch over the packed segments. q, k, v: `(T, H, D)` parts of one buffer's rows (`qkv_columns`) with
+    16-byte aligned rows; `qk_scale` includes log2(e). Past a power-of-two head dim, the remainder columns of K and
+    V come from `rem` = `kv_remainder_t(k, v, ...)` (`rem_rows` rows per head; `sum_mma`: P's row sums from its
+    row of ones, where it has one) or, without it, from K and V in place.
 
-    Where q, k and v are the three parts of one buffer's rows (the tower's fused QKV projection), one descriptor
-    per box shape serves all three, read from their column offsets: at 72 two to four descriptors instead of six.
-    Each costs host time at every launch (built, specialised and encoded: ~10-25 us on the H100 machines' hosts,
-    benchmarks/results/launch/launch_profile_d72_h100_rev*.json), which sets the time of a small call."""
+    One descriptor per box shape serves q, k and v, read from their column offsets: at 72 two to four descriptors
+    instead of six, at 64 one or two instead of three. Each costs host time at every launch (built, specialised and
+    encoded: ~10-25 us on the H100 machines' hosts, benchmarks/results/launch/launch_profile_d72_h100_rev*.json),
+    which sets the time of a small call."""
     total, heads, head_dim = q.shape
-    width = heads * head_dim
     d0 = 1 << (head_dim.bit_length() - 1)
     if d0 < head_dim and head_dim - d0 > REM_WIDTH:
         raise ValueError(f"the Gluon kernel takes at most {REM_WIDTH} columns past {d0}; head_dim {head_dim}")
+    columns = qkv_columns(q, k, v)
+    if columns is None:
+        raise ValueError("the Gluon kernel needs q, k and v as parts of one buffer's rows (the fused QKV layout)")
+    k_col, v_col = columns
     w1 = REM_WIDTH if d0 < head_dim else 0
-    row, k_row, v_row = q.stride(0), k.stride(0), v.stride(0)
-    q_ptr, size = q.data_ptr(), q.element_size()
-    k_col, v_col = (k.data_ptr() - q_ptr) // size, (v.data_ptr() - q_ptr) // size
-    fused = k_row == row and v_row == row and 0 <= min(k_col, v_col) and max(k_col, v_col) + width <= row
-    if fused:  # one (T, row) view from q's first element: q's heads at column 0, k's at k_col, v's at v_col
-        k, v, shape = q, q, [total, max(k_col, v_col) + width]
-    else:
-        shape, k_col, v_col = [total, width], 0, 0
-    same_rows = fused and block_m == block_n
+    row = q.stride(0)
+    shape = [total, max(k_col, v_col) + heads * head_dim]  # q's rows, from q's first element to the last head
+    same = block_m == block_n  # one box shape for Q and K/V: one descriptor
     q_desc = _descriptor(q, shape, row, block_m, d0)
-    k_desc = None if same_rows else _descriptor(k, shape, k_row, block_n, d0)
-    v_desc = None if fused else _descriptor(v, shape, v_row, block_n, d0)
-    q1_desc = k1_desc = v1_desc = None
+    k_desc = None if same else _descriptor(q, shape, row, block_n, d0)
+    q1_desc = k1_desc = None
     if w1:
         q1_desc = _descriptor(q, shape, row, block_m, w1)
         if rem is not None:
             k1_desc = _descriptor(rem, list(rem.shape), rem.stride(0), w1, block_n)
-        else:
-            k1_desc = None if same_rows else _descriptor(k, shape, k_row, block_n, w1)
-            v1_desc = None if fused else _descriptor(v, shape, v_row, block_n, w1)
+        elif not same:
+            k1_desc = _descriptor(q, shape, row, block_n, w1)
     o_stride = out.stride()
     options = {"maxnreg": maxnreg} if maxnreg else {}
-    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, v_desc,
-           q1_desc, k1_desc, v1_desc, out, cu_seqlens, o_stride[0], o_stride[1], 0, k_col, v_col, qk_scale,
+    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, None,
+           q1_desc, k1_desc, None, out, cu_seqlens, o_stride[0], o_stride[1], 0, k_col, v_col, qk_scale,
            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None,
-           R_ROWS=rem_rows, SUM_ASKED=sum_mma, K_IS_Q=same_rows, V_IS_K=fused,
-           K1_IS_Q1=same_rows and w1 > 0 and rem is None, V1_IS_K1=w1 > 0 and (fused or rem is not None),
-           num_warps=num_warps, **options)
+           R_ROWS=rem_rows, SUM_ASKED=sum_mma, K_IS_Q=same, V_IS_K=True,
+           K1_IS_Q1=same and w1 > 0 and rem is None, V1_IS_K1=w1 > 0, num_warps=num_warps, **options)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .gluon_attention import GLUON_TILES, gluon_available, launch_gluon
+from .gluon_attention import GLUON_TILES, gluon_available, launch_gluon, qkv_columns
 from .gluon_attention import REM_WIDTH as GLUON_REM_WIDTH
 from .rope import apply_vision_rope
 from .tuning import (  # noqa: F401 - tuned_choices is re-exported
@@ -871,9 +871,9 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         if use_tma and (k_rope or not tma_layout_ok(q, k, v, out)):
             raise ValueError("the TMA kernel needs K/V in the fused QKV layout, K rotated by the caller and "
                              "16-byte aligned rows and heads in q and out")
-        if config.gluon and (rope or head_dim - d0 > GLUON_REM_WIDTH or not _heads_side_by_side(q)):
+        if config.gluon and (rope or head_dim - d0 > GLUON_REM_WIDTH or qkv_columns(q, k, v) is None):
             raise ValueError(f"the Gluon kernel needs at most {GLUON_REM_WIDTH} head-dim columns past a power of two, "
-                             "no RoPE in the kernel and q in the fused QKV layout too")
+                             "no RoPE in the kernel and q, k, v as parts of one buffer's rows (the fused QKV layout)")
     else:
         use_tma = block_m is None and not k_rope and _tma_default(q) and tma_layout_ok(q, k, v, out)
 
@@ -915,11 +915,11 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
             # time than GPU time, and the timings would rank launch overhead, not tiles.
             device_desc = _device_descriptors(total * max_seqlen * heads * head_dim)
-            gluon = not rope and _heads_side_by_side(q)
+            gluon = not rope and qkv_columns(q, k, v) is not None
             key = ("tma", bucket, load_class(total, heads), head_dim, rope, gluon, q.dtype, q.device)
-            config = _with_descriptors(choose(key, lambda: [_with_descriptors(c, device_desc)
-                                                            for c in hopper_candidates(head_dim, gluon, max_seqlen)], run),
-                                       device_desc)
+            candidates = lambda: [_with_descriptors(c, device_desc)  # noqa: E731 - listed on the first call only
+                                  for c in hopper_candidates(head_dim, gluon, max_seqlen)]
+            config = _with_descriptors(choose(key, candidates, run), device_desc)
         run(config)
         return out
 

@@ -160,6 +160,27 @@ def test_gluon_kernel_only_where_it_applies():
         with pytest.raises(ValueError, match="Gluon kernel needs"):
             triton_varlen_attention(q.contiguous().transpose(0, 1).contiguous().transpose(0, 1), k, v, cu, 33,
                                     config=config)
+        with pytest.raises(ValueError, match="Gluon kernel needs"):  # three buffers, not one buffer's rows
+            triton_varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu, 33, config=config)
+
+
+def test_qkv_columns_only_for_one_buffers_rows():
+    """The Gluon kernel reads q, k and v through descriptors over q's rows: only where they are the three parts
+    of one buffer's rows, k's and v's heads after q's."""
+    from kernels.gluon_attention import qkv_columns
+
+    qkv = torch.randn(40, 3, 2, 72, dtype=torch.float16)
+    q, k, v = qkv.unbind(1)
+    assert qkv_columns(q, k, v) == (144, 288)
+    assert qkv_columns(q, v, k) == (288, 144)
+    assert qkv_columns(k, q, v) is None  # q's rows start after k's heads
+    assert qkv_columns(q, k, k) is None  # k and v overlap
+    assert qkv_columns(q.contiguous(), k, v) is None  # another row stride
+    assert qkv_columns(*(t.contiguous() for t in (q, k, v))) is None  # three buffers
+    wide = torch.randn(40, 4, 2, 72, dtype=torch.float16)  # q, k, v and a fourth part in each row
+    assert qkv_columns(wide[:, 0], wide[:, 2], wide[:, 3]) == (288, 432)
+    heads_apart = torch.randn(40, 2, 3, 72, dtype=torch.float16).transpose(1, 2)  # (T, 3, H, D) read as H-major
+    assert qkv_columns(*heads_apart.unbind(1)) is None
 
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
