@@ -769,8 +769,8 @@ def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None)
     kernel, q in the fused QKV layout too) the Gluon kernel's. At 64 the Gluon kernel is 4-16% faster from 1x4096
     up and on packs of short segments (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json), at 72 2-32%
     (gluon_attention_probe_d72_rev4fdee81.json).
-    With `max_seqlen` up to 1024, no Gluon candidate copies the remainder: the copy only pays from 1x4096 up, and
-    below it would be picked only by the tuner's noise (its second launch and descriptor cost host time)."""
+    With `max_seqlen` up to 1024, no Gluon candidate copies the remainder: the copy pays only from 1x4096 up, and
+    its second launch and descriptor cost host time, which small calls are bound by."""
     own = gluon_candidates(head_dim) if gluon else []
     if max_seqlen is not None and seq_bucket(max_seqlen) < 2:
         own = [c for c in own if not (c.rem_copy and head_dim_split(head_dim)[1])]
@@ -879,19 +879,16 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
 
     if use_tma:
         r_rows = remainder_rows(head_dim)
-        copies = {}
-
-        def remainder():  # kv_remainder_t, once per call and only for the kernels that read it
-            if "r" not in copies:
-                copies["r"] = kv_remainder_t(k, v, cu_seqlens, max_seqlen)
-            return copies["r"]
 
         def run(c: TileConfig):
+            # the remainder's copy where the kernel reads it, inside each run: the tuner then times a candidate
+            # that reads the copy with the copy, against one that reads the remainder in place
             if c.gluon:
+                rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 and c.rem_copy else None
                 launch_gluon(q, k, v, out, cu_seqlens, max_seqlen, scale, c.block_m, c.block_n, c.num_warps,
-                             c.num_stages, c.maxnreg, remainder() if d1 and c.rem_copy else None, r_rows, c.sum_mma)
+                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma)
                 return
-            rem = remainder() if d1 else q  # q: a placeholder without a remainder
+            rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder
             rem_stride0 = rem.stride(0)
             if c.device_desc:
                 _set_scratch_allocator()
