@@ -857,6 +857,9 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     d0, d1, dv1 = head_dim_split(head_dim)
     if out is None:
         out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} on {q.device} with a contiguous last dim; got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}, strides {out.stride()}")
     o_stride = out.stride()
     scale = (softmax_scale if softmax_scale is not None else head_dim**-0.5) * math.log2(math.e)
     rope = cos is not None

@@ -113,6 +113,19 @@ def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail, sum_mma):
     assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
 
 
+@pytest.mark.parametrize("bad,problem", [
+    (lambda q: torch.empty(q.shape[0], 2, 71, dtype=q.dtype), "shape"),
+    (lambda q: torch.empty_like(q, dtype=torch.float32), "dtype"),
+    (lambda q: torch.empty(q.shape[0], 72, 2, dtype=q.dtype).transpose(1, 2), "last dim"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_out_is_checked_before_any_kernel_writes_it(bad, problem):
+    """A caller's `out` of another shape, dtype or with a strided last dim is refused with a clear error: every
+    kernel writes its rows with the last dim contiguous, at q's shape."""
+    q, k, v, cu, _, _ = make_inputs([7, 33], 2, 72, torch.float16, False)
+    with pytest.raises(ValueError, match="out must be torch.float16 \\(40, 2, 72\\)"):
+        triton_varlen_attention(q, k, v, cu, 33, out=bad(q))
+
+
 def test_tma_kernel_needs_16_byte_rows_and_heads_in_q_and_out():
     """The Hopper kernel rounds Q's and O's strides down to multiples of 8 elements so that the compiler sees them
     aligned (at 72 the JIT does not mark the head stride): a q or out whose rows or heads do not start on 16 bytes
