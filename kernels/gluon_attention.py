@@ -3,10 +3,10 @@
 The contract of `kernels.varlen_attention`'s TMA kernel, narrowed to the tower's layout: q, k, v `(total_tokens,
 heads, head_dim)` views that are the three parts of one buffer's rows, each token's heads side by side (the fused
 QKV buffer; `qkv_columns`), read through descriptors over q's rows; int32 `cu_seqlens`, one program per (query
-tile, head, segment); tiles past a segment's end exit at once. Q, K and V arrive by TMA (K and V in NBUF-deep rings, one
-mbarrier per slot, each slot refilled as soon as the wgmma that read it is done); each key tile is one QK^T wgmma,
-an online softmax in base 2, and one PV wgmma with P from registers. Only a segment's last key tile is masked,
-and only where the segment ends inside it.
+tile, head, segment); tiles past a segment's end exit at once. Q, K and V arrive by TMA (K and V in NBUF-deep
+rings, one mbarrier per slot, each slot refilled as soon as the wgmma that read it is done); each key tile is one
+QK^T wgmma, an online softmax in base 2, and one PV wgmma with P from registers. Only a segment's last key tile
+is masked, and only where the segment ends inside it.
 
 Head dims past a power of two (72, 80): each dot is a 64-wide wgmma plus a 16-wide one over the columns past
 D0 = 64. Q's remainder is a [BLOCK_M, 16] box whose columns past the head are zeroed once in shared memory; K's and
