@@ -93,19 +93,15 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int) -> dict:
 
     # the fused QKV buffer: one descriptor per box shape (launch_gluon), K's and V's heads at column offsets
     same = bm == bn
-    sig.update(q_desc=desc(bm, d0), k_desc=None if same else desc(bn, d0), v_desc=None, O="*bf16",
-               CU_SEQLENS="*i32", qk_scale="fp32")
+    sig.update(q_desc=desc(bm, d0), kv_desc=None if same else desc(bn, d0), O="*bf16", CU_SEQLENS="*i32",
+               qk_scale="fp32", q1_desc=desc(bm, w1) if w1 else None,
+               kv1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
-                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, K_IS_Q=same, V_IS_K=True,
-                     K1_IS_Q1=bool(w1) and same and not rem_copy, V1_IS_K1=bool(w1), num_warps=warps)
-    sig.update(q1_desc=desc(bm, w1) if w1 else None, v1_desc=None,
-               k1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
-    constants.update({name: None for name in ("q_desc", "k_desc", "v_desc", "q1_desc", "k1_desc", "v1_desc")
-                      if sig[name] is None})
+                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, num_warps=warps)
+    constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks the integer arguments divisible by 16 where they are (at 72 O's head stride is not)
-    ints = {"stride_ot": 16 * head_dim, "stride_oh": head_dim, "q_col": 0, "k_col": 16 * head_dim,
-            "v_col": 32 * head_dim}
+    ints = {"stride_ot": 16 * head_dim, "stride_oh": head_dim, "k_col": 16 * head_dim, "v_col": 32 * head_dim}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ("O", "CU_SEQLENS") + tuple(n for n, value in ints.items() if value % 16 == 0)}
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}

@@ -113,9 +113,8 @@ if gluon is not None:
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc, v1_desc, k_bufs, v_bufs, rk_bufs,
-              rv_bufs, k_ready, v_ready, s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale,
-              MASK: gl.constexpr,
+    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
+              k_ready, v_ready, s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
               NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, R_V: gl.constexpr,
               REM_T: gl.constexpr, SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
               o1_layout: gl.constexpr, p_layout: gl.constexpr):
@@ -141,10 +140,10 @@ if gluon is not None:
         if NEXT:
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1, REM_T)
         _both_done()
-        _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, j + NBUF, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
+        _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, j + NBUF, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
                  NBUF, W1, REM_T)
         if NEXT:
-            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, k_col, r_row, r_col, n,
+            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, k_col, r_row, r_col, n,
                      BLOCK_N, NBUF, W1, REM_T)
         return s, acc, acc1, m_i, l_i
 
@@ -164,27 +163,21 @@ if gluon is not None:
         gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _gl_varlen_attn_fwd(q_desc, k_desc, v_desc, q1_desc, k1_desc, v1_desc, O, CU_SEQLENS, stride_ot, stride_oh,
-                            q_col, k_col, v_col, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
-                            R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, K_IS_Q: gl.constexpr,
-                            V_IS_K: gl.constexpr, K1_IS_Q1: gl.constexpr, V1_IS_K1: gl.constexpr,
-                            num_warps: gl.constexpr):
-        """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. Past
-        D0 = q_desc's width (W1 > 0), `q1_desc` reads Q's remainder ([BLOCK_M, W1] boxes), `k1_desc` and
-        `v1_desc` K's and V's: both R (REM_T; R_ROWS rows per head, [W1, BLOCK_N] boxes), or K and V themselves
-        ([BLOCK_N, W1] boxes from column D0 of the head); all three None at power-of-two head dims (W1 = 0).
-        SUM_ASKED: P's row sums from R's row of ones, where it has one. Q's, K's and V's heads start at columns
-        q_col, k_col and v_col of their descriptors' rows; K_IS_Q, V_IS_K, K1_IS_Q1, V1_IS_K1: a descriptor passed
-        as None is the one named (q, k, v in one buffer: fewer descriptors to encode per launch)."""
-        if K_IS_Q:
-            k_desc = q_desc
-        if V_IS_K:
-            v_desc = k_desc
-        if K1_IS_Q1:
-            k1_desc = q1_desc
-        if V1_IS_K1:
-            v1_desc = k1_desc
+    def _gl_varlen_attn_fwd(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, stride_ot, stride_oh, k_col, v_col,
+                            qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr, R_ROWS: gl.constexpr,
+                            SUM_ASKED: gl.constexpr, num_warps: gl.constexpr):
+        """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. The
+        descriptors read q's rows (q, k and v parts of one buffer's rows: `qkv_columns`), K's and V's heads from
+        columns k_col and v_col: `q_desc` and `kv_desc` [BLOCK_M | BLOCK_N, D0] boxes; past D0 (W1 > 0) `q1_desc`
+        Q's remainder ([BLOCK_M, W1] boxes) and `kv1_desc` K's and V's, either R (REM_T; R_ROWS rows per head,
+        [W1, BLOCK_N] boxes) or the same rows ([BLOCK_N, W1] boxes from column D0 of the head). Where a K/V box
+        has Q's shape (BLOCK_M == BLOCK_N, and not R's) the launcher passes None and Q's descriptor serves: one
+        descriptor fewer to encode per launch. SUM_ASKED: P's row sums from R's row of ones, where it has one."""
+        if BLOCK_M == BLOCK_N:
+            kv_desc = q_desc
+            if W1 > 0 and not REM_T:
+                kv1_desc = q1_desc
         start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
@@ -196,7 +189,6 @@ if gluon is not None:
             R_V: gl.constexpr = HEAD_DIM - D0  # R's rows per head: K's R_V remainder columns, then V's
             SUM_MMA: gl.constexpr = SUM_ASKED and REM_T and 0 < R_V and R_V < W1  # R's row of ones: acc1's column R_V
             col = head * HEAD_DIM
-            q_col = q_col + col
             k_col = k_col + col
             v_col = v_col + col
             # O's head stride is a multiple of 8 (the launcher checks); written so, the compiler sees it at 72 too
@@ -214,12 +206,12 @@ if gluon is not None:
             dtype: gl.constexpr = q_desc.dtype
 
             q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], q_desc.layout)
-            k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], k_desc.layout)
-            v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], v_desc.layout)
+            k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], kv_desc.layout)
+            v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], kv_desc.layout)
             if W1 > 0:
                 q1_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, W1], q1_desc.layout)
-                rk_bufs = gl.allocate_shared_memory(dtype, [NBUF] + k1_desc.block_type.shape, k1_desc.layout)
-                rv_bufs = gl.allocate_shared_memory(dtype, [NBUF] + v1_desc.block_type.shape, v1_desc.layout)
+                rk_bufs = gl.allocate_shared_memory(dtype, [NBUF] + kv1_desc.block_type.shape, kv1_desc.layout)
+                rv_bufs = gl.allocate_shared_memory(dtype, [NBUF] + kv1_desc.block_type.shape, kv1_desc.layout)
             else:  # placeholders, never read
                 q1_smem = q_smem
                 rk_bufs = k_bufs
@@ -234,13 +226,13 @@ if gluon is not None:
             fence_async_shared()
 
             mbarrier.expect(q_bar, BLOCK_M * (D0 + W1) * dtype.primitive_bitwidth // 8)
-            _tma_load(q_desc, [tok0 + row0, q_col], q_bar, q_smem)
+            _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
             if W1 > 0:
-                _tma_load(q1_desc, [tok0 + row0, q_col + D0], q_bar, q1_smem)
+                _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
-                _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+                _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
                          W1, REM_T)
-                _load_kv(v_desc, v_bufs, v1_desc, rv_bufs, v_ready, i, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
+                _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, i, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
                          NBUF, W1, REM_T)
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -259,24 +251,24 @@ if gluon is not None:
                 _cta_barrier()
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
             _both_done()
-            _load_kv(k_desc, k_bufs, k1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
                      W1, REM_T)
             for j in range(0, n - 1):
-                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
-                                               v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
                                                tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True,
                                                BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                                p_layout)
             # the last key tile: masked only where the segment ends inside it
             if seqlen % BLOCK_N == 0:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
-                                               v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
                                                tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False,
                                                BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                                p_layout)
             else:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, k_desc, v_desc, k1_desc,
-                                               v1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
                                                tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False,
                                                BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                                p_layout)
@@ -336,7 +328,7 @@ def _template(rows: int, cols: int, dtype: torch.dtype) -> dict:
 
 def _descriptor(t: torch.Tensor, shape: list[int], stride: int, rows: int, cols: int):
     """A host descriptor over `t`'s rows (`shape`, row stride `stride`), [rows, cols] boxes. Its constructor's checks
-    (alignment, shape, dtype) cost ~10 us of host time per descriptor, six per launch at 72; the launcher has
+    (alignment, shape, dtype) cost ~10 us of host time per descriptor, up to four per launch at 72; the launcher has
     checked the same (16-byte aligned base and rows: `varlen_attention.tma_layout_ok`), so the fields of a
     validated descriptor with the same box are reused and only the tensor, shape and strides set."""
     desc = TensorDescriptor.__new__(TensorDescriptor)
@@ -361,13 +353,15 @@ def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
     return k_col, v_col
 
 
-def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, block_m: int, block_n: int,
-                 num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None, rem_rows: int = 0,
-                 sum_mma: bool = True):
-    """One launch over the packed segments. q, k, v: `(T, H, D)` parts of one buffer's rows (`qkv_columns`) with
-    16-byte aligned rows; `qk_scale` includes log2(e). Past a power-of-two head dim, the remainder columns of K and
-    V come from `rem` = `kv_remainder_t(k, v, ...)` (`rem_rows` rows per head; `sum_mma`: P's row sums from its
-    row of ones, where it has one) or, without it, from K and V in place.
+def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: tuple[int, int], block_m: int,
+                 block_n: int, num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None,
+                 rem_rows: int = 0, sum_mma: bool = True):
+    """One launch over the packed segments. q `(T, H, D)` and, at `columns` of its rows, k's and v's heads
+    (`qkv_columns`: the caller has found q, k and v parts of one buffer's rows) with 16-byte aligned rows, at most
+    REM_WIDTH head-dim columns past a power of two (`varlen_attention.triton_varlen_attention` checks both);
+    `qk_scale` includes log2(e). Past a power-of-two head dim, the remainder columns of K and V come from `rem` =
+    `kv_remainder_t(k, v, ...)` (`rem_rows` rows per head; `sum_mma`: P's row sums from its row of ones, where it
+    has one) or, without it, from K and V in place.
 
     One descriptor per box shape serves q, k and v, read from their column offsets: at 72 two to four descriptors
     instead of six, at 64 one or two instead of three. Each costs host time at every launch (built, specialised and
@@ -375,29 +369,23 @@ def launch_gluon(q, k, v, out, cu_seqlens, max_seqlen: int, qk_scale: float, blo
     which sets the time of a small call."""
     total, heads, head_dim = q.shape
     d0 = 1 << (head_dim.bit_length() - 1)
-    if d0 < head_dim and head_dim - d0 > REM_WIDTH:
-        raise ValueError(f"the Gluon kernel takes at most {REM_WIDTH} columns past {d0}; head_dim {head_dim}")
-    columns = qkv_columns(q, k, v)
-    if columns is None:
-        raise ValueError("the Gluon kernel needs q, k and v as parts of one buffer's rows (the fused QKV layout)")
     k_col, v_col = columns
     w1 = REM_WIDTH if d0 < head_dim else 0
     row = q.stride(0)
     shape = [total, max(k_col, v_col) + heads * head_dim]  # q's rows, from q's first element to the last head
-    same = block_m == block_n  # one box shape for Q and K/V: one descriptor
+    same = block_m == block_n  # one box shape for Q and K/V: Q's descriptor serves (the kernel aliases it)
     q_desc = _descriptor(q, shape, row, block_m, d0)
-    k_desc = None if same else _descriptor(q, shape, row, block_n, d0)
-    q1_desc = k1_desc = None
+    kv_desc = None if same else _descriptor(q, shape, row, block_n, d0)
+    q1_desc = kv1_desc = None
     if w1:
         q1_desc = _descriptor(q, shape, row, block_m, w1)
         if rem is not None:
-            k1_desc = _descriptor(rem, list(rem.shape), rem.stride(0), w1, block_n)
+            kv1_desc = _descriptor(rem, list(rem.shape), rem.stride(0), w1, block_n)
         elif not same:
-            k1_desc = _descriptor(q, shape, row, block_n, w1)
+            kv1_desc = _descriptor(q, shape, row, block_n, w1)
     o_stride = out.stride()
     options = {"maxnreg": maxnreg} if maxnreg else {}
-    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, k_desc, None,
-           q1_desc, k1_desc, None, out, cu_seqlens, o_stride[0], o_stride[1], 0, k_col, v_col, qk_scale,
-           HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None,
-           R_ROWS=rem_rows, SUM_ASKED=sum_mma, K_IS_Q=same, V_IS_K=True,
-           K1_IS_Q1=same and w1 > 0 and rem is None, V1_IS_K1=w1 > 0, num_warps=num_warps, **options)
+    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, kv_desc,
+           q1_desc, kv1_desc, out, cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, HEAD_DIM=head_dim,
+           BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
+           SUM_ASKED=sum_mma, num_warps=num_warps, **options)

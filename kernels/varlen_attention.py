@@ -766,8 +766,9 @@ def gluon_candidates(head_dim: int) -> list[TileConfig]:
 
 def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TileConfig]:
     """Every configuration the automatic Hopper path may pick: the TMA kernel's, and with `gluon` (no RoPE in the
-    kernel, q in the fused QKV layout too) the Gluon kernel's. At 64 the Gluon kernel is 4-16% faster from 1x4096
-    up and on packs of short segments (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json), at 72 2-32%
+    kernel, q, k and v parts of one buffer's rows: `qkv_columns`) the Gluon kernel's. At 64 the Gluon kernel is
+    4-16% faster from 1x4096 up and on packs of short segments
+    (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json), at 72 2-32%
     (gluon_attention_probe_d72_rev4fdee81.json).
     With `max_seqlen` up to 1024, no Gluon candidate copies the remainder: the copy pays only from 1x4096 up, and
     its second launch and descriptor cost host time, which small calls are bound by."""
@@ -869,12 +870,15 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     segments = cu_seqlens.numel() - 1
     bucket = seq_bucket(max_seqlen)
     k_rope = rope and rotate_k
+    # where k's and v's heads start in q's rows, for the Gluon kernel (None: not one buffer's rows, or RoPE in the
+    # kernel, which it does not do); found once per call, only where a Gluon configuration may run
+    columns = qkv_columns(q, k, v) if not rope and (config is None or config.gluon) else None
     if config is not None:
         use_tma = config.tma
         if use_tma and (k_rope or not tma_layout_ok(q, k, v, out)):
             raise ValueError("the TMA kernel needs K/V in the fused QKV layout, K rotated by the caller and "
                              "16-byte aligned rows and heads in q and out")
-        if config.gluon and (rope or head_dim - d0 > GLUON_REM_WIDTH or qkv_columns(q, k, v) is None):
+        if config.gluon and (head_dim - d0 > GLUON_REM_WIDTH or columns is None):
             raise ValueError(f"the Gluon kernel needs at most {GLUON_REM_WIDTH} head-dim columns past a power of two, "
                              "no RoPE in the kernel and q, k, v as parts of one buffer's rows (the fused QKV layout)")
     else:
@@ -886,12 +890,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
         def run(c: TileConfig):
             # the remainder's copy where the kernel reads it, inside each run: the tuner then times a candidate
             # that reads the copy with the copy, against one that reads the remainder in place
+            rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 and (c.rem_copy or not c.gluon) else None
             if c.gluon:
-                rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 and c.rem_copy else None
-                launch_gluon(q, k, v, out, cu_seqlens, max_seqlen, scale, c.block_m, c.block_n, c.num_warps,
+                launch_gluon(q, out, cu_seqlens, max_seqlen, scale, columns, c.block_m, c.block_n, c.num_warps,
                              c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma)
                 return
-            rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 else q  # q: a placeholder without a remainder
+            rem = q if rem is None else rem  # q: a placeholder without a remainder
             rem_stride0 = rem.stride(0)
             if c.device_desc:
                 _set_scratch_allocator()
@@ -915,7 +919,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             # Tuned with the descriptors this call uses: a small call with host descriptors spends more host
             # time than GPU time, and the timings would rank launch overhead, not tiles.
             device_desc = _device_descriptors(total * max_seqlen * heads * head_dim)
-            gluon = not rope and qkv_columns(q, k, v) is not None
+            gluon = columns is not None
             key = ("tma", bucket, load_class(total, heads), head_dim, rope, gluon, q.dtype, q.device)
             candidates = lambda: [_with_descriptors(c, device_desc)  # noqa: E731 - listed on the first call only
                                   for c in hopper_candidates(head_dim, gluon, max_seqlen)]
