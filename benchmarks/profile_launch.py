@@ -7,9 +7,9 @@ For each shape and path it measures
 - `bench_us`: `triton.testing.do_bench`, the timing bench_attention reports (L2 flushed before each
   call; a call whose host cost outlasts the flush shows host time here);
 - `max_err`: against the float32 reference.
-Paths: the automatic Triton path (lean launch, and through Triton's JIT launch), the TMA kernel with
-host- and with device-encoded descriptors at each TMA tile, the Gluon kernel's tiles, the pointer kernel,
-batched cuDNN. Then the cProfile table of one path (`--profile-path`, default the automatic one) on the first
+Paths: the automatic Triton path (replayed through its launch plan, through the full path at every call, and through
+Triton's JIT launch), the TMA kernel with host- and with device-encoded descriptors at each TMA tile, the Gluon
+kernel's tiles, the pointer kernel, batched cuDNN. Then the cProfile table of one path (`--profile-path`, default the automatic one) on the first
 shape. Writes launch_profile_d<head dim>.json under $OUT or benchmarks/results.
 
 Usage: python -m benchmarks.profile_launch [--calls 2000] [--shapes 1x1024 8x1024 64x256 1x4096] [--head-dim 72]
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import pstats
 
@@ -39,6 +40,8 @@ from kernels.varlen_attention import (
     triton_varlen_attention,
     tuned_choices,
 )
+
+va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
 
 
 def gpu_us(fn, calls: int = 20, replays: int = 20) -> float:
@@ -82,6 +85,15 @@ def shape_paths(lengths, d, tiles=True):
             tuning._lean = lean
 
     fns["triton (automatic, JIT launch)"] = jit_launch
+
+    def unplanned():  # the full path at every call (kernels.varlen_attention's launch plans off)
+        plans, va.LAUNCH_PLANS = va.LAUNCH_PLANS, False
+        try:
+            return triton_varlen_attention(q, k, v, cu, maxlen, out=out)
+        finally:
+            va.LAUNCH_PLANS = plans
+
+    fns["triton (automatic, no plan)"] = unplanned
     for bm, bn, w, s in TMA_TILES if tiles else []:
         for device in (False, True):
             c = TileConfig(bm, bn, w, s, tma=True, device_desc=device)

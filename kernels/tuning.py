@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import types
 
 import torch
 
 try:
     import triton
+    _hooks = triton.knobs.runtime
 except ImportError:  # pragma: no cover - machines without Triton never reach the kernels
     triton = None
 
@@ -96,29 +99,173 @@ def launch(fn, grid: tuple, *args, **kwargs):
     by its result; a miss, the interpreter, an installed launch hook or a Triton whose internals differ
     goes through `fn[grid]`, which compiles and launches as usual.
     """
+    kernel, bound, device = _launch(fn, grid, args, kwargs)
+    launches = getattr(_recording, "launches", None)
+    if launches is not None:  # under `record`: bound is None for a launch through the JIT
+        launches.append(None if bound is None else (fn, tuple(grid) + (1,) * (3 - len(grid)), args, kwargs, kernel,
+                                                    bound, device))
+    return kernel
+
+
+def _launch(fn, grid, args, kwargs):
+    """The launch, and (bound arguments, device) where it was lean."""
     if _lean is False or interpreting() or triton.knobs.runtime.launch_enter_hook.calls:
-        return fn[grid](*args, **kwargs)
+        return fn[grid](*args, **kwargs), None, None
     device = torch.cuda.current_device()
     try:
         binder = fn.device_caches[device][4]
     except (AttributeError, KeyError, IndexError, TypeError):
-        return _first_launch(fn, grid, args, kwargs, None)
+        return _first_launch(fn, grid, args, kwargs, None), None, None
     bound, specialization, options = binder(*args, **kwargs)
     key = (id(fn), device, tuple(specialization), tuple(options.items()))  # JIT functions hash their source
     try:
         kernel = _kernels.get(key)
     except TypeError:  # an argument whose specialisation is not hashable
-        return fn[grid](*args, **kwargs)
+        return fn[grid](*args, **kwargs), None, None
     if kernel is None:
-        return _first_launch(fn, grid, args, kwargs, key)
+        return _first_launch(fn, grid, args, kwargs, key), None, None
     grid_1 = grid[1] if len(grid) > 1 else 1
     grid_2 = grid[2] if len(grid) > 2 else 1
     kernel.run(grid[0], grid_1, grid_2, _current_stream(device), kernel.function, kernel.packed_metadata, None,
                None, None, *bound.values())
-    return kernel
+    return kernel, bound, device
 
 
 _lean = None  # None: not yet known whether this Triton's internals are the ones `launch` expects
+
+
+# ----------------------------------------------------------------------------------------------------
+# Replays: one launch bound once, relaunched with its tensors at new addresses
+# ----------------------------------------------------------------------------------------------------
+
+_recording = threading.local()
+
+
+class Replay:
+    """One lean launch, with every argument bound, specialised and expanded once, relaunched straight through the
+    kernel's C launcher with its tensors' current addresses.
+
+    What `launch` still does per call, and a replay does not: the binder (each argument specialised, each tensor
+    descriptor's layout printed into its key), the launcher's Python wrapper (each descriptor encoded into a
+    CUtensorMap, each tensor's address checked with a driver call). A replay reads one address per role, re-encodes
+    a descriptor only where its base moved, and passes addresses as integers. The caller keys replays by everything
+    else the launch depends on (shapes, strides, dtypes, scalars, the 16-byte alignment of every address: Triton's
+    specialisation) and passes the same roles in the same order; a launch whose arguments hold a tensor outside
+    `roles`, or that needs global scratch, is not replayable (`record` returns None).
+    """
+
+    def __init__(self, fn, grid, args, kwargs, kernel, bound, device, roles):
+        runner = kernel.run
+        if getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+            raise _NotReplayable("needs scratch per launch")
+        c_launch, meta = _c_launcher(runner)
+        signature = list(kernel.src.signature.values())
+        values = list(bound.values())
+        if len(signature) != len(values):
+            raise _NotReplayable("signature and arguments differ in length")
+        self.ptr_slots: list[tuple[int, int]] = []  # (position in the launch's arguments, role)
+        self.desc_slots: list[list] = []  # [position, role, descriptor, its metadata, last base address, last map]
+        head = [*grid, None, kernel.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None,
+                kernel.packed_metadata, None, None, None]
+        expanded, descs = list(head), 0
+        for value, ty in zip(values, signature):
+            if isinstance(ty, str) and ty.startswith("tensordesc"):
+                if meta is None or meta[descs] is None:
+                    raise _NotReplayable("tensor descriptor without its metadata")
+                role, address = _role(value.base, roles), value.base.data_ptr()
+                encoded = _make_tensordesc_arg()(value, meta[descs])
+                self.desc_slots.append([len(expanded), role, value, meta[descs], address, encoded[0]])
+                expanded.extend(encoded)
+                descs += 1
+            elif isinstance(ty, str) and ty.startswith("*"):
+                if value is not None:
+                    self.ptr_slots.append((len(expanded), _role(value, roles)))
+                expanded.append(None if value is None else value.data_ptr())
+            elif isinstance(value, torch.Tensor) or isinstance(ty, tuple):
+                raise _NotReplayable(f"argument of type {ty}")
+            else:
+                expanded.append(value)
+        self.template, self.c_launch, self.device = expanded, c_launch, device
+
+    def __call__(self, addresses) -> bool:
+        """Launches on the current stream with the roles' `addresses` (ints, in `roles` order); False, launching
+        nothing, where a launch hook is installed (a profiler's: the JIT's path calls it)."""
+        if _hooks.launch_enter_hook.calls or _hooks.launch_exit_hook.calls:
+            return False
+        args = self.template.copy()
+        args[3] = _current_stream(self.device)
+        for position, role in self.ptr_slots:
+            args[position] = addresses[role]
+        for slot in self.desc_slots:
+            address = addresses[slot[1]]
+            if address != slot[4]:
+                desc = slot[2]
+                moved = types.SimpleNamespace(base=_Address(address), shape=desc.shape, strides=desc.strides,
+                                              padding=desc.padding)
+                slot[5], slot[4] = _make_tensordesc_arg()(moved, slot[3])[0], address  # map first: another thread
+            args[slot[0]] = slot[5]
+        self.c_launch(*args)
+        return True
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+class _Address:
+    """A tensor descriptor's base as Triton's encoder reads it: only its address."""
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def _role(tensor, roles) -> int:
+    for i, role in enumerate(roles):
+        if tensor is role:
+            return i
+    raise _NotReplayable("a tensor outside the caller's roles")
+
+
+def _c_launcher(runner):
+    """The compiled launcher behind Triton's CudaLauncher and the descriptors' encoding metadata: its `launch` is the
+    C function itself, or the wrapper that encodes tensor descriptors around it (Triton 3.4+)."""
+    launch = runner.launch
+    if isinstance(launch, types.BuiltinFunctionType):
+        return launch, None
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    cells = dict(zip(code.co_freevars, closure)) if code is not None and closure else {}
+    if "launcher" not in cells or "tensordesc_meta" not in cells:
+        raise _NotReplayable("unknown launcher wrapper")
+    return cells["launcher"].cell_contents, cells["tensordesc_meta"].cell_contents
+
+
+@functools.lru_cache(maxsize=None)
+def _make_tensordesc_arg():
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg
+
+
+def record(run, roles: tuple) -> Replay | bool | None:
+    """Runs `run()` and returns a Replay of its one launch through `launch` with `roles` (the tensors whose addresses
+    change between calls). False where it made several launches, or one that cannot be replayed; None where its one
+    launch went through the JIT (a first launch, which compiles; a hook): a later call may record."""
+    _recording.launches = launches = []
+    try:
+        run()
+    finally:
+        _recording.launches = None
+    if len(launches) > 1:
+        return False
+    if not launches or launches[0] is None:
+        return None
+    try:
+        return Replay(*launches[0], roles)
+    except (_NotReplayable, AttributeError, ImportError, IndexError, TypeError):
+        return False
 
 
 def _first_launch(fn, grid, args, kwargs, key):

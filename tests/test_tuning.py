@@ -143,3 +143,108 @@ def test_launch_goes_through_the_jit_with_a_hook_or_unknown_internals(lean, monk
     for _ in range(3):
         tuning.launch(other, (1,), "x", 32)
     assert [entry[0] for entry in other.log] == ["jit"] * 3 and tuning._lean is False
+
+
+class FakeTensor:
+    """What a replay reads of a tensor: its address."""
+
+    def __init__(self, address):
+        self.address = address
+
+    def data_ptr(self):
+        return self.address
+
+
+class FakeDescriptor:
+    def __init__(self, base, shape, strides, padding="zero"):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+
+def _wrap_handle_tensordesc(launcher, tensordesc_meta):
+    """The shape of Triton's own wrapper around the C launcher: a closure over `launcher` and `tensordesc_meta`."""
+    def inner(*args):
+        assert tensordesc_meta
+        return launcher(*args)
+    return inner
+
+
+class ReplayKernel:
+    """A compiled kernel with a C launcher behind the descriptor-encoding wrapper; the launcher records its args."""
+
+    function = "fn-handle"
+    packed_metadata = "meta"
+
+    def __init__(self, signature, scratch=0):
+        self.c_calls = []
+        self.src = type("Src", (), {"signature": signature})()
+        c_launch = lambda *args: self.c_calls.append(args)  # noqa: E731
+        self.run = type("Runner", (), dict(global_scratch_size=scratch, profile_scratch_size=0,
+                                           launch_cooperative_grid=False, launch_pdl=False,
+                                           launch=staticmethod(_wrap_handle_tensordesc(c_launch, [{"swizzle": 128}]))))()
+
+
+@pytest.fixture
+def encoder(monkeypatch):
+    """Triton's descriptor encoder replaced: a 'map' of the base address, then shape and strides; records calls."""
+    calls = []
+
+    def make_tensordesc_arg(desc, meta):
+        calls.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+    monkeypatch.setattr(tuning, "_make_tensordesc_arg", lambda: make_tensordesc_arg)
+    monkeypatch.setattr(tuning, "_current_stream", lambda device: "stream")
+    return calls
+
+
+SIGNATURE = {"desc": "tensordesc<bf16[64, 64]>", "out": "*bf16", "cu": "*i32", "n": "i32", "BLOCK": "constexpr"}
+
+
+def _recorded(kernel, args, roles):
+    q, out, cu = args
+    desc = FakeDescriptor(q, [100, 192], [192, 1])
+    bound = {"desc": desc, "out": out, "cu": cu, "n": 48, "BLOCK": 64}
+    return tuning.Replay(None, (3, 16, 2), (desc, out, cu, 48), {"BLOCK": 64}, kernel, bound, 0, roles)
+
+
+def test_replay_substitutes_addresses_and_reencodes_a_moved_descriptor(encoder):
+    kernel = ReplayKernel(SIGNATURE)
+    q, out, cu = FakeTensor(4096), FakeTensor(8192), FakeTensor(512)
+    replay = _recorded(kernel, (q, out, cu), roles=(q, out, cu))
+    assert encoder == [4096]
+    assert replay([4096, 16384, 1024])
+    # the C launcher's arguments: grid, stream, handles, no scratch, no hooks, then the expanded parameters with
+    # the roles' current addresses (the descriptor not re-encoded: its base did not move), constexprs kept in place
+    assert kernel.c_calls[-1] == (3, 16, 2, "stream", "fn-handle", False, False, None, None, "meta", None, None, None,
+                                  ("map", 4096, 128), 100, 192, 192, 1, 16384, 1024, 48, 64)
+    assert encoder == [4096]
+    assert replay([2048, 16384, 1024])
+    assert kernel.c_calls[-1][13] == ("map", 2048, 128) and encoder == [4096, 2048]
+    assert replay([2048, 8192, 512]) and encoder == [4096, 2048]
+
+
+def test_replay_refuses_hooks_foreign_tensors_scratch_and_unknown_launchers(encoder, monkeypatch):
+    q, out, cu = FakeTensor(4096), FakeTensor(8192), FakeTensor(512)
+    with pytest.raises(tuning._NotReplayable, match="outside"):
+        _recorded(ReplayKernel(SIGNATURE), (q, out, FakeTensor(512)), roles=(q, out, cu))
+    with pytest.raises(tuning._NotReplayable, match="scratch"):
+        _recorded(ReplayKernel(SIGNATURE, scratch=64), (q, out, cu), roles=(q, out, cu))
+    other = ReplayKernel(SIGNATURE)
+    other.run.launch = lambda *args: None  # a wrapper that is not Triton's
+    with pytest.raises(tuning._NotReplayable, match="wrapper"):
+        _recorded(other, (q, out, cu), roles=(q, out, cu))
+
+    kernel = ReplayKernel(SIGNATURE)
+    replay = _recorded(kernel, (q, out, cu), roles=(q, out, cu))
+    monkeypatch.setattr(tuning.triton.knobs.runtime.launch_enter_hook, "calls", [print])
+    assert not replay([4096, 8192, 512]) and kernel.c_calls == []
+
+
+def test_record_keeps_one_lean_launch_only(lean):
+    fn = FakeJit()
+    first = tuning.record(lambda: tuning.launch(fn, (1,), "x", 32), roles=())
+    assert first is None  # compiled through the JIT: a later call may record
+    twice = tuning.record(lambda: [tuning.launch(fn, (1,), "x", 32) for _ in range(2)], roles=())
+    assert twice is False
+    # one lean launch whose kernel has no C launcher behind it (FakeKernel): not replayable
+    assert tuning.record(lambda: tuning.launch(fn, (1,), "x", 32), roles=()) is False
+    assert getattr(tuning._recording, "launches", None) is None  # recording ends with the call

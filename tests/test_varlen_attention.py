@@ -196,6 +196,41 @@ def test_qkv_columns_only_for_one_buffers_rows():
     assert qkv_columns(*heads_apart.unbind(1)) is None
 
 
+def test_launch_plan_key_holds_what_the_launch_depends_on():
+    """A replayed launch skips every check and choice, so its key must change with anything they read: layouts, k's
+    and v's place in q's rows, scalars, `out`, and each address's 16-byte alignment (Triton's pointer
+    specialisation); and stay equal for a new buffer of the same layout, whose addresses are then substituted."""
+    from kernels.varlen_attention import _plan_key
+
+    def key(q, k, v, cu, m=33, scale=None, out=None):
+        return _plan_key(q, k, v, cu, m, scale, out)
+
+    q, k, v, cu, _, _ = make_inputs([1, 7, 33], 2, 72, torch.float16, False)
+    q2, k2, v2, cu2, _, _ = make_inputs([1, 7, 33], 2, 72, torch.float16, False, seed=1)
+    base, addresses = key(q, k, v, cu)
+    assert addresses == [q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, cu.data_ptr()]
+    fresh, fresh_addresses = key(q2, k2, v2, cu2)
+    assert fresh == base and fresh_addresses[0] != addresses[0]
+    wide = torch.randn(41, 3 * 2 * 72 + 8, dtype=torch.float16)  # rows 16 bytes longer: another layout
+    shifted = torch.randn(41 * 3 * 2 * 72 + 4, dtype=torch.float16)[4:].view(41, 3, 2, 72)  # q 8 bytes off 16
+    padded = torch.zeros(8, dtype=torch.int32)
+    padded[1:5] = cu
+    others = [
+        key(q, v, k, cu),  # k and v swapped in the row
+        key(*wide[:, :432].view(41, 3, 2, 72).unbind(1), cu),
+        key(*shifted.unbind(1), cu),
+        key(q, k, v, padded[1:5]),  # cu_seqlens 4 bytes off 16
+        key(q, k, v, cu, m=34),
+        key(q, k, v, cu, scale=0.1),
+        key(q, k, v, cu, out=torch.empty_like(q)),
+        key(q, k, v, cu, out=torch.empty(41, 2, 80, dtype=torch.float16)[..., :72]),
+        key(q.float(), k.float(), v.float(), cu),
+        key(q[:40], k[:40], v[:40], cu),
+    ]
+    assert all(other[0] != base for other in others)
+    assert len({other[0] for other in others}) == len(others)
+
+
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 33, 8], 72), ([16, 3], 80), ([5, 40], 96)])
 def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
     """The transposed remainder the Hopper kernel reads: per head K's remainder rows, V's, and a row of ones

@@ -93,8 +93,8 @@ def test_gluon_kernel_fp16(lengths, head_dim):
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_tma_device_descriptors_equal_host_ones(lengths, head_dim, monkeypatch):
     """Descriptors built by each program give bit-identical results to host-encoded ones, at every TMA tile;
-    the automatic path builds them on the device for a small eager call and on the host under CUDA-graph
-    capture, with equal results."""
+    the automatic path builds them on the device for a small eager call no launch plan replays, on the host for one
+    a plan replays and under CUDA-graph capture, with equal results."""
     q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=5, device="cuda")
     m = max(lengths)
     for cfg in va.tma_candidates(head_dim):
@@ -103,6 +103,7 @@ def test_tma_device_descriptors_equal_host_ones(lengths, head_dim, monkeypatch):
         assert torch.equal(host, device), cfg
     monkeypatch.setattr(va, "tma_descriptors", lambda: "auto")
     assert va._device_descriptors(sum(lengths) * m * 16 * head_dim)  # all three shapes are small eager calls
+    assert not va._device_descriptors(sum(lengths) * m * 16 * head_dim, replayable=True)
     eager = triton_varlen_attention(q, k, v, cu, m)
     out = torch.empty_like(q)
     graph = torch.cuda.CUDAGraph()
@@ -156,6 +157,72 @@ def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
     torch.cuda.synchronize()
     for i, out in enumerate(jit):
         assert torch.equal(lean[2 * i], out) and torch.equal(lean[2 * i + 1], out), calls[i].keys()
+
+
+@hopper
+@pytest.mark.parametrize("kernel", ["gluon", "tma", "pointer"])
+@pytest.mark.parametrize("head_dim", [64, 72])
+@pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [256] * 64], ids=lambda l: f"{len(l)}seg_max{max(l)}")
+def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch):
+    """The automatic path's launch plan (kernels.tuning.Replay), for each kernel it may pick: once recorded, a call
+    with the same layout launches through it, bit-identical to the full path; on a buffer at another address
+    (descriptors re-encoded) and back; into a caller's poisoned `out`; with cu_seqlens 4 bytes off 16 (another key,
+    its own plan); under CUDA-graph capture; and through the JIT where a launch hook is installed. The TMA kernel at
+    72 launches twice per call (the remainder's copy first) and is never replayed."""
+    import kernels.tuning as tuning
+
+    monkeypatch.setattr(tuning, "_choices", {})
+    monkeypatch.setattr(va, "_plans", {})
+    if kernel == "gluon":
+        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: va.gluon_candidates(d)[-1:])
+    elif kernel == "tma":
+        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: va.tma_candidates(d)[:1])
+        monkeypatch.setattr(va, "tma_descriptors", lambda: "host")  # device ones need scratch: not replayable
+    else:
+        monkeypatch.setattr(va, "_tma_default", lambda q: False)
+    replayable = not (kernel == "tma" and head_dim == 72)
+    replays = []
+    replay_call = tuning.Replay.__call__
+    monkeypatch.setattr(tuning.Replay, "__call__", lambda self, a: replays.append(1) or replay_call(self, a))
+
+    m = max(lengths)
+    q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=3, device="cuda")
+    q2, k2, v2, _, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=4, device="cuda")
+    full = [triton_varlen_attention(q, k, v, cu, m)]  # compiled (through the JIT: nothing recorded) or recorded
+    va._plans.clear()
+    full += [triton_varlen_attention(q, k, v, cu, m) for _ in range(2)]  # recorded, replayed
+    moved = triton_varlen_attention(q2, k2, v2, cu, m)
+    back = triton_varlen_attention(q, k, v, cu, m)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    into = [triton_varlen_attention(q, k, v, cu, m, out=out.fill_(float("nan"))).clone() for _ in range(2)]
+    padded = torch.zeros(len(cu) + 4, dtype=torch.int32, device="cuda")
+    padded[1:len(cu) + 1] = cu
+    odd = [triton_varlen_attention(q, k, v, padded[1:len(cu) + 1], m) for _ in range(3)]
+    torch.cuda.synchronize()
+    assert (len(replays), sum(1 for p in va._plans.values() if p)) == ((5, 3) if replayable else (0, 0)), va._plans
+    for other in (*full[1:], back, *into, *odd):
+        assert torch.equal(other, full[0])
+    ref = reference_varlen_attention(q, k, v, cu)
+    assert rel_err(full[0], ref) <= 2 * rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
+    monkeypatch.setattr(va, "_plans", {})
+    assert torch.equal(moved, triton_varlen_attention(q2, k2, v2, cu, m))  # the full path at q2's address
+
+    graph_out = torch.empty_like(q)
+    for _ in range(2):
+        triton_varlen_attention(q, k, v, cu, m, out=graph_out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        triton_varlen_attention(q, k, v, cu, m, out=graph_out)
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, full[0])
+
+    hooked = []
+    monkeypatch.setattr(tuning.triton.knobs.runtime.launch_enter_hook, "calls", [hooked.append])
+    before = len(replays)
+    assert torch.equal(triton_varlen_attention(q, k, v, cu, m), full[0]) and hooked
+    assert len(replays) == before + replayable  # asked, and declined: the JIT ran it with the hook
 
 
 @pytest.mark.parametrize("head_dim", [64, 72])
