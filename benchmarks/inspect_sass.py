@@ -8,7 +8,7 @@ divisibility hints the same source compiles to a different kernel (2-byte loads 
 so numbers read off a plain `triton.compile` are not the ones the GPU runs.
 
 Usage: python -m benchmarks.inspect_sass [--head-dims 64 72] [--tiles 64/128/4/2 ...] [--json]
-       python -m benchmarks.inspect_sass --head-dims 64 --gluon [128/128/8/2/128 ...]  (the Gluon kernel)
+       python -m benchmarks.inspect_sass --head-dims 64 --gluon [128/128/8/2/128 ...] [--uniform]  (the Gluon kernel)
 (with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled)
 """
 
@@ -74,9 +74,10 @@ def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16, lengths:
     return _report(kernel, config.num_warps, config.block_m * bn)
 
 
-def compile_gluon_tile(tile: tuple[int, ...], head_dim: int) -> dict:
+def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = False) -> dict:
     """The Gluon kernel (kernels/gluon_attention.py) for one of its tiles, (block_m, block_n, warps, ring depth,
-    register cap or 0), specialised as the JIT does for a fused QKV buffer and a contiguous output."""
+    register cap or 0), specialised as the JIT does for a fused QKV buffer and a contiguous output; `uniform`: the
+    variant for packs of equal lengths."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import gluon_attention as ga
@@ -97,11 +98,12 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int) -> dict:
                qk_scale="fp32", q1_desc=desc(bm, w1) if w1 else None,
                kv1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
-                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, num_warps=warps)
+                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps)
     constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks the integer arguments divisible by 16 where they are (at 72 O's head stride is not)
-    ints = {"stride_ot": 16 * head_dim, "stride_oh": head_dim, "k_col": 16 * head_dim, "v_col": 32 * head_dim}
+    ints = {"stride_ot": 16 * head_dim, "stride_oh": head_dim, "k_col": 16 * head_dim, "v_col": 32 * head_dim,
+            "max_seqlen": 1024}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ("O", "CU_SEQLENS") + tuple(n for n, value in ints.items() if value % 16 == 0)}
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -172,13 +174,14 @@ def main():
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--gluon", nargs="*", default=None,
                     help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap[/remainder copied]")
+    ap.add_argument("--uniform", action="store_true", help="the Gluon kernel's variant for packs of equal lengths")
     args = ap.parse_args()
     if args.gluon is not None:
         from kernels.gluon_attention import GLUON_TILES
 
         for head_dim in args.head_dims:
             for tile in [tuple(map(int, t.split("/"))) for t in args.gluon] or GLUON_TILES.get(head_dim, []):
-                report = compile_gluon_tile(tile, head_dim)
+                report = compile_gluon_tile(tile, head_dim, args.uniform)
                 name = "/".join(map(str, map(int, tile)))
                 print(json.dumps({"head_dim": head_dim, "tile": name, **report}) if args.json
                       else f"gluon d{head_dim} {name} {report}", flush=True)

@@ -4,7 +4,7 @@ cudaProfilerStart/Stop, so `ncu --profile-from-start off` sees exactly one launc
 
 Usage (on the GPU machine):
   ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
-      --section WarpStateStats --section Occupancy -o REPORT \
+      --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis -o REPORT \
       python -m benchmarks.ncu_attention --cases 1x16384 8x1024 --kernels triton:64/128/4/2 gluon:128/128/8/2/128 cudnn
   python -m benchmarks.ncu_attention --summarise REPORT.ncu-rep   (pipe utilisation, issue, stalls per kernel)
 """
@@ -29,6 +29,10 @@ SUMMARY = {
     "sm__inst_executed.avg.per_cycle_active": "ipc",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram %",
+    "dram__bytes_read.sum": "dram read",
+    "dram__bytes_write.sum": "dram write",
+    "lts__t_sector_hit_rate.pct": "L2 hit %",
     "launch__registers_per_thread": "regs",
     "launch__occupancy_limit_registers": "ctas/sm (regs)",
     "launch__occupancy_limit_shared_mem": "ctas/sm (smem)",

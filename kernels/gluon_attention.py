@@ -164,16 +164,21 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_varlen_attn_fwd(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, stride_ot, stride_oh, k_col, v_col,
-                            qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr, R_ROWS: gl.constexpr,
-                            SUM_ASKED: gl.constexpr, num_warps: gl.constexpr):
+                            qk_scale, max_seqlen, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
+                            R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
+                            num_warps: gl.constexpr):
         """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. The
         descriptors read q's rows (q, k and v parts of one buffer's rows: `qkv_columns`), K's and V's heads from
         columns k_col and v_col: `q_desc` and `kv_desc` [BLOCK_M | BLOCK_N, D0] boxes; past D0 (W1 > 0) `q1_desc`
         Q's remainder ([BLOCK_M, W1] boxes) and `kv1_desc` K's and V's, either R (REM_T; R_ROWS rows per head,
         [W1, BLOCK_N] boxes) or the same rows ([BLOCK_N, W1] boxes from column D0 of the head). Where a K/V box
         has Q's shape (BLOCK_M == BLOCK_N, and not R's) the launcher passes None and Q's descriptor serves: one
-        descriptor fewer to encode per launch. SUM_ASKED: P's row sums from R's row of ones, where it has one."""
+        descriptor fewer to encode per launch. SUM_ASKED: P's row sums from R's row of ones, where it has one.
+        UNIFORM: every segment is max_seqlen tokens long (the launcher found total tokens = segments * max_seqlen),
+        so a program finds its rows without reading cu_seqlens: the TMA loads are issued at once, not after a
+        dependent global load (on a cold L2, as after another kernel's traffic, ~1-2 us at the start of each
+        program)."""
         if BLOCK_M == BLOCK_N:
             kv_desc = q_desc
             if W1 > 0 and not REM_T:
@@ -181,8 +186,12 @@ if gluon is not None:
         start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
-        tok0 = gl.load(CU_SEQLENS + seg)
-        seqlen = gl.load(CU_SEQLENS + seg + 1) - tok0
+        if UNIFORM:
+            tok0 = seg * max_seqlen
+            seqlen = max_seqlen
+        else:
+            tok0 = gl.load(CU_SEQLENS + seg)
+            seqlen = gl.load(CU_SEQLENS + seg + 1) - tok0
         row0 = start_m * BLOCK_M
         if row0 < seqlen:
             D0: gl.constexpr = q_desc.block_type.shape[1]
@@ -278,17 +287,20 @@ if gluon is not None:
                 mbarrier.invalidate(k_ready.index(i))
                 mbarrier.invalidate(v_ready.index(i))
 
+            # O = acc / l: one reciprocal per row and a multiply per element, not a division per element (32 of
+            # them per thread at 64/64 on 4 warps, a tenth of all the instructions of a 256-token segment's program)
             if SUM_MMA:
                 sum_col = gl.arange(0, 16, layout=gl.SliceLayout(0, o1_layout))
-                l_o1 = gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
-                l_o = gl.convert_layout(l_o1, gl.SliceLayout(1, o_layout))
+                inv_o1 = 1.0 / gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
+                inv_o = gl.convert_layout(inv_o1, gl.SliceLayout(1, o_layout))
             else:
-                l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-                l_o1 = gl.convert_layout(l_i, gl.SliceLayout(1, o1_layout))
+                inv_l = 1.0 / l_i
+                inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
+                inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout))
             o_row = O + head * stride_oh
-            _store_rows(o_row, acc / l_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
+            _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
             if W1 > 0:
-                _store_rows(o_row, acc1 / l_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
+                _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
 
 # The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied), from GPU
 # time per call on H100 (benchmarks/probe_gluon_attention.py):
@@ -385,7 +397,11 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
             kv1_desc = _descriptor(q, shape, row, block_n, w1)
     o_stride = out.stride()
     options = {"maxnreg": maxnreg} if maxnreg else {}
-    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, cu_seqlens.numel() - 1), q_desc, kv_desc,
-           q1_desc, kv1_desc, out, cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, HEAD_DIM=head_dim,
+    segments = cu_seqlens.numel() - 1
+    # every segment max_seqlen long (segments of at most max_seqlen tokens, summing to segments * max_seqlen): the
+    # image packs of one resolution, a video's frames
+    uniform = total == segments * max_seqlen
+    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
+           cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, HEAD_DIM=head_dim,
            BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
-           SUM_ASKED=sum_mma, num_warps=num_warps, **options)
+           SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps, **options)

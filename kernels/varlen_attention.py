@@ -2,8 +2,11 @@
 
 Contract (flash-attention's varlen one): q, k, v are `(total_tokens, heads, head_dim)` views with any
 token and head strides and a contiguous last dim — e.g. the three slices of a fused QKV projection,
-no copies. `cu_seqlens` int32 `(segments + 1,)` on the device, `max_seqlen` a Python int. Every token
-attends to every token of its own segment (non-causal), never across segments.
+no copies. `cu_seqlens` int32 `(segments + 1,)` on the device, `max_seqlen` a Python int: the longest
+segment's length (a larger one only launches programs that exit at once; a smaller one leaves rows past it
+unwritten, and where total tokens = segments * max_seqlen the Gluon kernel takes every segment to be max_seqlen
+long without reading cu_seqlens). Every token attends to every token of its own segment (non-causal), never across
+segments.
 
 Kernel design:
 - one program per (query tile, head, segment); tiles past a segment's end exit at once, so a launch

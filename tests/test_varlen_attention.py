@@ -431,9 +431,15 @@ def test_hopper_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
     assert scores <= ops.get("MUFU", 0) <= scores + 2 * halves, report
 
 
-@pytest.mark.parametrize("head_dim,tile", [(d, t) for d, tiles in GLUON_TILES.items() for t in tiles],
-                         ids=lambda x: "/".join(map(str, map(int, x))) if isinstance(x, tuple) else f"d{x}")
-def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
+# every candidate; the variant for packs of equal lengths at the short-segment tiles, where the tuner picks it
+GLUON_COMPILES = [(d, t, False) for d, tiles in GLUON_TILES.items() for t in tiles] + \
+                 [(d, tiles[-1], True) for d, tiles in GLUON_TILES.items()]
+
+
+@pytest.mark.parametrize("head_dim,tile,uniform", GLUON_COMPILES,
+                         ids=lambda x: "/".join(map(str, map(int, x))) if isinstance(x, tuple) else
+                         ("uniform" if x else "varlen") if isinstance(x, bool) else f"d{x}")
+def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
     """Each Gluon candidate, compiled for sm90 here: no spills (the 128-row tile runs capped at 128 registers), no
     serialised wgmmas, at least two CTAs per SM, and a steady-state step of one key tile's PV and the next one's
     QK^T (4 + block_n / 16 wgmmas per warpgroup, and past 64 one more for QK^T's remainder and block_n / 16 more
@@ -445,8 +451,8 @@ def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
     bm, bn, warps, _, cap, _ = tile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", str(head_dim),
-                          "--gluon", "/".join(map(str, map(int, tile)))], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).parents[1], timeout=300)
+                          "--gluon", "/".join(map(str, map(int, tile)))] + ["--uniform"] * uniform,
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.splitlines()[-1])
     assert report["spill_bytes"] == 0 and report["wgmma_serialised"] is None, report

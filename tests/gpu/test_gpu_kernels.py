@@ -188,18 +188,29 @@ def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch
     m = max(lengths)
     q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=3, device="cuda")
     q2, k2, v2, _, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=4, device="cuda")
-    full = [triton_varlen_attention(q, k, v, cu, m)]  # compiled (through the JIT: nothing recorded) or recorded
-    va._plans.clear()
-    full += [triton_varlen_attention(q, k, v, cu, m) for _ in range(2)]  # recorded, replayed
-    moved = triton_varlen_attention(q2, k2, v2, cu, m)
-    back = triton_varlen_attention(q, k, v, cu, m)
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-    into = [triton_varlen_attention(q, k, v, cu, m, out=out.fill_(float("nan"))).clone() for _ in range(2)]
     padded = torch.zeros(len(cu) + 4, dtype=torch.int32, device="cuda")
     padded[1:len(cu) + 1] = cu
-    odd = [triton_varlen_attention(q, k, v, padded[1:len(cu) + 1], m) for _ in range(3)]
+    odd_cu = padded[1:len(cu) + 1]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    replayed = []  # per call that must have been a replay: whether it was
+
+    def call(q, k, v, cu, must_replay=False, **kwargs):
+        before = len(replays)
+        result = triton_varlen_attention(q, k, v, cu, m, **kwargs).clone()
+        if must_replay:
+            replayed.append(len(replays) - before)
+        return result
+
+    full = [call(q, k, v, cu)]  # tuned (through replays), compiled; maybe recorded
+    va._plans.clear()
+    full += [call(q, k, v, cu), call(q, k, v, cu, True)]  # recorded, replayed
+    moved = call(q2, k2, v2, cu, True)
+    back = call(q, k, v, cu, True)
+    into = [call(q, k, v, cu, i > 0, out=out.fill_(float("nan"))) for i in range(2)]  # another key
+    odd = [call(q, k, v, odd_cu, i > 1) for i in range(3)]  # another key, maybe another specialisation
     torch.cuda.synchronize()
-    assert (len(replays), sum(1 for p in va._plans.values() if p)) == ((5, 3) if replayable else (0, 0)), va._plans
+    assert replayed == [int(replayable)] * 5
+    assert sum(1 for p in va._plans.values() if p) == (3 if replayable else 0), va._plans
     for other in (*full[1:], back, *into, *odd):
         assert torch.equal(other, full[0])
     ref = reference_varlen_attention(q, k, v, cu)
