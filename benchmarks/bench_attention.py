@@ -29,7 +29,7 @@ from benchmarks.common import (ATTENTION_CASES, HEAD_DIMS, HEADS, attention_flop
                                print_table, write_results)
 from kernels.qkv_rope import qkv_rope_
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
-from kernels.varlen_attention import triton_varlen_attention
+from kernels.varlen_attention import triton_varlen_attention, tuned_choices
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -191,7 +191,8 @@ def main():
               "best": r["best_baseline"], "ratio": r["ratio_vs_best"], "ratio(rope)": r["ratio_rope_vs_best"]}
              for r in rows]
     print_table(table, ["d", "case", *names, "best", "ratio", "ratio(rope)"])
-    payload = {"benchmark": "varlen_attention", "unit": "TFLOPS", "env": environment(), "rows": rows}
+    payload = {"benchmark": "varlen_attention", "unit": "TFLOPS", "env": environment(), "rows": rows,
+               "choices": {str(k): str(v) for k, v in tuned_choices().items()}}  # the tuner's pick per size class
     path = write_results("attention", payload, args.out)
     try:
         plot(rows, path.with_suffix(".png"))
