@@ -14,8 +14,9 @@ import os
 
 import torch
 
-from .tuning import interpreting
-from .varlen_attention import sdpa_varlen_attention, triton, triton_varlen_attention
+from .gluon_attention import gluon_available
+from .tuning import interpreting, is_hopper
+from .varlen_attention import GLUON_HEAD_DIMS, sdpa_varlen_attention, triton, triton_varlen_attention
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +66,20 @@ def _resolve(device_type: str, device_index: int | None, forced: str | None) -> 
 def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> str:
     """'triton' or 'sdpa' for this device (and head dim), honouring QWEN3VL_ATTN_BACKEND.
 
-    Unforced, head dims that are not powers of two go to SDPA. On Hopper the TMA kernel takes them
-    (the remainder read transposed, kernels.varlen_attention.kv_remainder_t) and ties cuDNN in the 8B
-    tower, but loses on small packs and single images; elsewhere the pointer kernel runs their PV
-    remainder 64 wide (head_dim_split) and loses everywhere (docs/PERFORMANCE.md).
+    Unforced, head dims that are not powers of two go to SDPA unless the Gluon kernel takes them on Hopper (72
+    and 80): it runs 1.03-1.16x cuDNN at the attention benchmark's 72 cases from 1x4096 up and the 8B tower
+    1.05-1.32x faster eagerly than on SDPA (benchmarks/results/tower_v16_99a774f.json). Elsewhere the pointer
+    kernel runs their PV remainder 64 wide (head_dim_split) and loses everywhere (docs/PERFORMANCE.md).
     """
     device = torch.device(device)
     index = device.index if device.type != "cuda" else (device.index if device.index is not None else
                                                          torch.cuda.current_device())
     forced = forced_backend()
     choice = _resolve(device.type, index, forced)
-    if choice == "triton" and forced is None and head_dim is not None and head_dim & (head_dim - 1):
+    if choice == "triton" and forced is None and head_dim is not None and head_dim & (head_dim - 1) and not (
+            device.type == "cuda" and head_dim in GLUON_HEAD_DIMS and gluon_available() and is_hopper(device)):
         log.info("attention backend for head_dim %d: sdpa (cuDNN is as fast or faster than the Triton kernels "
-                 "at non-power-of-two head dims)", head_dim)
+                 "at non-power-of-two head dims off Hopper)", head_dim)
         return "sdpa"
     return choice
 

@@ -356,6 +356,20 @@ def test_dispatcher(monkeypatch):
     attn_mod._resolve.cache_clear()
 
 
+@pytest.mark.parametrize("hopper,gluon", [(True, True), (True, False), (False, True)])
+def test_dispatcher_head_dims_past_a_power_of_two(hopper, gluon, monkeypatch):
+    """Where Triton is the device's backend: 72 and 80 on it only where the Gluon kernel takes them (Hopper, Gluon's
+    API present), SDPA otherwise; 96 (no Gluon tile) always on SDPA; powers of two always on Triton."""
+    monkeypatch.delenv(attn_mod.ENV_VAR, raising=False)
+    monkeypatch.setattr(attn_mod, "_resolve", lambda *a: "triton")
+    monkeypatch.setattr(attn_mod, "is_hopper", lambda device: hopper)
+    monkeypatch.setattr(attn_mod, "gluon_available", lambda: gluon)
+    cuda = torch.device("cuda", 0)
+    on_gluon = "triton" if hopper and gluon else "sdpa"
+    assert [attn_mod.resolve_backend(cuda, d) for d in (64, 72, 80, 96, 128)] == \
+        ["triton", on_gluon, on_gluon, "sdpa", "triton"]
+
+
 def test_both_backends_agree_through_public_function():
     q, k, v, cu, cos, sin = make_inputs([3, 50, 17], 2, 80, torch.float32, True)
     a = attn_mod.varlen_attention(q, k, v, cu, 50, cos=cos, sin=sin, backend="triton")
