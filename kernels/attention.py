@@ -67,9 +67,10 @@ def resolve_backend(device: torch.device | str, head_dim: int | None = None) -> 
     """'triton' or 'sdpa' for this device (and head dim), honouring QWEN3VL_ATTN_BACKEND.
 
     Unforced, head dims that are not powers of two go to SDPA unless the Gluon kernel takes them on Hopper (72
-    and 80): it runs 1.03-1.16x cuDNN at the attention benchmark's 72 cases from 1x4096 up and the 8B tower
-    1.05-1.32x faster eagerly than on SDPA (benchmarks/results/tower_v16_99a774f.json). Elsewhere the pointer
-    kernel runs their PV remainder 64 wide (head_dim_split) and loses everywhere (docs/PERFORMANCE.md).
+    and 80): at 72 it runs 1.03-1.29x the best PyTorch baseline on the attention benchmark's cases from 1x4096
+    up, and the 8B tower ran 1.05-1.32x faster eagerly on it than on SDPA (benchmarks/results/attention.json,
+    tower_v16_99a774f.json). Elsewhere the pointer kernel runs their PV remainder 64 wide (head_dim_split) and
+    loses everywhere (docs/PERFORMANCE.md).
     """
     device = torch.device(device)
     index = device.index if device.type != "cuda" else (device.index if device.index is not None else
