@@ -102,8 +102,7 @@ def launch(fn, grid: tuple, *args, **kwargs):
     kernel, bound, device = _launch(fn, grid, args, kwargs)
     launches = getattr(_recording, "launches", None)
     if launches is not None:  # under `record`: bound is None for a launch through the JIT
-        launches.append(None if bound is None else (fn, tuple(grid) + (1,) * (3 - len(grid)), args, kwargs, kernel,
-                                                    bound, device))
+        launches.append(None if bound is None else (tuple(grid) + (1,) * (3 - len(grid)), kernel, bound, device))
     return kernel
 
 
@@ -151,10 +150,10 @@ class Replay:
     a descriptor only where its base moved, and passes addresses as integers. The caller keys replays by everything
     else the launch depends on (shapes, strides, dtypes, scalars, the 16-byte alignment of every address: Triton's
     specialisation) and passes the same roles in the same order; a launch whose arguments hold a tensor outside
-    `roles`, or that needs global scratch, is not replayable (`record` returns None).
+    `roles`, or that needs global scratch, is not replayable (`record` returns False).
     """
 
-    def __init__(self, fn, grid, args, kwargs, kernel, bound, device, roles):
+    def __init__(self, grid, kernel, bound, device, roles):
         runner = kernel.run
         if getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
             raise _NotReplayable("needs scratch per launch")
@@ -164,7 +163,9 @@ class Replay:
         if len(signature) != len(values):
             raise _NotReplayable("signature and arguments differ in length")
         self.ptr_slots: list[tuple[int, int]] = []  # (position in the launch's arguments, role)
-        self.desc_slots: list[list] = []  # [position, role, descriptor, its metadata, last base address, last map]
+        # [position, role, descriptor, its metadata, (base address, its encoding)]: the pair replaced whole, so a
+        # thread never reads one base's address with another's encoding
+        self.desc_slots: list[list] = []
         head = [*grid, None, kernel.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None,
                 kernel.packed_metadata, None, None, None]
         expanded, descs = list(head), 0
@@ -174,7 +175,7 @@ class Replay:
                     raise _NotReplayable("tensor descriptor without its metadata")
                 role, address = _role(value.base, roles), value.base.data_ptr()
                 encoded = _make_tensordesc_arg()(value, meta[descs])
-                self.desc_slots.append([len(expanded), role, value, meta[descs], address, encoded[0]])
+                self.desc_slots.append([len(expanded), role, value, meta[descs], (address, encoded[0])])
                 expanded.extend(encoded)
                 descs += 1
             elif isinstance(ty, str) and ty.startswith("*"):
@@ -197,13 +198,14 @@ class Replay:
         for position, role in self.ptr_slots:
             args[position] = addresses[role]
         for slot in self.desc_slots:
-            address = addresses[slot[1]]
-            if address != slot[4]:
-                desc = slot[2]
+            address, encoded = slot[4]
+            if address != addresses[slot[1]]:
+                address, desc = addresses[slot[1]], slot[2]
                 moved = types.SimpleNamespace(base=_Address(address), shape=desc.shape, strides=desc.strides,
                                               padding=desc.padding)
-                slot[5], slot[4] = _make_tensordesc_arg()(moved, slot[3])[0], address  # map first: another thread
-            args[slot[0]] = slot[5]
+                encoded = _make_tensordesc_arg()(moved, slot[3])[0]
+                slot[4] = (address, encoded)
+            args[slot[0]] = encoded
         self.c_launch(*args)
         return True
 

@@ -203,7 +203,7 @@ def _recorded(kernel, args, roles):
     q, out, cu = args
     desc = FakeDescriptor(q, [100, 192], [192, 1])
     bound = {"desc": desc, "out": out, "cu": cu, "n": 48, "BLOCK": 64}
-    return tuning.Replay(None, (3, 16, 2), (desc, out, cu, 48), {"BLOCK": 64}, kernel, bound, 0, roles)
+    return tuning.Replay((3, 16, 2), kernel, bound, 0, roles)
 
 
 def test_replay_substitutes_addresses_and_reencodes_a_moved_descriptor(encoder):
