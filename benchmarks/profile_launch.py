@@ -77,23 +77,23 @@ def shape_paths(lengths, d, tiles=True):
     ref = reference_varlen_attention(q, k, v, cu, maxlen)
     fns = {"triton (automatic)": lambda: triton_varlen_attention(q, k, v, cu, maxlen, out=out)}
 
-    def jit_launch():  # the same through Triton's own launch path (kernels.tuning.launch bypassed)
-        lean, tuning._lean = tuning._lean, False
-        try:
-            return triton_varlen_attention(q, k, v, cu, maxlen, out=out)
-        finally:
-            tuning._lean = lean
+    def overridden(*settings):
+        """The automatic call with (module, attribute, value) settings in force for its duration."""
+        def call():
+            saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+            for module, name, value in settings:
+                setattr(module, name, value)
+            try:
+                return triton_varlen_attention(q, k, v, cu, maxlen, out=out)
+            finally:
+                for module, name, value in saved:
+                    setattr(module, name, value)
+        return call
 
-    fns["triton (automatic, JIT launch)"] = jit_launch
-
-    def unplanned():  # the full path at every call (kernels.varlen_attention's launch plans off)
-        plans, va.LAUNCH_PLANS = va.LAUNCH_PLANS, False
-        try:
-            return triton_varlen_attention(q, k, v, cu, maxlen, out=out)
-        finally:
-            va.LAUNCH_PLANS = plans
-
-    fns["triton (automatic, no plan)"] = unplanned
+    # the full path at every call (launch plans off), and the same through Triton's own launch (tuning.launch's
+    # lean path off too)
+    fns["triton (automatic, no plan)"] = overridden((va, "LAUNCH_PLANS", False))
+    fns["triton (automatic, JIT launch)"] = overridden((va, "LAUNCH_PLANS", False), (tuning, "_lean", False))
     for bm, bn, w, s in TMA_TILES if tiles else []:
         for device in (False, True):
             c = TileConfig(bm, bn, w, s, tma=True, device_desc=device)
