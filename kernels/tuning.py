@@ -108,7 +108,7 @@ def launch(fn, grid: tuple, *args, **kwargs):
 
 def _launch(fn, grid, args, kwargs):
     """The launch, and (bound arguments, device) where it was lean."""
-    if _lean is False or interpreting() or triton.knobs.runtime.launch_enter_hook.calls:
+    if _lean is False or interpreting() or _hooks.launch_enter_hook.calls:
         return fn[grid](*args, **kwargs), None, None
     device = torch.cuda.current_device()
     try:
