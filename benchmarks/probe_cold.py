@@ -84,7 +84,7 @@ def main():
         for name, (fn, twin) in fns.items():
             if fn is None:
                 continue
-            read = lambda: torch.sum(qkv, dtype=torch.float32, out=sink)  # noqa: E731 - every input line into L2
+            read = lambda: torch.sum(qkv.view(-1), 0, dtype=torch.float32, out=sink)  # noqa: E731 - every input line into L2
             prepares = {"cold": lambda: None, "data": read, "code": twin, "code+data": lambda: (twin(), read())}
             row["us"][name] = {"warm": gpu_us(fn)}
             for mode in MODES:
