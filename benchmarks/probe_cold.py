@@ -18,6 +18,7 @@ Writes probe_cold_d<head dim>.json under --out (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
 
@@ -29,8 +30,31 @@ from benchmarks.probe_gluon_attention import tile_config, tile_name
 from benchmarks.profile_launch import gpu_us
 
 va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
+tuning = importlib.import_module("kernels.tuning")
 
 MODES = ("cold", "data", "code", "code+data")
+
+
+@contextlib.contextmanager
+def only(config: va.TileConfig):
+    """The automatic path with `config` its one candidate: its own tuning entry and launch plans."""
+    saved = va.hopper_candidates, dict(tuning._choices), dict(va._plans)
+    va.hopper_candidates = lambda *args, **kwargs: [config]
+    tuning._choices.clear()
+    va._plans.clear()
+    va._plans.update(_pinned_plans.setdefault(config, {}))
+    try:
+        yield
+    finally:
+        _pinned_plans[config] = dict(va._plans)
+        va.hopper_candidates = saved[0]
+        tuning._choices.clear()
+        tuning._choices.update(saved[1])
+        va._plans.clear()
+        va._plans.update(saved[2])
+
+
+_pinned_plans: dict = {}
 
 
 def timed_after(fn, prepare, flush, reps: int) -> float:
@@ -53,7 +77,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dim", type=int, default=72)
     ap.add_argument("--cases", nargs="+", default=["1x1024", "64x256"])
-    ap.add_argument("--tiles", nargs="*", default=[], help="Gluon tiles besides the automatic choice (see tile_config)")
+    ap.add_argument("--tiles", nargs="*", default=[],
+                    help="Gluon tiles besides the automatic choice (see tile_config), each as the one candidate")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
@@ -69,8 +94,16 @@ def main():
         sink = torch.empty((), device="cuda")
 
         def ours(buf, config=None):
+            """The automatic path (tuned choice, launch plan); with `config`, restricted to that one candidate,
+            so that it replays as the automatic path does (a pinned configuration never does)."""
             q, k, v = buf.unbind(1)
-            return lambda: va.triton_varlen_attention(q, k, v, cu, maxlen, config=config)
+
+            def call():
+                if config is None:
+                    return va.triton_varlen_attention(q, k, v, cu, maxlen)
+                with only(config):
+                    return va.triton_varlen_attention(q, k, v, cu, maxlen)
+            return call
 
         def cudnn(buf):
             return batched_cudnn(*buf.unbind(1), lengths)
@@ -90,6 +123,7 @@ def main():
             for mode in MODES:
                 row["us"][name][mode] = timed_after(fn, prepares[mode], flush, args.reps)
             print(case, name, {m: round(t, 2) for m, t in row["us"][name].items()}, flush=True)
+        row["choices"] = {str(k): str(c) for k, c in va.tuned_choices().items()}
         rows.append(row)
     summary = [{"case": r["case"], "fn": name, **{m: t for m, t in times.items()},
                 "cold - warm": times["cold"] - times["warm"], "code+data - warm": times["code+data"] - times["warm"]}
