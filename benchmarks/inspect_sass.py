@@ -98,10 +98,7 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
                qk_scale="fp32", q1_desc=desc(bm, w1) if w1 else None,
                kv1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
-                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform,
-                     PREFETCH=ga._prefetch_asm(sum(sig[n] is not None for n in ("q_desc", "kv_desc", "q1_desc", "kv1_desc")))
-                     if "prefetch" in os.environ.get("QWEN3VL_GLUON_PROLOGUE", "") else "",
-                     Q_FIRST="qfirst" in os.environ.get("QWEN3VL_GLUON_PROLOGUE", ""), num_warps=warps)
+                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps)
     constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks the integer arguments divisible by 16 where they are (at 72 O's head stride is not)

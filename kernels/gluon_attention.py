@@ -33,7 +33,6 @@ TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per S
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -168,7 +167,7 @@ if gluon is not None:
                             qk_scale, max_seqlen, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
                             R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
-                            PREFETCH: gl.constexpr, Q_FIRST: gl.constexpr, num_warps: gl.constexpr):
+                            num_warps: gl.constexpr):
         """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. The
         descriptors read q's rows (q, k and v parts of one buffer's rows: `qkv_columns`), K's and V's heads from
         columns k_col and v_col: `q_desc` and `kv_desc` [BLOCK_M | BLOCK_N, D0] boxes; past D0 (W1 > 0) `q1_desc`
@@ -187,8 +186,6 @@ if gluon is not None:
         start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
-        if PREFETCH != "":
-            gl.inline_asm_elementwise(PREFETCH, "=r,r", [start_m], dtype=gl.int32, is_pure=False, pack=1)
         if UNIFORM:
             tok0 = seg * max_seqlen
             seqlen = max_seqlen
@@ -232,22 +229,15 @@ if gluon is not None:
             k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
             v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
             mbarrier.init(q_bar, count=1)
-            if Q_FIRST:
-                fence_async_shared()
-                mbarrier.expect(q_bar, BLOCK_M * (D0 + W1) * dtype.primitive_bitwidth // 8)
-                _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
-                if W1 > 0:
-                    _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
                 mbarrier.init(k_ready.index(i), count=1)
                 mbarrier.init(v_ready.index(i), count=1)
             fence_async_shared()
 
-            if not Q_FIRST:
-                mbarrier.expect(q_bar, BLOCK_M * (D0 + W1) * dtype.primitive_bitwidth // 8)
-                _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
-                if W1 > 0:
-                    _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
+            mbarrier.expect(q_bar, BLOCK_M * (D0 + W1) * dtype.primitive_bitwidth // 8)
+            _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
+            if W1 > 0:
+                _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
                 _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
                          W1, REM_T)
@@ -411,20 +401,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     # every segment max_seqlen long (segments of at most max_seqlen tokens, summing to segments * max_seqlen): the
     # image packs of one resolution, a video's frames
     uniform = total == segments * max_seqlen
-    descs = sum(d is not None for d in (q_desc, kv_desc, q1_desc, kv1_desc))
-    mode = os.environ.get("QWEN3VL_GLUON_PROLOGUE", "")
-    prefetch = _prefetch_asm(descs) if "prefetch" in mode else ""
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
            cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, HEAD_DIM=head_dim,
            BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
-           SUM_ASKED=sum_mma, UNIFORM=uniform, PREFETCH=prefetch, Q_FIRST="qfirst" in mode, num_warps=num_warps,
-           **options)
-
-
-@functools.lru_cache(maxsize=None)
-def _prefetch_asm(descs: int) -> str:
-    """PTX that prefetches the kernel's `descs` TMA descriptors (kernel parameters, each followed by its shape and
-    strides: five parameters per 2D descriptor) into the descriptor cache, from one thread; returns its argument."""
-    prefetches = " ".join(f"@p prefetch.param.tensormap [_gl_varlen_attn_fwd_param_{5 * i}];" for i in range(descs))
-    return ("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; " + prefetches
-            + " mov.u32 $0, $1; }")
+           SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps, **options)
