@@ -84,7 +84,6 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
 
     bm, bn, warps, nbuf, maxnreg, *rest = tile
     rem_copy = bool(rest[0]) if rest else True
-    dual = len(rest) > 1 and bool(rest[1])
     d0, d1, _ = va.head_dim_split(head_dim)
     w1 = ga.REM_WIDTH if d1 else 0
     fn = ga._gl_varlen_attn_fwd
@@ -99,8 +98,7 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
                qk_scale="fp32", q1_desc=desc(bm, w1) if w1 else None,
                kv1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
-                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, DUAL=dual,
-                     num_warps=warps)
+                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps)
     constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks the integer arguments divisible by 16 where they are (at 72 O's head stride is not)

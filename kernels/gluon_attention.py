@@ -75,24 +75,17 @@ if gluon is not None:
         with a remainder (W1 > 0), its W1 columns past D0 on the same barrier: W1 rows of R from row `r_row`
         (REM_T), or the next W1 columns of the same rows. The caller has waited for the slot's last reader, a
         wgmma; with two warpgroups, both have (`_both_done`: one thread issues the copy)."""
-        _load_kv_at(desc, bufs, r_desc, r_bufs, ready, tile, tile, tok0, col, r_row, r_col, n, BLOCK_N, NBUF, W1,
-                    REM_T)
-
-    @gluon.jit
-    def _load_kv_at(desc, bufs, r_desc, r_bufs, ready, t, tile, tok0, col, r_row, r_col, n, BLOCK_N: gl.constexpr,
-                    NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr):
-        """`_load_kv` of key tile `tile` at position t of the ring's order (the slot and its phase), if t < n."""
-        slot = t % NBUF
+        slot = tile % NBUF
         nbytes: gl.constexpr = BLOCK_N * (desc.block_type.shape[1] + W1) * desc.dtype.primitive_bitwidth // 8
-        mbarrier.expect(ready.index(slot), nbytes, pred=t < n)
-        _tma_load(desc, [tok0 + tile * BLOCK_N, col], ready.index(slot), bufs.index(slot), pred=t < n)
+        mbarrier.expect(ready.index(slot), nbytes, pred=tile < n)
+        _tma_load(desc, [tok0 + tile * BLOCK_N, col], ready.index(slot), bufs.index(slot), pred=tile < n)
         if W1 > 0:
             if REM_T:
                 _tma_load(r_desc, [r_row, r_col + tile * BLOCK_N], ready.index(slot), r_bufs.index(slot),
-                          pred=t < n)
+                          pred=tile < n)
             else:
                 _tma_load(r_desc, [tok0 + tile * BLOCK_N, col + desc.block_type.shape[1]], ready.index(slot),
-                          r_bufs.index(slot), pred=t < n)
+                          r_bufs.index(slot), pred=tile < n)
 
     @gluon.jit
     def _both_done():
@@ -109,23 +102,15 @@ if gluon is not None:
             REM_T: gl.constexpr):
         """S = Q K^T for key tile `tile`, once its K tile has landed; with a remainder, + Q's remainder columns
         times K's (R's K box [W1, BLOCK_N] is the B operand as it is)."""
-        s = _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, tile, s_zero, NBUF, W1, REM_T)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-    @gluon.jit
-    def _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, t, s_zero, NBUF: gl.constexpr, W1: gl.constexpr,
-                  REM_T: gl.constexpr):
-        """`_qk` on the K tile at ring position t, issued and not waited for: one wgmma group, two with a
-        remainder."""
-        slot = t % NBUF
-        mbarrier.wait(k_ready.index(slot), (t // NBUF) & 1)
+        slot = tile % NBUF
+        mbarrier.wait(k_ready.index(slot), (tile // NBUF) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if W1 > 0:
             if REM_T:
                 s = warpgroup_mma(q1_smem, rk_bufs.index(slot), s, is_async=True)
             else:
                 s = warpgroup_mma(q1_smem, rk_bufs.index(slot).permute((1, 0)), s, is_async=True)
-        return s
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
     def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
@@ -163,123 +148,6 @@ if gluon is not None:
         return s, acc, acc1, m_i, l_i
 
     @gluon.jit
-    def _dual_tile(t, h):
-        """The key tile at ring position t of a DUAL program: t = 2i is stream A's tile i, t = 2i + 1 stream B's
-        tile h + i; past 2h (an odd count of tiles) B's last one, t itself."""
-        return gl.where(t < 2 * h, gl.where(t % 2 == 0, t // 2, h + t // 2), t)
-
-    @gluon.jit
-    def _pv_issue(s, acc, acc1, m_i, l_i, tile, t, v_bufs, rv_bufs, v_ready, seqlen, qk_scale, MASK: gl.constexpr,
-                  BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, s_layout: gl.constexpr,
-                  o_layout: gl.constexpr, o1_layout: gl.constexpr, p_layout: gl.constexpr):
-        """One stream's softmax of S (key tile `tile`, at ring position t), its accumulators rescaled and its PV
-        issued, not waited for (V's remainder in place: [BLOCK_N, W1] boxes)."""
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - tile * BLOCK_N, MASK, False, s_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        slot = t % NBUF
-        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        mbarrier.wait(v_ready.index(slot), (t // NBUF) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-        if W1 > 0:
-            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
-            acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
-        return acc, acc1, m_i, l_i
-
-    @gluon.jit
-    def _pv(s, acc, acc1, m_i, l_i, t, v_bufs, rv_bufs, v_ready, seqlen, qk_scale, MASK: gl.constexpr,
-            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, s_layout: gl.constexpr,
-            o_layout: gl.constexpr, o1_layout: gl.constexpr, p_layout: gl.constexpr):
-        """`_pv_issue` of key tile t at ring position t, waited for."""
-        acc, acc1, m_i, l_i = _pv_issue(s, acc, acc1, m_i, l_i, t, t, v_bufs, rv_bufs, v_ready, seqlen, qk_scale,
-                                        MASK, BLOCK_N, NBUF, W1, s_layout, o_layout, o1_layout, p_layout)
-        if W1 > 0:
-            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        return acc, acc1, m_i, l_i
-
-    @gluon.jit
-    def _dual_step(t, h, s_zero, acc_a, acc1_a, m_a, l_a, acc_b, acc1_b, m_b, l_b, q_smem, q1_smem, kv_desc,
-                   kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, tok0, k_col, v_col, n, seqlen,
-                   qk_scale, MASK_B: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr,
-                   s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
-                   p_layout: gl.constexpr):
-        """Ring positions t (stream A) and t + 1 (stream B) of a DUAL program: both QK^T issued at once, A's
-        softmax while B's QK^T runs, B's while A's PV runs; then the four slots refilled NBUF positions ahead."""
-        G: gl.constexpr = 2 if W1 > 0 else 1  # wgmma groups per dot
-        s_a = _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, t, s_zero, NBUF, W1, False)
-        s_b = _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, t + 1, s_zero, NBUF, W1, False)
-        s_a = warpgroup_mma_wait(num_outstanding=G, deps=(s_a,))
-        acc_a, acc1_a, m_a, l_a = _pv_issue(s_a, acc_a, acc1_a, m_a, l_a, _dual_tile(t, h), t, v_bufs, rv_bufs,
-                                            v_ready, seqlen, qk_scale, False, BLOCK_N, NBUF, W1, s_layout, o_layout,
-                                            o1_layout, p_layout)
-        s_b = warpgroup_mma_wait(num_outstanding=G, deps=(s_b,))
-        acc_b, acc1_b, m_b, l_b = _pv_issue(s_b, acc_b, acc1_b, m_b, l_b, _dual_tile(t + 1, h), t + 1, v_bufs,
-                                            rv_bufs, v_ready, seqlen, qk_scale, MASK_B, BLOCK_N, NBUF, W1, s_layout,
-                                            o_layout, o1_layout, p_layout)
-        if W1 > 0:
-            acc_a, acc1_a, acc_b, acc1_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc1_a, acc_b, acc1_b))
-        else:
-            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-        for i in gl.static_range(2):
-            ahead = t + i + NBUF
-            _load_kv_at(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, ahead, _dual_tile(ahead, h), tok0, k_col, 0, 0,
-                        n, BLOCK_N, NBUF, W1, False)
-            _load_kv_at(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, ahead, _dual_tile(ahead, h), tok0, v_col, 0, 0,
-                        n, BLOCK_N, NBUF, W1, False)
-        return acc_a, acc1_a, m_a, l_a, acc_b, acc1_b, m_b, l_b
-
-    @gluon.jit
-    def _dual(h, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
-              k_ready, v_ready, tok0, k_col, v_col, n, seqlen, qk_scale, BLOCK_N: gl.constexpr, NBUF: gl.constexpr,
-              W1: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
-              p_layout: gl.constexpr):
-        """A DUAL program's key tiles as two streams, A (0 .. h - 1) and B (h .. n - 1), stepped in pairs
-        (`_dual_step`), B's odd last tile alone; the streams' accumulators and row sums merged at the end.
-        Returns O's accumulators and row sums (unnormalised)."""
-        acc_b = acc
-        acc1_b = acc1
-        m_b = m_i
-        l_b = l_i
-        for i in range(0, h - 1 + n % 2):  # pairs whose B tile is not the segment's last
-            acc, acc1, m_i, l_i, acc_b, acc1_b, m_b, l_b = _dual_step(
-                2 * i, h, s_zero, acc, acc1, m_i, l_i, acc_b, acc1_b, m_b, l_b, q_smem, q1_smem, kv_desc, kv1_desc,
-                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, tok0, k_col, v_col, n, seqlen, qk_scale, False,
-                BLOCK_N, NBUF, W1, s_layout, o_layout, o1_layout, p_layout)
-        if n % 2 == 0:  # the last pair: B's tile masked only where the segment ends inside it
-            if seqlen % BLOCK_N == 0:
-                acc, acc1, m_i, l_i, acc_b, acc1_b, m_b, l_b = _dual_step(
-                    n - 2, h, s_zero, acc, acc1, m_i, l_i, acc_b, acc1_b, m_b, l_b, q_smem, q1_smem, kv_desc,
-                    kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, tok0, k_col, v_col, n, seqlen,
-                    qk_scale, False, BLOCK_N, NBUF, W1, s_layout, o_layout, o1_layout, p_layout)
-            else:
-                acc, acc1, m_i, l_i, acc_b, acc1_b, m_b, l_b = _dual_step(
-                    n - 2, h, s_zero, acc, acc1, m_i, l_i, acc_b, acc1_b, m_b, l_b, q_smem, q1_smem, kv_desc,
-                    kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, tok0, k_col, v_col, n, seqlen,
-                    qk_scale, True, BLOCK_N, NBUF, W1, s_layout, o_layout, o1_layout, p_layout)
-        else:  # B's last tile (ring position n - 1) alone
-            s_b = _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, n - 1, s_zero, NBUF, W1, False)
-            s_b = warpgroup_mma_wait(num_outstanding=0, deps=(s_b,))
-            if seqlen % BLOCK_N == 0:
-                acc_b, acc1_b, m_b, l_b = _pv(s_b, acc_b, acc1_b, m_b, l_b, n - 1, v_bufs, rv_bufs, v_ready, seqlen,
-                                              qk_scale, False, BLOCK_N, NBUF, W1, s_layout, o_layout, o1_layout,
-                                              p_layout)
-            else:
-                acc_b, acc1_b, m_b, l_b = _pv(s_b, acc_b, acc1_b, m_b, l_b, n - 1, v_bufs, rv_bufs, v_ready, seqlen,
-                                              qk_scale, True, BLOCK_N, NBUF, W1, s_layout, o_layout, o1_layout,
-                                              p_layout)
-        # A's maxima are -inf where A has no tiles (n == 1); B's are finite: every row saw a key
-        m = gl.maximum(m_i, m_b)
-        scale_a = gl.exp2(m_i - m)
-        scale_b = gl.exp2(m_b - m)
-        acc = (acc * gl.convert_layout(scale_a, gl.SliceLayout(1, o_layout))[:, None]
-               + acc_b * gl.convert_layout(scale_b, gl.SliceLayout(1, o_layout))[:, None])
-        if W1 > 0:
-            acc1 = (acc1 * gl.convert_layout(scale_a, gl.SliceLayout(1, o1_layout))[:, None]
-                    + acc1_b * gl.convert_layout(scale_b, gl.SliceLayout(1, o1_layout))[:, None])
-        return acc, acc1, l_i * scale_a + l_b * scale_b
-
-    @gluon.jit
     def _store_rows(O, vals, row0, tok0, seqlen, stride_ot, col, WIDTH: gl.constexpr, num_warps: gl.constexpr):
         """The first WIDTH columns of `vals` into O's rows row0.. of the segment, from column `col` of the head's
         row (8 columns, 16 bytes, per thread and store)."""
@@ -299,7 +167,7 @@ if gluon is not None:
                             qk_scale, max_seqlen, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
                             R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
-                            DUAL: gl.constexpr, num_warps: gl.constexpr):
+                            num_warps: gl.constexpr):
         """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. The
         descriptors read q's rows (q, k and v parts of one buffer's rows: `qkv_columns`), K's and V's heads from
         columns k_col and v_col: `q_desc` and `kv_desc` [BLOCK_M | BLOCK_N, D0] boxes; past D0 (W1 > 0) `q1_desc`
@@ -370,13 +238,11 @@ if gluon is not None:
             _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
             if W1 > 0:
                 _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
-            h = n // 2  # DUAL: stream A's key tiles, 0 .. h - 1; B's the rest
             for i in gl.static_range(NBUF):
-                tile = _dual_tile(i, h) if DUAL else i
-                _load_kv_at(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, tile, tok0, k_col, r_row, r_col, n,
-                            BLOCK_N, NBUF, W1, REM_T)
-                _load_kv_at(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, i, tile, tok0, v_col, r_row + R_V, r_col, n,
-                            BLOCK_N, NBUF, W1, REM_T)
+                _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+                         W1, REM_T)
+                _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, i, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
+                         NBUF, W1, REM_T)
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -392,34 +258,29 @@ if gluon is not None:
                 q1_smem.store(gl.where((q1_cols < R_V)[None, :], q1, gl.zeros_like(q1)))
                 fence_async_shared()
                 _cta_barrier()
-            if DUAL:
-                acc, acc1, l_i = _dual(h, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc, k_bufs,
-                                       v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, tok0, k_col, v_col, n, seqlen,
-                                       qk_scale, BLOCK_N, NBUF, W1, s_layout, o_layout, o1_layout, p_layout)
+            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
+            _both_done()
+            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+                     W1, REM_T)
+            for j in range(0, n - 1):
+                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True,
+                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                               p_layout)
+            # the last key tile: masked only where the segment ends inside it
+            if seqlen % BLOCK_N == 0:
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False,
+                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                               p_layout)
             else:
-                s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
-                _both_done()
-                _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N,
-                         NBUF, W1, REM_T)
-                for j in range(0, n - 1):
-                    s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
-                                                   k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                                   tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True,
-                                                   BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout,
-                                                   o1_layout, p_layout)
-                # the last key tile: masked only where the segment ends inside it
-                if seqlen % BLOCK_N == 0:
-                    s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc,
-                                                   kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready,
-                                                   s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale,
-                                                   False, False, BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout,
-                                                   o_layout, o1_layout, p_layout)
-                else:
-                    s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc,
-                                                   kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready,
-                                                   s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale,
-                                                   True, False, BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout,
-                                                   o_layout, o1_layout, p_layout)
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False,
+                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                               p_layout)
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(NBUF):
@@ -441,7 +302,7 @@ if gluon is not None:
             if W1 > 0:
                 _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
 
-# The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied, dual), from GPU
+# The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied), from GPU
 # time per call on H100 (benchmarks/probe_gluon_attention.py):
 # - 64 (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): 128/128 on 8 warps capped at 128 registers
 #   (2 CTAs per SM instead of 1; no spills) is the fastest from 1x4096 up, 64/128 at 8x1024, 64/64 on packs of short
@@ -451,12 +312,9 @@ if gluon is not None:
 #   tensor cores) from 1x4096 up, 3-5% faster there; read in place on packs of short segments, where the copy's
 #   ~19 us is a fifth of the call (64x256: 83.4 us against 102.2). 128/128 capped at 128 registers spills there.
 GLUON_TILES = {
-    64: [(128, 128, 8, 2, 128, False, False), (64, 128, 4, 2, 0, False, False), (64, 64, 4, 4, 0, False, True),
-         (64, 64, 4, 2, 0, False, False)],
-    72: [(128, 64, 8, 2, 0, True, False), (128, 64, 8, 2, 0, False, False), (64, 64, 4, 4, 0, False, True),
-         (64, 64, 4, 2, 0, False, False)],
-    80: [(128, 64, 8, 2, 0, False, False), (64, 128, 4, 2, 0, False, False), (64, 64, 4, 4, 0, False, True),
-         (64, 64, 4, 2, 0, False, False)],
+    64: [(128, 128, 8, 2, 128, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
+    72: [(128, 64, 8, 2, 0, True), (128, 64, 8, 2, 0, False), (64, 64, 4, 2, 0, False)],
+    80: [(128, 64, 8, 2, 0, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
 }
 
 # The remainder's width past D0 (72: 8 columns; 80: 16) in the remainder's boxes: a wgmma's K step at 16 bits.
@@ -509,7 +367,7 @@ def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: tuple[int, int], block_m: int,
                  block_n: int, num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None,
-                 rem_rows: int = 0, sum_mma: bool = True, dual: bool = False):
+                 rem_rows: int = 0, sum_mma: bool = True):
     """One launch over the packed segments. q `(T, H, D)` and, at `columns` of its rows, k's and v's heads
     (`qkv_columns`: the caller has found q, k and v parts of one buffer's rows) with 16-byte aligned rows, at most
     REM_WIDTH head-dim columns past a power of two (`varlen_attention.triton_varlen_attention` checks both);
@@ -521,8 +379,6 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     instead of six, at 64 one or two instead of three. Each costs host time at every launch (built, specialised and
     encoded: ~10-25 us on the H100 machines' hosts, benchmarks/results/launch/launch_profile_d72_h100_rev*.json),
     which sets the time of a small call."""
-    if dual and (num_warps != 4 or rem is not None or nbuf % 2):
-        raise ValueError("a DUAL tile runs on one warpgroup (4 warps), an even ring, the remainder in place")
     total, heads, head_dim = q.shape
     d0 = 1 << (head_dim.bit_length() - 1)
     k_col, v_col = columns
@@ -548,4 +404,4 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
            cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, HEAD_DIM=head_dim,
            BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
-           SUM_ASKED=sum_mma, UNIFORM=uniform, DUAL=dual, num_warps=num_warps, **options)
+           SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps, **options)

@@ -696,7 +696,6 @@ class TileConfig:
     gluon: bool = False  # the Gluon kernel (kernels/gluon_attention.py) instead; num_stages is its K/V ring depth
     maxnreg: int = 0  # Gluon kernel: registers per thread, capped (0: ptxas's choice)
     rem_copy: bool = True  # Gluon kernel, past a power of two: K's and V's remainder from kv_remainder_t, or in place
-    dual: bool = False  # Gluon kernel: each program's key tiles as two interleaved streams (gluon_attention._dual)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -763,8 +762,8 @@ def gluon_candidates(head_dim: int) -> list[TileConfig]:
     """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing)."""
     if head_dim not in GLUON_HEAD_DIMS or not gluon_available():
         return []
-    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy, dual=dual)
-            for bm, bn, w, nbuf, cap, copy, dual in GLUON_TILES[head_dim]]
+    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy)
+            for bm, bn, w, nbuf, cap, copy in GLUON_TILES[head_dim]]
 
 
 def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TileConfig]:
@@ -910,7 +909,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 and (c.rem_copy or not c.gluon) else None
             if c.gluon:
                 launch_gluon(q, out, cu_seqlens, max_seqlen, scale, columns, c.block_m, c.block_n, c.num_warps,
-                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, c.dual)
+                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma)
                 return
             rem = q if rem is None else rem  # q: a placeholder without a remainder
             rem_stride0 = rem.stride(0)
