@@ -5,7 +5,9 @@ cudaProfilerStart/Stop, so `ncu --profile-from-start off` sees exactly one launc
 Usage (on the GPU machine):
   ncu --profile-from-start off --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats \
       --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis -o REPORT \
-      python -m benchmarks.ncu_attention --cases 1x16384 8x1024 --kernels triton:64/128/4/2 gluon:128/128/8/2/128 cudnn
+      python -m benchmarks.ncu_attention --cases 1x16384 8x1024 --kernels triton:64/128/4/2 gluon:128/128/8/2/128/0 cudnn
+  (gluon tiles as probe_gluon_attention.tile_config reads them; add --metrics for metrics no section collects, e.g.
+  the L2 ones below)
   python -m benchmarks.ncu_attention --summarise REPORT.ncu-rep   (pipe utilisation, issue, stalls per kernel)
 """
 
@@ -33,6 +35,9 @@ SUMMARY = {
     "dram__bytes_read.sum": "dram read",
     "dram__bytes_write.sum": "dram write",
     "lts__t_sector_hit_rate.pct": "L2 hit %",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "L2 throughput %",
+    "lts__t_bytes.sum": "L2 bytes",
+    "lts__t_sectors_srcunit_tex_op_read.sum": "L2 sectors read by SMs",
     "launch__registers_per_thread": "regs",
     "launch__occupancy_limit_registers": "ctas/sm (regs)",
     "launch__occupancy_limit_shared_mem": "ctas/sm (smem)",
@@ -69,8 +74,9 @@ def run_kernels(cases, specs, head_dim):
                                              num_stages=s, q_tail=bm >= 128)
                 fn = lambda config=config: va.triton_varlen_attention(q, k, v, cu, m, config=config)  # noqa: E731
             elif kind == "gluon":
-                bm, bn, w, nbuf, cap = map(int, tile.split("/"))
-                config = va.TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap)
+                from benchmarks.probe_gluon_attention import tile_config
+
+                config = tile_config(tile)
                 fn = lambda config=config: va.triton_varlen_attention(q, k, v, cu, m, config=config)  # noqa: E731
             else:
                 fn = batched_cudnn(q, k, v, lengths)
@@ -102,7 +108,7 @@ def summarise(report: str):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="+", default=["1x16384"])
-    ap.add_argument("--kernels", nargs="+", default=["triton:64/128/4/2", "gluon:128/128/8/2/128", "cudnn"])
+    ap.add_argument("--kernels", nargs="+", default=["triton:64/128/4/2", "gluon:128/128/8/2/128/0", "cudnn"])
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--summarise", default=None, help="an .ncu-rep file: print the summary metrics per kernel")
     args = ap.parse_args()
