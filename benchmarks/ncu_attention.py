@@ -20,7 +20,7 @@ import importlib
 import io
 import subprocess
 
-# Raw metrics the summary prints (ncu --page raw names), with a short label
+# Raw metrics the summary prints (ncu --page raw names), with a short label; stalls are warps stalled per issue
 SUMMARY = {
     "gpu__time_duration.sum": "us",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "sm %",
@@ -41,18 +41,22 @@ SUMMARY = {
     "launch__registers_per_thread": "regs",
     "launch__occupancy_limit_registers": "ctas/sm (regs)",
     "launch__occupancy_limit_shared_mem": "ctas/sm (smem)",
-    "smsp__average_warp_latency_issue_stalled_long_scoreboard": "stall long sb",
-    "smsp__average_warp_latency_issue_stalled_wait": "stall wait",
-    "smsp__average_warp_latency_issue_stalled_math_pipe_throttle": "stall math throttle",
-    "smsp__average_warp_latency_issue_stalled_short_scoreboard": "stall short sb",
-    "smsp__average_warp_latency_issue_stalled_barrier": "stall barrier",
-    "smsp__average_warp_latency_issue_stalled_membar": "stall membar",
-    "smsp__average_warp_latency_issue_stalled_not_selected": "stall not selected",
-    "smsp__average_warp_latency_issue_stalled_selected": "selected",
-    "smsp__average_warp_latency_issue_stalled_dispatch_stall": "stall dispatch",
-    "smsp__average_warp_latency_issue_stalled_mio_throttle": "stall mio throttle",
-    "smsp__average_warp_latency_issue_stalled_sleeping": "stall sleeping",
-    "smsp__average_warp_latency_issue_stalled_math_pipe_throttle_pred_on": "stall math throttle (pred on)",
+    "smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio": "stall gmma",
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "stall long scoreboard",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "stall wait",
+    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "stall barrier",
+    "smsp__average_warps_issue_stalled_sleeping_per_issue_active.ratio": "stall sleeping",
+    "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio": "stall math pipe throttle",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio": "stall short scoreboard",
+    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio": "stall mio throttle",
+    "smsp__average_warps_issue_stalled_no_instruction_per_issue_active.ratio": "stall no instruction",
+    "smsp__average_warps_issue_stalled_imc_miss_per_issue_active.ratio": "stall imc miss",
+    "smsp__average_warps_issue_stalled_branch_resolving_per_issue_active.ratio": "stall branch resolving",
+    "smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio": "stall dispatch stall",
+    "smsp__average_warps_issue_stalled_membar_per_issue_active.ratio": "stall membar",
+    "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio": "stall lg throttle",
+    "smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio": "stall not selected",
+    "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio": "stall selected",
 }
 
 
