@@ -11,6 +11,11 @@ descriptors) and its inputs all come from HBM. This probe times each call five w
   cold, the kernel's code in L2;
 - code+data: both, so that only the launch's own parameters (and the output's lines) are cold.
 
+The calls are launched eagerly, so a mode only measures the GPU while the host keeps ahead of it: the flush (a
+256 MB memset) takes ~80 us, and the modes that run the twin first enqueue two calls after it. Batched cuDNN takes
+50-70 us of host time per call, so its "code" and "code+data" cells often read high; ours replay their launch plan
+(10-20 us per call). Tiles given with --tiles run as the automatic path's one candidate, so that they replay too.
+
 Usage: python -m benchmarks.probe_cold [--head-dim 72] [--cases 1x1024 64x256] [--tiles 64/64/4/2/0/0 ...]
 Writes probe_cold_d<head dim>.json under --out (default benchmarks/results).
 """
