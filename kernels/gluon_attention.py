@@ -24,7 +24,10 @@ benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): FlashAttention-3'
 tile j and PV of tile j - 1 in flight during tile j's softmax) ran 5-20% slower than this schedule, and issuing the
 next QK^T before the softmax 3-15% slower. (The session 12 prototype of that overlap, rev 66bd4ed, kept a wgmma in
 flight across the loop's back-edge, and ptxas serialised every wgmma of it: "non wgmma instructions reading
-accumulator registers of a wgmma between start and end of the pipeline stage".)
+accumulator registers of a wgmma between start and end of the pipeline stage".) Two key streams per program (rev
+39e3988: each step's two QK^T issued together, one stream's softmax under the other's wgmmas, the sums merged at the
+end; 186 registers at 72) ran 11-36% slower on every case, 1x1024 included, where the grid leaves an SM two programs
+(gluon_attention_probe_d{64,72}_dual_rev39e3988.json).
 
 Against the `tl.dot` kernel, the gain is in registers and staging: ~130 registers per thread instead of 154, Q by
 TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per SM.
