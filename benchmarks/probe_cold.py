@@ -34,10 +34,12 @@ from benchmarks.common import (ATTENTION_CASES, RESULTS, attention_flops, batche
 from benchmarks.probe_gluon_attention import tile_config, tile_name
 from benchmarks.profile_launch import gpu_us
 
+from kernels import tuning
+
 va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
-tuning = importlib.import_module("kernels.tuning")
 
 MODES = ("cold", "data", "code", "code+data")
+_pinned_plans: dict = {}  # per configuration given with --tiles, its own launch plans
 
 
 @contextlib.contextmanager
@@ -58,8 +60,6 @@ def only(config: va.TileConfig):
         va._plans.clear()
         va._plans.update(saved[2])
 
-
-_pinned_plans: dict = {}
 
 
 def timed_after(fn, prepare, flush, reps: int) -> float:
