@@ -9,7 +9,8 @@ descriptors) and its inputs all come from HBM. This probe times each call five w
 - data: the flush, then the inputs read (q, k, v's buffer), then the call: code and parameters cold;
 - code: the flush, then the same call on a second buffer of the same layout, then the call: data and parameters
   cold, the kernel's code in L2;
-- code+data: both, so that only the launch's own parameters (and the output's lines) are cold.
+- code+data: both, so that only the launch's own parameters are cold. (The twin's output takes the call's block
+  from the caching allocator, so in both "code" modes the output's lines are in L2 too.)
 
 The calls are launched eagerly, so a mode only measures the GPU while the host keeps ahead of it: the flush (a
 256 MB memset) takes ~80 us, and the modes that run the twin first enqueue two calls after it. Batched cuDNN takes
@@ -33,7 +34,6 @@ from benchmarks.common import (ATTENTION_CASES, RESULTS, attention_flops, batche
                                print_table, write_results)
 from benchmarks.probe_gluon_attention import tile_config, tile_name
 from benchmarks.profile_launch import gpu_us
-
 from kernels import tuning
 
 va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
