@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -51,6 +52,19 @@ def batched_cudnn(q, k, v, lengths):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb)
     return cudnn
+
+
+@contextlib.contextmanager
+def overriding(*settings):
+    """(module, attribute, value) settings in force for the block's duration, the old values restored after."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    for module, name, value in settings:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def attention_flops(lengths, head_dim) -> int:

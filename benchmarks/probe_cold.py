@@ -24,14 +24,13 @@ Writes probe_cold_d<head dim>.json under --out (default benchmarks/results).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import statistics
 
 import torch
 
-from benchmarks.common import (ATTENTION_CASES, RESULTS, attention_flops, batched_cudnn, environment, packed_qkv,
-                               print_table, write_results)
+from benchmarks.common import (ATTENTION_CASES, RESULTS, attention_flops, batched_cudnn, environment, overriding,
+                               packed_qkv, print_table, write_results)
 from benchmarks.probe_gluon_attention import tile_config, tile_name
 from benchmarks.profile_launch import gpu_us
 from kernels import tuning
@@ -42,24 +41,10 @@ MODES = ("cold", "data", "code", "code+data")
 _pinned_plans: dict = {}  # per configuration given with --tiles, its own launch plans
 
 
-@contextlib.contextmanager
 def only(config: va.TileConfig):
-    """The automatic path with `config` its one candidate: its own tuning entry and launch plans."""
-    saved = va.hopper_candidates, dict(tuning._choices), dict(va._plans)
-    va.hopper_candidates = lambda *args, **kwargs: [config]
-    tuning._choices.clear()
-    va._plans.clear()
-    va._plans.update(_pinned_plans.setdefault(config, {}))
-    try:
-        yield
-    finally:
-        _pinned_plans[config] = dict(va._plans)
-        va.hopper_candidates = saved[0]
-        tuning._choices.clear()
-        tuning._choices.update(saved[1])
-        va._plans.clear()
-        va._plans.update(saved[2])
-
+    """The automatic path with `config` its one candidate, under its own tuning table and launch plans."""
+    return overriding((va, "hopper_candidates", lambda *args, **kwargs: [config]), (tuning, "_choices", {}),
+                      (va, "_plans", _pinned_plans.setdefault(config, {})))
 
 
 def timed_after(fn, prepare, flush, reps: int) -> float:

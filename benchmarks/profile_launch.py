@@ -30,7 +30,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.bench_attention import host_us
-from benchmarks.common import HEADS, environment, packed_qkv, write_results
+from benchmarks.common import HEADS, environment, overriding, packed_qkv, write_results
 import kernels.tuning as tuning
 from kernels.varlen_attention import (
     TMA_TILES,
@@ -80,14 +80,8 @@ def shape_paths(lengths, d, tiles=True):
     def overridden(*settings):
         """The automatic call with (module, attribute, value) settings in force for its duration."""
         def call():
-            saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
-            for module, name, value in settings:
-                setattr(module, name, value)
-            try:
+            with overriding(*settings):
                 return triton_varlen_attention(q, k, v, cu, maxlen, out=out)
-            finally:
-                for module, name, value in saved:
-                    setattr(module, name, value)
         return call
 
     # the full path at every call (launch plans off), and the same through Triton's own launch (tuning.launch's
