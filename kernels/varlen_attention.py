@@ -816,12 +816,11 @@ def tma_layout_ok(q, k, v, out=None) -> bool:
     of q, k, v and out starting on 16 bytes (the kernel's Q loads and O stores assume it)."""
     if TensorDescriptor is None or q.dtype not in (torch.float16, torch.bfloat16):
         return False
-    head_dim = q.shape[2]
-    for t in (q, k, v) if out is None else (q, k, v, out):  # each stride() once: this is on every call's host path
+    if not (_heads_side_by_side(k) and _heads_side_by_side(v)):
+        return False
+    for t in (q, k, v) if out is None else (q, k, v, out):
         stride, size = t.stride(), t.element_size()
         if (stride[0] * size) % 16 or (stride[1] * size) % 16 or t.data_ptr() % 16:
-            return False
-        if (t is k or t is v) and (stride[2] != 1 or stride[1] != head_dim):
             return False
     return True
 
