@@ -36,7 +36,6 @@ TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per S
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -152,8 +151,7 @@ if gluon is not None:
         return s, acc, acc1, m_i, l_i
 
     @gluon.jit
-    def _store_rows(O, vals, row0, tok0, seqlen, stride_ot, col, WIDTH: gl.constexpr, num_warps: gl.constexpr,
-                    EVICT: gl.constexpr = 0):
+    def _store_rows(O, vals, row0, tok0, seqlen, stride_ot, col, WIDTH: gl.constexpr, num_warps: gl.constexpr):
         """The first WIDTH columns of `vals` into O's rows row0.. of the segment, from column `col` of the head's
         row (8 columns, 16 bytes, per thread and store)."""
         cols_w: gl.constexpr = vals.shape[1] // 8
@@ -165,19 +163,14 @@ if gluon is not None:
         mask = (rows < seqlen)[:, None]
         if WIDTH < vals.shape[1]:
             mask = mask & (cols < WIDTH)[None, :]
-        if EVICT == 1:
-            gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask, eviction_policy="evict_last")
-        elif EVICT == 2:
-            gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask, eviction_policy="evict_first")
-        else:
-            gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask)
+        gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _gl_varlen_attn_fwd(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, stride_ot, stride_oh, k_col, v_col,
                             qk_scale, max_seqlen, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
                             R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
-                            num_warps: gl.constexpr, O_EVICT: gl.constexpr = 0):
+                            num_warps: gl.constexpr):
         """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. The
         descriptors read q's rows (q, k and v parts of one buffer's rows: `qkv_columns`), K's and V's heads from
         columns k_col and v_col: `q_desc` and `kv_desc` [BLOCK_M | BLOCK_N, D0] boxes; past D0 (W1 > 0) `q1_desc`
@@ -308,10 +301,9 @@ if gluon is not None:
                 inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
                 inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout))
             o_row = O + head * stride_oh
-            _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps, O_EVICT)
+            _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
             if W1 > 0:
-                _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps,
-                            O_EVICT)
+                _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
 
 # The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied), from GPU
 # time per call on H100 (benchmarks/probe_gluon_attention.py):
@@ -327,8 +319,6 @@ GLUON_TILES = {
     72: [(128, 64, 8, 2, 0, True), (128, 64, 8, 2, 0, False), (64, 64, 4, 2, 0, False)],
     80: [(128, 64, 8, 2, 0, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
 }
-
-O_EVICTION = int(os.environ.get("QWEN3VL_O_EVICTION", "0"))  # experiment: L2 eviction priority of O's stores
 
 # The remainder's width past D0 (72: 8 columns; 80: 16) in the remainder's boxes: a wgmma's K step at 16 bits.
 REM_WIDTH = 16
@@ -417,4 +407,4 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
            cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, HEAD_DIM=head_dim,
            BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
-           SUM_ASKED=sum_mma, UNIFORM=uniform, O_EVICT=O_EVICTION, num_warps=num_warps, **options)
+           SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps, **options)
