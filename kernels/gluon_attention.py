@@ -140,17 +140,12 @@ if gluon is not None:
             acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if NEXT == 2:  # the segment's last full key tile may be this one
-            if j + 1 < n:
-                s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1, REM_T)
-            else:  # S_j itself is dead by now: a constant, so that it is not kept alive across PV for this branch
-                s = gl.zeros_like(s)
-        elif NEXT:
+        if NEXT:
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1, REM_T)
         _both_done()
         _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, j + NBUF, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
                  NBUF, W1, REM_T)
-        if NEXT:  # (past the last tile the copies are predicated off)
+        if NEXT:
             _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, k_col, r_row, r_col, n,
                      BLOCK_N, NBUF, W1, REM_T)
         return s, acc, acc1, m_i, l_i
@@ -270,15 +265,20 @@ if gluon is not None:
             _both_done()
             _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
                      W1, REM_T)
-            # every full key tile in one loop (the next tile's QK^T skipped after the last), then a ragged last tile
-            # masked: one copy of the unmasked step in the code, not two (cold, every line is fetched from HBM)
-            for j in range(0, seqlen // BLOCK_N):
+            for j in range(0, n - 1):
                 s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, 2,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True,
                                                BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                                p_layout)
-            if seqlen % BLOCK_N != 0:
+            # the last key tile: masked only where the segment ends inside it
+            if seqlen % BLOCK_N == 0:
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
+                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False,
+                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                               p_layout)
+            else:
                 s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
                                                tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False,
