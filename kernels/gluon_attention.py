@@ -546,6 +546,8 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     # image packs of one resolution, a video's frames
     uniform = total == segments * max_seqlen
     part = part_ml = counts = None
+    if max_seqlen <= block_n:  # one key tile per segment: nothing to share out
+        split = 1
     if split > 1:
         if split != SPLIT or total * heads > SPLIT_ROWS or d0 + w1 > SPLIT_WIDTH:
             raise ValueError(f"split launches take split {SPLIT}, at most {SPLIT_ROWS} token-heads and head dims up to "
