@@ -76,15 +76,14 @@ def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16, lengths:
 
 def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = False) -> dict:
     """The Gluon kernel (kernels/gluon_attention.py) for one of its tiles, (block_m, block_n, warps, ring depth,
-    register cap or 0[, remainder copied[, sum_mma[, split]]]), specialised as the JIT does for a fused QKV buffer
-    and a contiguous output; `uniform`: the variant for packs of equal lengths."""
+    register cap or 0), specialised as the JIT does for a fused QKV buffer and a contiguous output; `uniform`: the
+    variant for packs of equal lengths."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels import gluon_attention as ga
 
     bm, bn, warps, nbuf, maxnreg, *rest = tile
-    rest = list(rest) + [1, 1, 1][len(rest):]
-    rem_copy, sum_mma, split = bool(rest[0]), bool(rest[1]), rest[2]
+    rem_copy = bool(rest[0]) if rest else True
     d0, d1, _ = va.head_dim_split(head_dim)
     w1 = ga.REM_WIDTH if d1 else 0
     fn = ga._gl_varlen_attn_fwd
@@ -96,21 +95,17 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
     # the fused QKV buffer: one descriptor per box shape (launch_gluon), K's and V's heads at column offsets
     same = bm == bn
     sig.update(q_desc=desc(bm, d0), kv_desc=None if same else desc(bn, d0), O="*bf16", CU_SEQLENS="*i32",
-               PART="*fp32" if split > 1 else None, PART_ML="*fp32" if split > 1 else None,
-               COUNTS="*i32" if split > 1 else None, qk_scale="fp32", q1_desc=desc(bm, w1) if w1 else None,
+               qk_scale="fp32", q1_desc=desc(bm, w1) if w1 else None,
                kv1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
-                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=sum_mma, UNIFORM=uniform, SPLIT=split,
-                     num_warps=warps)
-    constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc", "PART", "PART_ML", "COUNTS")
-                      if sig[name] is None})
+                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps)
+    constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks the integer arguments divisible by 16 where they are (at 72 O's head stride is not)
     ints = {"stride_ot": 16 * head_dim, "stride_oh": head_dim, "k_col": 16 * head_dim, "v_col": 32 * head_dim,
             "max_seqlen": 1024}
-    pointers = ("O", "CU_SEQLENS") + (("PART", "PART_ML", "COUNTS") if split > 1 else ())
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in pointers + tuple(n for n, value in ints.items() if value % 16 == 0)}
+             for name in ("O", "CU_SEQLENS") + tuple(n for n, value in ints.items() if value % 16 == 0)}
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
@@ -178,8 +173,7 @@ def main():
     ap.add_argument("--tiles", nargs="*", default=None, help="block_m/block_n/warps/stages (default: the candidates)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--gluon", nargs="*", default=None,
-                    help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap"
-                         "[/remainder copied[/sum_mma[/split]]]")
+                    help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap[/remainder copied]")
     ap.add_argument("--uniform", action="store_true", help="the Gluon kernel's variant for packs of equal lengths")
     args = ap.parse_args()
     if args.gluon is not None:

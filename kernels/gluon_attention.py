@@ -48,7 +48,7 @@ try:
 except Exception:  # noqa: BLE001 - Triton without Gluon's Hopper API (older, or a changed experimental API)
     gluon = None
 
-from .tuning import cdiv, launch, pin
+from .tuning import cdiv, launch
 
 if gluon is not None:
     # renamed after Triton 3.6 (the GPU machine's version; CI runs a newer one)
@@ -166,98 +166,11 @@ if gluon is not None:
         gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask)
 
     @gluon.jit
-    def _finish(O, acc, acc1, l_i, row0, tok0, seqlen, head, stride_ot, stride_oh, R_V: gl.constexpr,
-                SUM_MMA: gl.constexpr, W1: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
-                num_warps: gl.constexpr):
-        """O = acc / l into the query tile's rows: one reciprocal per row and a multiply per element, not a division
-        per element (32 of them per thread at 64/64 on 4 warps, a tenth of all the instructions of a 256-token
-        segment's program). With SUM_MMA, l is acc1's column R_V."""
-        D0: gl.constexpr = acc.shape[1]
-        if SUM_MMA:
-            sum_col = gl.arange(0, 16, layout=gl.SliceLayout(0, o1_layout))
-            inv_o1 = 1.0 / gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
-            inv_o = gl.convert_layout(inv_o1, gl.SliceLayout(1, o_layout))
-        else:
-            inv_l = 1.0 / l_i
-            inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
-            inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout))
-        o_row = O + head * stride_oh
-        _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
-        if W1 > 0:
-            _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
-
-    @gluon.jit
-    def _part_rows(row0, tok0, head, chunk, SPLIT: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-        """The query tile's rows in `layout` (a 2-D layout's row slice) and their partial states' indices: one per
-        (token, head, chunk)."""
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        return rows, ((tok0 + rows) * gl.num_programs(1) + head) * SPLIT + chunk
-
-    @gluon.jit
-    def _publish(PART, PART_ML, counter, acc, acc1, m_i, l_i, row0, tok0, seqlen, head, chunk, SPLIT: gl.constexpr,
-                 W1: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr):
-        """A chunk's partial state (acc and acc1, unnormalised, in PART's rows of D0 + W1 columns; the row maxima and
-        sums in PART_ML's pairs) written for the segment's rows, then counted in: returns how many of the query
-        tile's programs had arrived before this one. All the CTA's stores come before the count (the barrier), and
-        the count is a release at GPU scope, so the program that counts last reads them all."""
-        BLOCK_M: gl.constexpr = acc.shape[0]
-        D0: gl.constexpr = acc.shape[1]
-        DW: gl.constexpr = D0 + W1
-        rows, idx = _part_rows(row0, tok0, head, chunk, SPLIT, BLOCK_M, o_layout)
-        cols = gl.arange(0, D0, layout=gl.SliceLayout(0, o_layout))
-        gl.store(PART + idx[:, None] * DW + cols[None, :], acc, mask=(rows < seqlen)[:, None])
-        if W1 > 0:
-            rows1, idx1 = _part_rows(row0, tok0, head, chunk, SPLIT, BLOCK_M, o1_layout)
-            cols1 = gl.arange(0, W1, layout=gl.SliceLayout(0, o1_layout))
-            gl.store(PART + idx1[:, None] * DW + D0 + cols1[None, :], acc1, mask=(rows1 < seqlen)[:, None])
-        rows_s, idx_s = _part_rows(row0, tok0, head, chunk, SPLIT, BLOCK_M, s_layout)
-        gl.store(PART_ML + idx_s * 2, m_i, mask=rows_s < seqlen)
-        gl.store(PART_ML + idx_s * 2 + 1, l_i, mask=rows_s < seqlen)
-        _cta_barrier()
-        return gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-
-    @gluon.jit
-    def _gather(PART, PART_ML, row0, tok0, seqlen, head, parts, SPLIT: gl.constexpr, W1: gl.constexpr,
-                BLOCK_M: gl.constexpr, D0: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                o1_layout: gl.constexpr):
-        """The query tile's `parts` published states merged, each rescaled to the larger row maximum, in chunk order
-        whichever program merges (so the result is the same bits every run). Read from L2 (`.cg`: never a line an L1
-        kept from before they were written)."""
-        DW: gl.constexpr = D0 + W1
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([BLOCK_M, D0], gl.float32, layout=o_layout)
-        acc1 = gl.zeros([BLOCK_M, 16], gl.float32, layout=o1_layout)
-        for c in range(0, parts):
-            rows_s, idx_s = _part_rows(row0, tok0, head, c, SPLIT, BLOCK_M, s_layout)
-            m_c = gl.load(PART_ML + idx_s * 2, mask=rows_s < seqlen, other=0.0, cache_modifier=".cg")
-            l_c = gl.load(PART_ML + idx_s * 2 + 1, mask=rows_s < seqlen, other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m_i, m_c)
-            w_i = gl.exp2(m_i - m_new)
-            w_c = gl.exp2(m_c - m_new)
-            l_i = l_i * w_i + l_c * w_c
-            m_i = m_new
-            rows, idx = _part_rows(row0, tok0, head, c, SPLIT, BLOCK_M, o_layout)
-            cols = gl.arange(0, D0, layout=gl.SliceLayout(0, o_layout))
-            acc_c = gl.load(PART + idx[:, None] * DW + cols[None, :], mask=(rows < seqlen)[:, None], other=0.0,
-                            cache_modifier=".cg")
-            acc = acc * gl.convert_layout(w_i, gl.SliceLayout(1, o_layout))[:, None] + \
-                acc_c * gl.convert_layout(w_c, gl.SliceLayout(1, o_layout))[:, None]
-            if W1 > 0:
-                rows1, idx1 = _part_rows(row0, tok0, head, c, SPLIT, BLOCK_M, o1_layout)
-                cols1 = gl.arange(0, W1, layout=gl.SliceLayout(0, o1_layout))
-                acc1_c = gl.load(PART + idx1[:, None] * DW + D0 + cols1[None, :], mask=(rows1 < seqlen)[:, None],
-                                 other=0.0, cache_modifier=".cg")
-                acc1 = acc1 * gl.convert_layout(w_i, gl.SliceLayout(1, o1_layout))[:, None] + \
-                    acc1_c * gl.convert_layout(w_c, gl.SliceLayout(1, o1_layout))[:, None]
-        return acc, acc1, l_i
-
-    @gluon.jit
-    def _gl_varlen_attn_fwd(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, PART, PART_ML, COUNTS, stride_ot,
-                            stride_oh, k_col, v_col, qk_scale, max_seqlen, HEAD_DIM: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr,
-                            REM_T: gl.constexpr, R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr,
-                            UNIFORM: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    def _gl_varlen_attn_fwd(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, stride_ot, stride_oh, k_col, v_col,
+                            qk_scale, max_seqlen, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
+                            R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
+                            num_warps: gl.constexpr):
         """The query rows start_m * BLOCK_M .. + BLOCK_M of one segment and head, against all its keys. The
         descriptors read q's rows (q, k and v parts of one buffer's rows: `qkv_columns`), K's and V's heads from
         columns k_col and v_col: `q_desc` and `kv_desc` [BLOCK_M | BLOCK_N, D0] boxes; past D0 (W1 > 0) `q1_desc`
@@ -268,20 +181,12 @@ if gluon is not None:
         UNIFORM: every segment is max_seqlen tokens long (the launcher found total tokens = segments * max_seqlen),
         so a program finds its rows without reading cu_seqlens: the TMA loads are issued at once, not after a
         dependent global load (on a cold L2, as after another kernel's traffic, ~1-2 us at the start of each
-        program).
-        SPLIT > 1: a segment's key tiles are shared out in SPLIT chunks, one program each (program_id(0) is query
-        tile * SPLIT + chunk); the programs of one query tile publish their partial state to PART / PART_ML and
-        count themselves in COUNTS, and the last to arrive merges (`_publish`, `_gather`)."""
+        program)."""
         if BLOCK_M == BLOCK_N:
             kv_desc = q_desc
             if W1 > 0 and not REM_T:
                 kv1_desc = q1_desc
-        if SPLIT > 1:
-            start_m = gl.program_id(0) // SPLIT
-            chunk = gl.program_id(0) % SPLIT
-        else:
-            start_m = gl.program_id(0)
-            chunk = 0
+        start_m = gl.program_id(0)
         head = gl.program_id(1)
         seg = gl.program_id(2)
         if UNIFORM:
@@ -291,10 +196,7 @@ if gluon is not None:
             tok0 = gl.load(CU_SEQLENS + seg)
             seqlen = gl.load(CU_SEQLENS + seg + 1) - tok0
         row0 = start_m * BLOCK_M
-        n_all = (seqlen + BLOCK_N - 1) // BLOCK_N
-        per = (n_all + SPLIT - 1) // SPLIT  # key tiles per chunk
-        j0 = chunk * per  # the chunk's first key tile; past the segment's last where it has fewer than SPLIT
-        if row0 < seqlen and j0 < n_all:
+        if row0 < seqlen:
             D0: gl.constexpr = q_desc.block_type.shape[1]
             R_V: gl.constexpr = HEAD_DIM - D0  # R's rows per head: K's R_V remainder columns, then V's
             SUM_MMA: gl.constexpr = SUM_ASKED and REM_T and 0 < R_V and R_V < W1  # R's row of ones: acc1's column R_V
@@ -304,11 +206,8 @@ if gluon is not None:
             # O's head stride is a multiple of 8 (the launcher checks); written so, the compiler sees it at 72 too
             stride_oh = stride_oh // 8 * 8
             r_row = head * R_ROWS
-            # the chunk's keys: from token kv0 (column r_col of R), kv_len of them in n tiles
-            kv0 = tok0 + j0 * BLOCK_N
-            r_col = 8 * ((tok0 + 7) // 8 + seg) + j0 * BLOCK_N  # varlen_attention._r_start: the segment's in R
-            kv_len = gl.minimum(seqlen - j0 * BLOCK_N, per * BLOCK_N)
-            n = (kv_len + BLOCK_N - 1) // BLOCK_N
+            r_col = 8 * ((tok0 + 7) // 8 + seg)  # varlen_attention._r_start: the segment's first column in R
+            n = (seqlen + BLOCK_N - 1) // BLOCK_N
             s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                                instr_shape=[16, BLOCK_N, 16])
             o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -343,9 +242,9 @@ if gluon is not None:
             if W1 > 0:
                 _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
-                _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, kv0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+                _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
                          W1, REM_T)
-                _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, i, kv0, v_col, r_row + R_V, r_col, n, BLOCK_N,
+                _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, i, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
                          NBUF, W1, REM_T)
 
             m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -364,25 +263,25 @@ if gluon is not None:
                 _cta_barrier()
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
             _both_done()
-            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, kv0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
+            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
                      W1, REM_T)
             for j in range(0, n - 1):
                 s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               kv0, k_col, v_col, r_row, r_col, n, kv_len, qk_scale, False, True,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True,
                                                BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                                p_layout)
-            # the chunk's last key tile: masked only where the segment ends inside it
-            if kv_len % BLOCK_N == 0:
+            # the last key tile: masked only where the segment ends inside it
+            if seqlen % BLOCK_N == 0:
                 s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               kv0, k_col, v_col, r_row, r_col, n, kv_len, qk_scale, False, False,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False,
                                                BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                                p_layout)
             else:
                 s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
                                                k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               kv0, k_col, v_col, r_row, r_col, n, kv_len, qk_scale, True, False,
+                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False,
                                                BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                                p_layout)
 
@@ -391,20 +290,20 @@ if gluon is not None:
                 mbarrier.invalidate(k_ready.index(i))
                 mbarrier.invalidate(v_ready.index(i))
 
-            parts = (n_all + per - 1) // per  # the query tile's programs with keys
-            if SPLIT > 1 and parts > 1:
-                counter = COUNTS + (tok0 + row0) * gl.num_programs(1) + head
-                arrived = _publish(PART, PART_ML, counter, acc, acc1, m_i, l_i, row0, tok0, seqlen, head, chunk,
-                                   SPLIT, W1, s_layout, o_layout, o1_layout)
-                if arrived == parts - 1:  # the last: the others' partial states are all published
-                    gl.store(counter, 0)  # ready for the next launch
-                    acc, acc1, l_i = _gather(PART, PART_ML, row0, tok0, seqlen, head, parts, SPLIT, W1, BLOCK_M, D0,
-                                             s_layout, o_layout, o1_layout)
-                    _finish(O, acc, acc1, l_i, row0, tok0, seqlen, head, stride_ot, stride_oh, R_V, SUM_MMA, W1,
-                            o_layout, o1_layout, num_warps)
+            # O = acc / l: one reciprocal per row and a multiply per element, not a division per element (32 of
+            # them per thread at 64/64 on 4 warps, a tenth of all the instructions of a 256-token segment's program)
+            if SUM_MMA:
+                sum_col = gl.arange(0, 16, layout=gl.SliceLayout(0, o1_layout))
+                inv_o1 = 1.0 / gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
+                inv_o = gl.convert_layout(inv_o1, gl.SliceLayout(1, o_layout))
             else:
-                _finish(O, acc, acc1, l_i, row0, tok0, seqlen, head, stride_ot, stride_oh, R_V, SUM_MMA, W1, o_layout,
-                        o1_layout, num_warps)
+                inv_l = 1.0 / l_i
+                inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
+                inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout))
+            o_row = O + head * stride_oh
+            _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
+            if W1 > 0:
+                _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
 
 # The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied), from GPU
 # time per call on H100 (benchmarks/probe_gluon_attention.py):
@@ -419,14 +318,6 @@ GLUON_TILES = {
     64: [(128, 128, 8, 2, 128, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
     72: [(128, 64, 8, 2, 0, True), (128, 64, 8, 2, 0, False), (64, 64, 4, 2, 0, False)],
     80: [(128, 64, 8, 2, 0, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
-}
-
-# The split launches' candidates, offered for calls that do not fill the GPU (`varlen_attention.load_class` 0): one
-# 1024-token image is 256 programs of 64 rows at 16 heads, two per SM, each a chain of 16 key tiles bound by latency.
-GLUON_SPLIT_TILES = {
-    64: [(64, 64, 4, 2, 0, False), (128, 64, 8, 2, 0, False)],
-    72: [(64, 64, 4, 2, 0, False), (128, 64, 8, 2, 0, False)],
-    80: [(64, 64, 4, 2, 0, False), (128, 64, 8, 2, 0, False)],
 }
 
 # The remainder's width past D0 (72: 8 columns; 80: 16) in the remainder's boxes: a wgmma's K step at 16 bits.
@@ -477,37 +368,9 @@ def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
     return k_col, v_col
 
 
-# Split launches (a query tile's keys shared out among SPLIT programs) publish partial states in a workspace kept per
-# device: SPLIT_ROWS (token, head) rows of SPLIT partial states each, so calls of up to SPLIT_ROWS token-heads (the
-# tuner's small calls: `varlen_attention.load_class` 0) at head dims up to SPLIT_WIDTH. Its counters return to zero at
-# the end of every launch, so launches on one device must not overlap: the service runs one forward at a time.
-SPLIT = 2
-SPLIT_ROWS = 4096 * 16
-SPLIT_WIDTH = 64 + 16
-_workspaces: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def split_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The device's (partial accumulators, partial row maxima and sums, arrival counters), made on first use (43 MB
-    at SPLIT 2); the counters start at zero. Kept for the process's life, and pinned for launch plans: a replay
-    reuses the addresses it recorded."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    spaces = _workspaces.get(index)
-    if spaces is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the split attention workspace must be made before CUDA-graph capture (run one split "
-                               "launch eagerly first)")
-        device = torch.device("cuda", index)
-        spaces = (torch.empty(SPLIT_ROWS * SPLIT * SPLIT_WIDTH, dtype=torch.float32, device=device),
-                  torch.empty(SPLIT_ROWS * SPLIT * 2, dtype=torch.float32, device=device),
-                  torch.zeros(SPLIT_ROWS, dtype=torch.int32, device=device))
-        _workspaces[index] = tuple(pin(t) for t in spaces)
-    return spaces
-
-
 def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: tuple[int, int], block_m: int,
                  block_n: int, num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None,
-                 rem_rows: int = 0, sum_mma: bool = True, split: int = 1):
+                 rem_rows: int = 0, sum_mma: bool = True):
     """One launch over the packed segments. q `(T, H, D)` and, at `columns` of its rows, k's and v's heads
     (`qkv_columns`: the caller has found q, k and v parts of one buffer's rows) with 16-byte aligned rows, at most
     REM_WIDTH head-dim columns past a power of two (`varlen_attention.triton_varlen_attention` checks both);
@@ -518,11 +381,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     One descriptor per box shape serves q, k and v, read from their column offsets: at 72 two to four descriptors
     instead of six, at 64 one or two instead of three. Each costs host time at every launch (built, specialised and
     encoded: ~10-25 us on the H100 machines' hosts, benchmarks/results/launch/launch_profile_d72_h100_rev*.json),
-    which sets the time of a small call.
-
-    `split` > 1 (SPLIT only): each query tile's key tiles shared out among `split` programs, whose partial states the
-    last to finish merges (`split_workspace`): for calls too small to fill the GPU, where each program's chain of key
-    tiles, not the tensor cores, sets the time."""
+    which sets the time of a small call."""
     total, heads, head_dim = q.shape
     d0 = 1 << (head_dim.bit_length() - 1)
     k_col, v_col = columns
@@ -545,15 +404,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     # every segment max_seqlen long (segments of at most max_seqlen tokens, summing to segments * max_seqlen): the
     # image packs of one resolution, a video's frames
     uniform = total == segments * max_seqlen
-    part = part_ml = counts = None
-    if max_seqlen <= block_n:  # one key tile per segment: nothing to share out
-        split = 1
-    if split > 1:
-        if split != SPLIT or total * heads > SPLIT_ROWS or d0 + w1 > SPLIT_WIDTH:
-            raise ValueError(f"split launches take split {SPLIT}, at most {SPLIT_ROWS} token-heads and head dims up to "
-                             f"{SPLIT_WIDTH}; got split {split}, {total} tokens x {heads} heads, head_dim {head_dim}")
-        part, part_ml, counts = split_workspace(q.device)
-    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m) * split, heads, segments), q_desc, kv_desc, q1_desc,
-           kv1_desc, out, cu_seqlens, part, part_ml, counts, o_stride[0], o_stride[1], k_col, v_col, qk_scale,
-           max_seqlen, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None,
-           R_ROWS=rem_rows, SUM_ASKED=sum_mma, UNIFORM=uniform, SPLIT=split, num_warps=num_warps, **options)
+    launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
+           cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, HEAD_DIM=head_dim,
+           BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
+           SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps, **options)

@@ -25,7 +25,6 @@ except ImportError:  # pragma: no cover - machines without Triton never reach th
 
 _choices: dict[tuple, object] = {}
 _kernels: dict[tuple, object] = {}
-_pinned: dict[int, torch.Tensor] = {}
 
 
 def interpreting() -> bool:
@@ -151,7 +150,7 @@ class Replay:
     a descriptor only where its base moved, and passes addresses as integers. The caller keys replays by everything
     else the launch depends on (shapes, strides, dtypes, scalars, the 16-byte alignment of every address: Triton's
     specialisation) and passes the same roles in the same order; a launch whose arguments hold a tensor outside
-    `roles` (other than a pinned workspace: `pin`), or that needs global scratch, is not replayable (`record` returns False).
+    `roles`, or that needs global scratch, is not replayable (`record` returns False).
     """
 
     def __init__(self, grid, kernel, bound, device, roles):
@@ -180,7 +179,7 @@ class Replay:
                 expanded.extend(encoded)
                 descs += 1
             elif isinstance(ty, str) and ty.startswith("*"):
-                if value is not None and _pinned.get(id(value)) is not value:
+                if value is not None:
                     self.ptr_slots.append((len(expanded), _role(value, roles)))
                 expanded.append(None if value is None else value.data_ptr())
             elif isinstance(value, torch.Tensor) or isinstance(ty, tuple):
@@ -223,13 +222,6 @@ class _Address:
 
     def data_ptr(self) -> int:
         return self.address
-
-
-def pin(tensor: torch.Tensor) -> torch.Tensor:
-    """Marks `tensor` as kept at its address for the process's life (a kernel's workspace): a replay passes its
-    recorded address, where any other tensor outside the caller's roles makes a launch unreplayable."""
-    _pinned[id(tensor)] = tensor
-    return tensor
 
 
 def _role(tensor, roles) -> int:

@@ -45,8 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .gluon_attention import GLUON_SPLIT_TILES, GLUON_TILES, gluon_available, launch_gluon, qkv_columns
-from .gluon_attention import SPLIT as GLUON_SPLIT
+from .gluon_attention import GLUON_TILES, gluon_available, launch_gluon, qkv_columns
 from .gluon_attention import REM_WIDTH as GLUON_REM_WIDTH
 from .rope import apply_vision_rope
 from .tuning import (  # noqa: F401 - tuned_choices is re-exported
@@ -697,7 +696,6 @@ class TileConfig:
     gluon: bool = False  # the Gluon kernel (kernels/gluon_attention.py) instead; num_stages is its K/V ring depth
     maxnreg: int = 0  # Gluon kernel: registers per thread, capped (0: ptxas's choice)
     rem_copy: bool = True  # Gluon kernel, past a power of two: K's and V's remainder from kv_remainder_t, or in place
-    split: int = 1  # Gluon kernel: programs per query tile, each over its share of the keys (gluon_attention.SPLIT)
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -760,34 +758,23 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
 GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 
 
-# Split launches (gluon_attention.SPLIT programs per query tile) for calls that leave the GPU part idle; off with
-# QWEN3VL_SPLIT_ATTENTION=0 (their workspace is one per device: launches on two streams at once must not split).
-SPLIT_ATTENTION = os.environ.get("QWEN3VL_SPLIT_ATTENTION", "1") != "0"
-
-
-def gluon_candidates(head_dim: int, split: bool = False) -> list[TileConfig]:
-    """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing); with `split`, its
-    split launches'."""
+def gluon_candidates(head_dim: int) -> list[TileConfig]:
+    """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing)."""
     if head_dim not in GLUON_HEAD_DIMS or not gluon_available():
         return []
-    tiles, n = (GLUON_SPLIT_TILES, GLUON_SPLIT) if split else (GLUON_TILES, 1)
-    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy, split=n)
-            for bm, bn, w, nbuf, cap, copy in tiles[head_dim]]
+    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy)
+            for bm, bn, w, nbuf, cap, copy in GLUON_TILES[head_dim]]
 
 
-def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None,
-                      small: bool = False) -> list[TileConfig]:
+def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TileConfig]:
     """Every configuration the automatic Hopper path may pick: the TMA kernel's, and with `gluon` (no RoPE in the
     kernel, q, k and v parts of one buffer's rows: `qkv_columns`) the Gluon kernel's. At 64 the Gluon kernel is
     4-16% faster from 1x4096 up and on packs of short segments
     (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json), at 72 2-32%
     (gluon_attention_probe_d72_rev4fdee81.json).
     With `max_seqlen` up to 1024, no Gluon candidate copies the remainder: the copy pays only from 1x4096 up, and
-    its second launch and descriptor cost host time, which small calls are bound by. `small` (calls of load class 0,
-    which the split launches' workspace holds) adds the split launches."""
+    its second launch and descriptor cost host time, which small calls are bound by."""
     own = gluon_candidates(head_dim) if gluon else []
-    if gluon and small and SPLIT_ATTENTION:
-        own += gluon_candidates(head_dim, split=True)
     if max_seqlen is not None and seq_bucket(max_seqlen) < 2:
         own = [c for c in own if not (c.rem_copy and head_dim_split(head_dim)[1])]
     return tma_candidates(head_dim) + own
@@ -921,7 +908,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 and (c.rem_copy or not c.gluon) else None
             if c.gluon:
                 launch_gluon(q, out, cu_seqlens, max_seqlen, scale, columns, c.block_m, c.block_n, c.num_warps,
-                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, c.split)
+                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma)
                 return
             rem = q if rem is None else rem  # q: a placeholder without a remainder
             rem_stride0 = rem.stride(0)
@@ -948,10 +935,9 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             # time than GPU time, and the timings would rank launch overhead, not tiles.
             device_desc = _device_descriptors(total * max_seqlen * heads * head_dim, plan is not None)
             gluon = columns is not None
-            load = load_class(total, heads)
-            key = ("tma", bucket, load, head_dim, rope, gluon, q.dtype, q.device)
+            key = ("tma", bucket, load_class(total, heads), head_dim, rope, gluon, q.dtype, q.device)
             candidates = lambda: [_with_descriptors(c, device_desc)  # noqa: E731 - listed on the first call only
-                                  for c in hopper_candidates(head_dim, gluon, max_seqlen, small=load == 0)]
+                                  for c in hopper_candidates(head_dim, gluon, max_seqlen)]
             config = _with_descriptors(choose(key, candidates, _replaying(run, plan, roles)), device_desc)
         _run_and_plan(run, config, plan, roles)
         return out

@@ -15,7 +15,7 @@ import torch
 
 from conftest import rel_err
 from kernels import attention as attn_mod
-from kernels.gluon_attention import GLUON_SPLIT_TILES, GLUON_TILES, SPLIT
+from kernels.gluon_attention import GLUON_TILES
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.varlen_attention import (
     TileConfig,
@@ -160,12 +160,6 @@ def test_gluon_kernel_only_where_it_applies():
     assert {c.rem_copy for c in hopper_candidates(72, True, 4096) if c.gluon} == {True, False}
     assert {c.rem_copy for c in hopper_candidates(72, True, 1024) if c.gluon} == {False}
     assert hopper_candidates(64, True, 256) == hopper_candidates(64, True)
-    # calls that do not fill the GPU also get the split launches, whose workspace holds them; none without Gluon
-    for head_dim in GLUON_HEAD_DIMS:
-        split = gluon_candidates(head_dim, split=True)
-        assert split and {c.split for c in split} == {2} and {c.split for c in gluon_candidates(head_dim)} == {1}
-        assert hopper_candidates(head_dim, True, 1024, small=True) == hopper_candidates(head_dim, True, 1024) + split
-        assert hopper_candidates(head_dim, False, 1024, small=True) == tma_candidates(head_dim)
     assert hopper_candidates(96, True) == tma_candidates(96) and not gluon_candidates(128)
     for head_dim in (64, 72, 96):
         q, k, v, cu, cos, sin = make_inputs([7, 33], 2, head_dim, torch.float16, True)
@@ -453,15 +447,14 @@ def test_hopper_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
 
 # every candidate; the variant for packs of equal lengths at the short-segment tiles, where the tuner picks it
 GLUON_COMPILES = [(d, t, False) for d, tiles in GLUON_TILES.items() for t in tiles] + \
-                 [(d, tiles[-1], True) for d, tiles in GLUON_TILES.items()] + \
-                 [(d, t + (1, SPLIT), u) for d, tiles in GLUON_SPLIT_TILES.items() for t in tiles for u in (False, True)]
+                 [(d, tiles[-1], True) for d, tiles in GLUON_TILES.items()]
 
 
 @pytest.mark.parametrize("head_dim,tile,uniform", GLUON_COMPILES,
                          ids=lambda x: "/".join(map(str, map(int, x))) if isinstance(x, tuple) else
                          ("uniform" if x else "varlen") if isinstance(x, bool) else f"d{x}")
 def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
-    """Each Gluon candidate (the split launches' too), compiled for sm90 here: no spills (the 128-row tile runs capped at 128 registers), no
+    """Each Gluon candidate, compiled for sm90 here: no spills (the 128-row tile runs capped at 128 registers), no
     serialised wgmmas, at least two CTAs per SM, and a steady-state step of one key tile's PV and the next one's
     QK^T (4 + block_n / 16 wgmmas per warpgroup, and past 64 one more for QK^T's remainder and block_n / 16 more
     for PV's) with one exp2 per score plus the rescale factors."""
@@ -469,7 +462,7 @@ def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
 
     if not gluon_available():
         pytest.skip("this Triton has no Gluon Hopper API")
-    bm, bn, warps, _, cap, *_ = tile
+    bm, bn, warps, _, cap, _ = tile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", str(head_dim),
                           "--gluon", "/".join(map(str, map(int, tile)))] + ["--uniform"] * uniform,

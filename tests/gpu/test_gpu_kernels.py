@@ -59,8 +59,7 @@ def test_tma_kernel_every_candidate(lengths, head_dim, rope):
     qr = apply_vision_rope(q, cos, sin) if rope else q
     ref = reference_varlen_attention(qr, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
-    small = va.load_class(sum(lengths), 16) == 0  # the split launches too
-    for cfg in [*va.hopper_candidates(head_dim, not rope, small=small), None]:
+    for cfg in [*va.hopper_candidates(head_dim, not rope), None]:
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
         triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out, config=cfg)
         torch.cuda.synchronize()
@@ -79,8 +78,6 @@ def test_gluon_kernel_fp16(lengths, head_dim):
     torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
     configs = va.gluon_candidates(head_dim)
     assert configs
-    if va.load_class(sum(lengths), 16) == 0:
-        configs += va.gluon_candidates(head_dim, split=True)
     if head_dim > 64:  # the remainder copied, its row sums off (80 has none; 72's candidates have them on)
         configs.append(dataclasses.replace(configs[0], rem_copy=True, sum_mma=False))
     for cfg in configs:
@@ -163,7 +160,7 @@ def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
 
 
 @hopper
-@pytest.mark.parametrize("kernel", ["gluon", "split", "tma", "pointer"])
+@pytest.mark.parametrize("kernel", ["gluon", "tma", "pointer"])
 @pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [256] * 64], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch):
@@ -171,21 +168,15 @@ def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch
     with the same layout launches through it, bit-identical to the full path; on a buffer at another address
     (descriptors re-encoded) and back; into a caller's poisoned `out`; with cu_seqlens 4 bytes off 16 (another key,
     its own plan); under CUDA-graph capture; and through the JIT where a launch hook is installed. The TMA kernel at
-    72 launches twice per call (the remainder's copy first) and is never replayed. The split launch (small calls
-    only) replays with its workspace's recorded addresses, and merges in the same order whichever program is last."""
+    72 launches twice per call (the remainder's copy first) and is never replayed."""
     import kernels.tuning as tuning
 
     monkeypatch.setattr(tuning, "_choices", {})
     monkeypatch.setattr(va, "_plans", {})
-    if kernel == "split" and va.load_class(sum(lengths), 16):
-        pytest.skip("split launches are for calls that do not fill the GPU")
     if kernel == "gluon":
-        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None, **_: va.gluon_candidates(d)[-1:])
-    elif kernel == "split":
-        monkeypatch.setattr(va, "hopper_candidates",
-                            lambda d, gluon, m=None, **_: va.gluon_candidates(d, split=True)[:1])
+        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: va.gluon_candidates(d)[-1:])
     elif kernel == "tma":
-        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None, **_: va.tma_candidates(d)[:1])
+        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: va.tma_candidates(d)[:1])
         monkeypatch.setattr(va, "tma_descriptors", lambda: "host")  # device ones need scratch: not replayable
     else:
         monkeypatch.setattr(va, "_tma_default", lambda q: False)
@@ -270,27 +261,6 @@ def test_run_to_run_deterministic():
     a = triton_varlen_attention(q, k, v, cu, 4096, cos=cos, sin=sin)
     b = triton_varlen_attention(q, k, v, cu, 4096, cos=cos, sin=sin)
     assert torch.equal(a, b)
-
-
-@hopper
-@pytest.mark.parametrize("head_dim", va.GLUON_HEAD_DIMS)
-def test_split_launch_deterministic_and_counters_reset(head_dim):
-    """The split launches, 50 times over packs whose query tiles finish in varying order (long and short segments):
-    the same bits every time, and every arrival counter back at zero after each launch."""
-    from kernels.gluon_attention import split_workspace
-
-    lengths = [1024, 131, 7, 1, 640, 1023]
-    q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=5, device="cuda")
-    ref = reference_varlen_attention(q, k, v, cu)
-    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
-    for cfg in va.gluon_candidates(head_dim, split=True):
-        first = triton_varlen_attention(q, k, v, cu, max(lengths), config=cfg)
-        assert rel_err(first, ref) <= 2 * torch_err, (cfg, rel_err(first, ref), torch_err)
-        counts = split_workspace(q.device)[2]
-        for _ in range(50):
-            assert torch.equal(triton_varlen_attention(q, k, v, cu, max(lengths), config=cfg), first), cfg
-        torch.cuda.synchronize()
-        assert not counts.any(), cfg
 
 
 @hopper
