@@ -83,10 +83,11 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
     from kernels import gluon_attention as ga
 
     bm, bn, warps, nbuf, maxnreg, *rest = tile
-    rem_copy = bool(rest[0]) if rest else True
+    rest += [1, 1, 0][len(rest):]
+    rem_copy, ws = bool(rest[0]), rest[2]
     d0, d1, _ = va.head_dim_split(head_dim)
     w1 = ga.REM_WIDTH if d1 else 0
-    fn = ga._gl_varlen_attn_fwd
+    fn = ga._gl_varlen_attn_ws if ws else ga._gl_varlen_attn_fwd
     sig = {name: "i32" for name in fn.arg_names}
 
     def desc(rows, cols):
@@ -99,11 +100,15 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
                kv1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
                      R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps)
+    if ws:
+        constants["LOADER_REGS"] = ga.WS_LOADER_REGS
+        maxnreg = maxnreg or 65536 // (32 * (warps + 4) * ws) // 8 * 8
     constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks the integer arguments divisible by 16 where they are (at 72 O's head stride is not)
     ints = {"stride_ot": 16 * head_dim, "stride_oh": head_dim, "k_col": 16 * head_dim, "v_col": 32 * head_dim,
-            "max_seqlen": 1024}
+            "max_seqlen": 1024, "heads": 16, "n_items": 16 * 1024 // bm * 8}
+    ints = {name: value for name, value in ints.items() if name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name in ("O", "CU_SEQLENS") + tuple(n for n, value in ints.items() if value % 16 == 0)}
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}

@@ -308,6 +308,231 @@ if gluon is not None:
             if W1 > 0:
                 _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
 
+    # ---- persistent, warp-specialised variant: a one-warp loader partition feeds the compute warps ----
+
+    @gluon.jit
+    def _ws_item(i, n_qt, heads, CU_SEQLENS, max_seqlen, BLOCK_M: gl.constexpr, UNIFORM: gl.constexpr):
+        """Work item i (query tile fastest, then head, then segment: the plain kernel's grid order): its first
+        query row, head, segment, first token and length."""
+        rest = i // n_qt
+        head = rest % heads
+        seg = rest // heads
+        if UNIFORM:
+            tok0 = seg * max_seqlen
+            seqlen = max_seqlen
+        else:
+            tok0 = gl.load(CU_SEQLENS + seg)
+            seqlen = gl.load(CU_SEQLENS + seg + 1) - tok0
+        return (i % n_qt) * BLOCK_M, head, seg, tok0, seqlen
+
+    @gluon.jit
+    def _ws_load_tile(desc, bufs, r_desc, r_bufs, bar, slot, tok, col, r_row, r_col, BLOCK_N: gl.constexpr,
+                      W1: gl.constexpr, REM_T: gl.constexpr):
+        """One K (or V) tile and its remainder into ring slot `slot`, counted on `bar`."""
+        nbytes: gl.constexpr = BLOCK_N * (desc.block_type.shape[1] + W1) * desc.dtype.primitive_bitwidth // 8
+        mbarrier.expect(bar, nbytes)
+        _tma_load(desc, [tok, col], bar, bufs.index(slot))
+        if W1 > 0:
+            if REM_T:
+                _tma_load(r_desc, [r_row, r_col], bar, r_bufs.index(slot))
+            else:
+                _tma_load(r_desc, [tok, col + desc.block_type.shape[1]], bar, r_bufs.index(slot))
+
+    @gluon.jit
+    def _ws_loader(q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars,
+                   CU_SEQLENS, k_col0, v_col0, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr,
+                   REM_T: gl.constexpr, R_ROWS: gl.constexpr, UNIFORM: gl.constexpr):
+        """The loader partition: for each of the program's work items, Q into the free one of two Q buffers, then
+        K and V tile by tile into their rings, each slot as soon as the compute warps have released it. It runs
+        ahead of them across items: the next item's Q and first key tiles are in flight while the current item's
+        last tiles are computed."""
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+        D0: gl.constexpr = q_desc.block_type.shape[1]
+        R_V: gl.constexpr = HEAD_DIM - D0
+        q_bytes: gl.constexpr = BLOCK_M * (D0 + W1) * q_desc.dtype.primitive_bitwidth // 8
+        n_qt = (max_seqlen + BLOCK_M - 1) // BLOCK_M
+        it = 0
+        kt = 0
+        for i in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            row0, head, seg, tok0, seqlen = _ws_item(i, n_qt, heads, CU_SEQLENS, max_seqlen, BLOCK_M, UNIFORM)
+            if row0 < seqlen:
+                col = head * HEAD_DIM
+                qs = it % 2
+                mbarrier.wait(q_empty.index(qs), ((it // 2) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(qs), q_bytes)
+                _tma_load(q_desc, [tok0 + row0, col], q_ready.index(qs), q_bufs.index(qs))
+                if W1 > 0:
+                    _tma_load(q1_desc, [tok0 + row0, col + D0], q_ready.index(qs), q1_bufs.index(qs))
+                r_row = head * R_ROWS
+                r_col = 8 * ((tok0 + 7) // 8 + seg)  # varlen_attention._r_start
+                n = (seqlen + BLOCK_N - 1) // BLOCK_N
+                for j in range(n):
+                    slot = kt % NBUF
+                    phase = ((kt // NBUF) & 1) ^ 1
+                    tok = tok0 + j * BLOCK_N
+                    mbarrier.wait(k_empty.index(slot), phase)
+                    _ws_load_tile(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready.index(slot), slot, tok, k_col0 + col,
+                                  r_row, r_col + j * BLOCK_N, BLOCK_N, W1, REM_T)
+                    mbarrier.wait(v_empty.index(slot), phase)
+                    _ws_load_tile(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready.index(slot), slot, tok, v_col0 + col,
+                                  r_row + R_V, r_col + j * BLOCK_N, BLOCK_N, W1, REM_T)
+                    kt += 1
+                it += 1
+
+    @gluon.jit
+    def _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, n_valid,
+                 qk_scale, MASK: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
+                 SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                 o1_layout: gl.constexpr, p_layout: gl.constexpr):
+        """Ring tile kt: S = Q K^T, K's slot released, the softmax, O += P V, V's slot released."""
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+        slot = kt % NBUF
+        phase = (kt // NBUF) & 1
+        s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, kt, s_zero, NBUF, W1, REM_T)
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, n_valid, MASK, SUM_MMA, s_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+        mbarrier.wait(v_ready.index(slot), phase)
+        acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+        if W1 > 0:
+            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
+            if REM_T:
+                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            else:
+                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
+            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        return acc, acc1, m_i, l_i
+
+    @gluon.jit
+    def _ws_compute(O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot, stride_oh,
+                    qk_scale, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
+                    SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr, num_warps: gl.constexpr):
+        """The compute partition: the plain kernel's key-tile loop and epilogue for each of the program's items, its
+        operands from the loader's buffers."""
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+        D0: gl.constexpr = q_bufs.type.shape[2]
+        R_V: gl.constexpr = HEAD_DIM - D0
+        SUM_MMA: gl.constexpr = SUM_ASKED and REM_T and 0 < R_V and R_V < W1
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, D0, 16])
+        o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, 16, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        stride_oh = stride_oh // 8 * 8
+        n_qt = (max_seqlen + BLOCK_M - 1) // BLOCK_M
+        it = 0
+        kt = 0
+        for i in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            row0, head, seg, tok0, seqlen = _ws_item(i, n_qt, heads, CU_SEQLENS, max_seqlen, BLOCK_M, UNIFORM)
+            if row0 < seqlen:
+                qs = it % 2
+                q_smem = q_bufs.index(qs)
+                q1_smem = q1_bufs.index(qs)
+                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+                l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+                acc = gl.zeros([BLOCK_M, D0], gl.float32, layout=o_layout)
+                acc1 = gl.zeros([BLOCK_M, 16], gl.float32, layout=o1_layout)
+                s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+                mbarrier.wait(q_ready.index(qs), (it // 2) & 1)
+                if R_V < W1:  # Q's remainder box runs past the head: zeroed, as in the plain kernel
+                    q1_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
+                    q1 = q1_smem.load(q1_layout)
+                    q1_cols = gl.arange(0, W1, layout=gl.SliceLayout(0, q1_layout))
+                    q1_smem.store(gl.where((q1_cols < R_V)[None, :], q1, gl.zeros_like(q1)))
+                    fence_async_shared()
+                    _cta_barrier()
+                n = (seqlen + BLOCK_N - 1) // BLOCK_N
+                for j in range(0, n - 1):
+                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
+                                                   rk_bufs, rv_bufs, bars, BLOCK_N, qk_scale, False, NBUF, W1, REM_T,
+                                                   SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                    kt += 1
+                last_valid = seqlen - (n - 1) * BLOCK_N
+                if last_valid == BLOCK_N:
+                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
+                                                   rk_bufs, rv_bufs, bars, last_valid, qk_scale, False, NBUF, W1,
+                                                   REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                else:
+                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
+                                                   rk_bufs, rv_bufs, bars, last_valid, qk_scale, True, NBUF, W1,
+                                                   REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                kt += 1
+                mbarrier.arrive(q_empty.index(qs), count=1)
+                if SUM_MMA:
+                    sum_col = gl.arange(0, 16, layout=gl.SliceLayout(0, o1_layout))
+                    inv_o1 = 1.0 / gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
+                    inv_o = gl.convert_layout(inv_o1, gl.SliceLayout(1, o_layout))
+                else:
+                    inv_l = 1.0 / l_i
+                    inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
+                    inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout))
+                o_row = O + head * stride_oh
+                _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
+                if W1 > 0:
+                    _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
+                it += 1
+
+    @gluon.jit
+    def _gl_varlen_attn_ws(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, stride_ot, stride_oh, k_col, v_col,
+                           qk_scale, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
+                           R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
+                           LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """`_gl_varlen_attn_fwd`'s work as persistent programs: program p takes work items p, p + grid, ... (one
+        item per (query tile, head, segment), in the plain kernel's grid order), a one-warp loader partition
+        (`_ws_loader`) streams each item's Q, K and V through shared memory, and the `num_warps` compute warps
+        (`_ws_compute`) run the plain kernel's step on them. Q is double-buffered, so the next item's Q and first
+        key tiles arrive during the current item's last steps and epilogue."""
+        if BLOCK_M == BLOCK_N:
+            kv_desc = q_desc
+            if W1 > 0 and not REM_T:
+                kv1_desc = q1_desc
+        D0: gl.constexpr = q_desc.block_type.shape[1]
+        dtype: gl.constexpr = q_desc.dtype
+        q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D0], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], kv_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], kv_desc.layout)
+        if W1 > 0:
+            q1_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, W1], q1_desc.layout)
+            rk_bufs = gl.allocate_shared_memory(dtype, [NBUF] + kv1_desc.block_type.shape, kv1_desc.layout)
+            rv_bufs = gl.allocate_shared_memory(dtype, [NBUF] + kv1_desc.block_type.shape, kv1_desc.layout)
+        else:  # placeholders, never read
+            q1_bufs = q_bufs
+            rk_bufs = k_bufs
+            rv_bufs = v_bufs
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+        for i in gl.static_range(NBUF):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
+        fence_async_shared()
+        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+        gl.warp_specialize([
+            (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
+                           stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
+                           REM_T, SUM_ASKED, UNIFORM, num_warps)),
+            (_ws_loader, (q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs,
+                          bars, CU_SEQLENS, k_col, v_col, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N,
+                          NBUF, W1, REM_T, R_ROWS, UNIFORM)),
+        ], [1], [LOADER_REGS])
+
 # The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied), from GPU
 # time per call on H100 (benchmarks/probe_gluon_attention.py):
 # - 64 (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): 128/128 on 8 warps capped at 128 registers
@@ -373,7 +598,7 @@ def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: tuple[int, int], block_m: int,
                  block_n: int, num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None,
-                 rem_rows: int = 0, sum_mma: bool = True):
+                 rem_rows: int = 0, sum_mma: bool = True, ws: int = 0):
     """One launch over the packed segments. q `(T, H, D)` and, at `columns` of its rows, k's and v's heads
     (`qkv_columns`: the caller has found q, k and v parts of one buffer's rows) with 16-byte aligned rows, at most
     REM_WIDTH head-dim columns past a power of two (`varlen_attention.triton_varlen_attention` checks both);
@@ -407,7 +632,25 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     # every segment max_seqlen long (segments of at most max_seqlen tokens, summing to segments * max_seqlen): the
     # image packs of one resolution, a video's frames
     uniform = total == segments * max_seqlen
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None,
+                     R_ROWS=rem_rows, SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps)
+    if ws:  # persistent programs, `ws` per SM, each with a one-warp loader partition
+        items = cdiv(max_seqlen, block_m) * heads * segments
+        # registers are allocated per warpgroup: the loader's warp takes one more
+        warps = num_warps + 4
+        options = {"maxnreg": maxnreg or min(256, 65536 // (32 * warps * ws) // 8 * 8)}
+        launch(_gl_varlen_attn_ws, (min(items, _sm_count(q.device) * ws),), q_desc, kv_desc, q1_desc, kv1_desc, out,
+               cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, heads, items,
+               LOADER_REGS=WS_LOADER_REGS, **constants, **options)
+        return
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
-           cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, HEAD_DIM=head_dim,
-           BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None, R_ROWS=rem_rows,
-           SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps, **options)
+           cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, **constants, **options)
+
+
+# Registers per thread of the persistent kernel's loader warp (scalar work: item decoding, ring counters, TMA issue).
+WS_LOADER_REGS = 40
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -687,7 +687,9 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 2
     tma: bool = False
-    ws: bool = False
+    # pointer/TMA kernel: Triton's warp specialisation of the loop (0 or 1); Gluon kernel: persistent programs per
+    # SM, each with a one-warp loader partition (0: the plain kernel)
+    ws: int = 0
     tail_in_loop: bool = False
     device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
     tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
@@ -908,7 +910,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 and (c.rem_copy or not c.gluon) else None
             if c.gluon:
                 launch_gluon(q, out, cu_seqlens, max_seqlen, scale, columns, c.block_m, c.block_n, c.num_warps,
-                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma)
+                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, int(c.ws))
                 return
             rem = q if rem is None else rem  # q: a placeholder without a remainder
             rem_stride0 = rem.stride(0)
@@ -927,7 +929,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 _varlen_attn_fwd_tma, grid, q, *descs, out, cu_seqlens, cos_t, sin_t, q_stride[0], q_stride[1],
                 o_stride[0], o_stride[1], stride_c, scale, k, v, rem, k_stride[0], v_stride[0], rem_stride0, total,
                 HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=rope, BLOCK_M=c.block_m,
-                BLOCK_N=c.block_n, WS=c.ws, TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
+                BLOCK_N=c.block_n, WS=bool(c.ws), TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
                 Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, num_warps=c.num_warps, num_stages=c.num_stages)
 
         if config is None:
