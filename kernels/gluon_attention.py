@@ -455,15 +455,12 @@ if gluon is not None:
                                                    rk_bufs, rv_bufs, bars, BLOCK_N, qk_scale, False, NBUF, W1, REM_T,
                                                    SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
                     kt += 1
-                last_valid = seqlen - (n - 1) * BLOCK_N
-                if last_valid == BLOCK_N:
-                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
-                                                   rk_bufs, rv_bufs, bars, last_valid, qk_scale, False, NBUF, W1,
-                                                   REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
-                else:
-                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
-                                                   rk_bufs, rv_bufs, bars, last_valid, qk_scale, True, NBUF, W1,
-                                                   REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                # the last key tile, masked (a no-op where the segment fills it). One masked copy only: with an
+                # unmasked copy beside it, selected at run time, Triton 3.6 built the masked copy's wgmma operand
+                # addresses wrong (compute-sanitizer: shared reads out of bounds, segments not a multiple of BLOCK_N)
+                acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
+                                               rk_bufs, rv_bufs, bars, seqlen - (n - 1) * BLOCK_N, qk_scale, True,
+                                               NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
                 kt += 1
                 mbarrier.arrive(q_empty.index(qs), count=1)
                 if SUM_MMA:
