@@ -114,10 +114,13 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
     options = {"num_warps": warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     kernel = triton.compile(GluonASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
-    return _report(kernel, warps, bm * bn)
+    report = _report(kernel, warps, bm * bn, loads_in_loop=not ws)
+    if ws:  # persistent programs: ws of them must fit an SM's shared memory (their registers are the cap's)
+        report["programs_per_sm"] = min(ws, SM90_SMEM // (kernel.metadata.shared + 1024))
+    return report
 
 
-def _report(kernel, num_warps: int, tile_scores: int) -> dict:
+def _report(kernel, num_warps: int, tile_scores: int, loads_in_loop: bool = True) -> dict:
     """ptxas's report and the main loop's SASS mix of a kernel compiled for sm90 (ptxas run again here on its PTX,
     which carries any register cap as .maxnreg, so that the -v report is captured)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,7 +135,7 @@ def _report(kernel, num_warps: int, tile_scores: int) -> dict:
     smem = kernel.metadata.shared
     per_sm = min(SM90_REGS // (-(-regs // 8) * 8 * threads), SM90_SMEM // (smem + 1024))
     serialised = re.search(r"wgmma[^\n]*serialized due to ([^\n]*?) in the function", log)
-    loop = _main_loop(sass)
+    loop = _main_loop(sass, ("HGMMA", "MUFU", "UTMALDG") if loads_in_loop else ("HGMMA", "MUFU"))
     scores = tile_scores / threads  # scores per thread per step
     return {
         "registers": regs, "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
@@ -147,9 +150,9 @@ def _opcode(instruction: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
-def _main_loop(sass: str) -> list[str]:
-    """The steady-state step of the full tile: of the backward branches whose span holds a TMA load, an exp2
-    and a wgmma, the longest unmasked one (a `q_tail` kernel also has the half-height tile's loop; ptxas may
+def _main_loop(sass: str, needs=("HGMMA", "MUFU", "UTMALDG")) -> list[str]:
+    """The steady-state step of the full tile: of the backward branches whose span holds a wgmma, an exp2 and (in
+    `needs`; not where a loader partition issues them) a TMA load, the longest unmasked one (a `q_tail` kernel also has the half-height tile's loop; ptxas may
     place other blocks inside a loop's address span, so spans are told apart by their content)."""
     instructions, labels, pending = [], {}, None
     for line in sass.splitlines():
@@ -166,7 +169,7 @@ def _main_loop(sass: str) -> list[str]:
         m = re.search(r"BRA.*?\.(L_x_\d+)", text)
         if m and labels.get(m.group(1), address) < address:
             body = [t for a, t in instructions if labels[m.group(1)] <= a <= address]
-            if all(any(op in t for t in body) for op in ("HGMMA", "MUFU", "UTMALDG")):
+            if all(any(op in t for t in body) for op in needs):
                 spans.append((labels[m.group(1)], address, body))
     # Masked steps (the tails) select with FSEL; of the unmasked loops, the full tile's is the longest
     return min((body for _, _, body in spans), key=lambda b: (sum("FSEL" in t for t in b), -len(b)), default=[])

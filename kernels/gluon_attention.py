@@ -530,8 +530,8 @@ if gluon is not None:
                           NBUF, W1, REM_T, R_ROWS, UNIFORM)),
         ], [1], [LOADER_REGS])
 
-# The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied), from GPU
-# time per call on H100 (benchmarks/probe_gluon_attention.py):
+# The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied, persistent
+# programs per SM or 0), from GPU time per call on H100 (benchmarks/probe_gluon_attention.py):
 # - 64 (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): 128/128 on 8 warps capped at 128 registers
 #   (2 CTAs per SM instead of 1; no spills) is the fastest from 1x4096 up, 64/128 at 8x1024, 64/64 on packs of short
 #   segments (64x256, 32x784);
@@ -539,10 +539,16 @@ if gluon is not None:
 #   segments (64/64). At 72, with the remainder copied (kv_remainder_t, whose row of ones sums P's rows on the
 #   tensor cores) from 1x4096 up, 3-5% faster there; read in place on packs of short segments, where the copy's
 #   ~19 us is a fifth of the call (64x256: 83.4 us against 102.2). 128/128 capped at 128 registers spills there.
+# - the persistent kernel with a loader warp (`_gl_varlen_attn_ws`; benchmarks/results/cold/ws/): no faster warm,
+#   but after another kernel's traffic (the tuner's and the benchmark's timing) its loader streams the next item's
+#   operands while the current one computes: 64/128 two per SM at 64 on 64x256, 58.9 us against 62.4 for the
+#   automatic path then (cuDNN 59.5); 128/64 on 8 warps, one per SM, at 72 1x1024 (24.7 against 25.3).
 GLUON_TILES = {
-    64: [(128, 128, 8, 2, 128, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
-    72: [(128, 64, 8, 2, 0, True), (128, 64, 8, 2, 0, False), (64, 64, 4, 2, 0, False)],
-    80: [(128, 64, 8, 2, 0, False), (64, 128, 4, 2, 0, False), (64, 64, 4, 2, 0, False)],
+    64: [(128, 128, 8, 2, 128, False, 0), (64, 128, 4, 2, 0, False, 0), (64, 128, 4, 2, 0, False, 2),
+         (64, 64, 4, 2, 0, False, 0)],
+    72: [(128, 64, 8, 2, 0, True, 0), (128, 64, 8, 2, 0, False, 0), (128, 64, 8, 2, 0, False, 1),
+         (64, 64, 4, 2, 0, False, 0)],
+    80: [(128, 64, 8, 2, 0, False, 0), (64, 128, 4, 2, 0, False, 0), (64, 64, 4, 2, 0, False, 0)],
 }
 
 # The remainder's width past D0 (72: 8 columns; 80: 16) in the remainder's boxes: a wgmma's K step at 16 bits.

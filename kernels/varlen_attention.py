@@ -764,8 +764,8 @@ def gluon_candidates(head_dim: int) -> list[TileConfig]:
     """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing)."""
     if head_dim not in GLUON_HEAD_DIMS or not gluon_available():
         return []
-    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy)
-            for bm, bn, w, nbuf, cap, copy in GLUON_TILES[head_dim]]
+    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy, ws=ws)
+            for bm, bn, w, nbuf, cap, copy, ws in GLUON_TILES[head_dim]]
 
 
 def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TileConfig]:
