@@ -39,6 +39,7 @@ TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per S
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -342,7 +343,7 @@ if gluon is not None:
     def _ws_loader(q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars,
                    CU_SEQLENS, k_col0, v_col0, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr,
-                   REM_T: gl.constexpr, R_ROWS: gl.constexpr, UNIFORM: gl.constexpr):
+                   REM_T: gl.constexpr, R_ROWS: gl.constexpr, UNIFORM: gl.constexpr, HALVES: gl.constexpr):
         """The loader partition: for each of the program's work items, Q into the free one of two Q buffers, then
         K and V tile by tile into their rings, each slot as soon as the compute warps have released it. It runs
         ahead of them across items: the next item's Q and first key tiles are in flight while the current item's
@@ -350,7 +351,8 @@ if gluon is not None:
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
         D0: gl.constexpr = q_desc.block_type.shape[1]
         R_V: gl.constexpr = HEAD_DIM - D0
-        q_bytes: gl.constexpr = BLOCK_M * (D0 + W1) * q_desc.dtype.primitive_bitwidth // 8
+        BLOCK_MH: gl.constexpr = BLOCK_M // HALVES  # each compute partition's rows
+        q_bytes: gl.constexpr = BLOCK_MH * (D0 + W1) * q_desc.dtype.primitive_bitwidth // 8
         n_qt = (max_seqlen + BLOCK_M - 1) // BLOCK_M
         it = 0
         kt = 0
@@ -358,12 +360,14 @@ if gluon is not None:
             row0, head, seg, tok0, seqlen = _ws_item(i, n_qt, heads, CU_SEQLENS, max_seqlen, BLOCK_M, UNIFORM)
             if row0 < seqlen:
                 col = head * HEAD_DIM
-                qs = it % 2
-                mbarrier.wait(q_empty.index(qs), ((it // 2) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(qs), q_bytes)
-                _tma_load(q_desc, [tok0 + row0, col], q_ready.index(qs), q_bufs.index(qs))
-                if W1 > 0:
-                    _tma_load(q1_desc, [tok0 + row0, col + D0], q_ready.index(qs), q1_bufs.index(qs))
+                for h in gl.static_range(HALVES):
+                    qs = it % 2 * HALVES + h
+                    mbarrier.wait(q_empty.index(qs), ((it // 2) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(qs), q_bytes)
+                    _tma_load(q_desc, [tok0 + row0 + h * BLOCK_MH, col], q_ready.index(qs), q_bufs.index(qs))
+                    if W1 > 0:
+                        _tma_load(q1_desc, [tok0 + row0 + h * BLOCK_MH, col + D0], q_ready.index(qs),
+                                  q1_bufs.index(qs))
                 r_row = head * R_ROWS
                 r_col = 8 * ((tok0 + 7) // 8 + seg)  # varlen_attention._r_start
                 n = (seqlen + BLOCK_N - 1) // BLOCK_N
@@ -412,9 +416,13 @@ if gluon is not None:
     def _ws_compute(O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot, stride_oh,
                     qk_scale, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
-                    SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr, num_warps: gl.constexpr):
-        """The compute partition: the plain kernel's key-tile loop and epilogue for each of the program's items, its
-        operands from the loader's buffers."""
+                    SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """A compute partition: the plain kernel's key-tile loop and epilogue for each of the program's items, its
+        operands from the loader's buffers. With HALVES = 2, two such partitions of one warpgroup each take the
+        item's first and second half of its rows (HALF), on their own Q buffers, and each releases the shared K/V
+        slots for itself (their barriers count both): neither waits for the other, as an 8-warp partition's
+        warpgroups would at every release."""
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
         D0: gl.constexpr = q_bufs.type.shape[2]
         R_V: gl.constexpr = HEAD_DIM - D0
@@ -427,20 +435,22 @@ if gluon is not None:
                                                             instr_shape=[16, 16, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         stride_oh = stride_oh // 8 * 8
+        BLOCK_MH: gl.constexpr = q_bufs.type.shape[1]
         n_qt = (max_seqlen + BLOCK_M - 1) // BLOCK_M
         it = 0
         kt = 0
         for i in range(gl.program_id(0), n_items, gl.num_programs(0)):
             row0, head, seg, tok0, seqlen = _ws_item(i, n_qt, heads, CU_SEQLENS, max_seqlen, BLOCK_M, UNIFORM)
-            if row0 < seqlen:
-                qs = it % 2
+            if row0 < seqlen:  # both halves run every key tile (the ring's slots count both), stores past it masked
+                row0 = row0 + HALF * BLOCK_MH
+                qs = it % 2 * HALVES + HALF
                 q_smem = q_bufs.index(qs)
                 q1_smem = q1_bufs.index(qs)
-                m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-                l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-                acc = gl.zeros([BLOCK_M, D0], gl.float32, layout=o_layout)
-                acc1 = gl.zeros([BLOCK_M, 16], gl.float32, layout=o1_layout)
-                s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+                m_i = gl.full([BLOCK_MH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+                l_i = gl.zeros([BLOCK_MH], gl.float32, layout=gl.SliceLayout(1, s_layout))
+                acc = gl.zeros([BLOCK_MH, D0], gl.float32, layout=o_layout)
+                acc1 = gl.zeros([BLOCK_MH, 16], gl.float32, layout=o1_layout)
+                s_zero = gl.zeros([BLOCK_MH, BLOCK_N], gl.float32, layout=s_layout)
                 mbarrier.wait(q_ready.index(qs), (it // 2) & 1)
                 if R_V < W1:  # Q's remainder box runs past the head: zeroed, as in the plain kernel
                     q1_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
@@ -482,53 +492,71 @@ if gluon is not None:
                            qk_scale, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
                            R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
-                           LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                           HALVES: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_REGS: gl.constexpr,
+                           num_warps: gl.constexpr):
         """`_gl_varlen_attn_fwd`'s work as persistent programs: program p takes work items p, p + grid, ... (one
         item per (query tile, head, segment), in the plain kernel's grid order), a one-warp loader partition
         (`_ws_loader`) streams each item's Q, K and V through shared memory, and the `num_warps` compute warps
-        (`_ws_compute`) run the plain kernel's step on them. Q is double-buffered, so the next item's Q and first
-        key tiles arrive during the current item's last steps and epilogue."""
-        if BLOCK_M == BLOCK_N:
+        (`_ws_compute`) run the plain kernel's step on them; with HALVES = 2, in two partitions of `num_warps` (4)
+        each, one per half of the item's BLOCK_M rows (q's descriptor boxes are BLOCK_M / HALVES rows). Q is
+        double-buffered, so the next item's Q and first key tiles arrive during the current item's last steps and
+        epilogue."""
+        if BLOCK_M // HALVES == BLOCK_N:
             kv_desc = q_desc
             if W1 > 0 and not REM_T:
                 kv1_desc = q1_desc
         D0: gl.constexpr = q_desc.block_type.shape[1]
         dtype: gl.constexpr = q_desc.dtype
-        q_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D0], q_desc.layout)
+        BLOCK_MH: gl.constexpr = BLOCK_M // HALVES
+        q_bufs = gl.allocate_shared_memory(dtype, [2 * HALVES, BLOCK_MH, D0], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], kv_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [NBUF, BLOCK_N, D0], kv_desc.layout)
         if W1 > 0:
-            q1_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_M, W1], q1_desc.layout)
+            q1_bufs = gl.allocate_shared_memory(dtype, [2 * HALVES, BLOCK_MH, W1], q1_desc.layout)
             rk_bufs = gl.allocate_shared_memory(dtype, [NBUF] + kv1_desc.block_type.shape, kv1_desc.layout)
             rv_bufs = gl.allocate_shared_memory(dtype, [NBUF] + kv1_desc.block_type.shape, kv1_desc.layout)
         else:  # placeholders, never read
             q1_bufs = q_bufs
             rk_bufs = k_bufs
             rv_bufs = v_bufs
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * HALVES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * HALVES, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(2 * HALVES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
         for i in gl.static_range(NBUF):
             mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=HALVES)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=HALVES)
         fence_async_shared()
         bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
-        gl.warp_specialize([
-            (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
-                           stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
-                           REM_T, SUM_ASKED, UNIFORM, num_warps)),
-            (_ws_loader, (q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs,
-                          bars, CU_SEQLENS, k_col, v_col, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N,
-                          NBUF, W1, REM_T, R_ROWS, UNIFORM)),
-        ], [1], [LOADER_REGS])
+        # (the argument tuples written out in each call: a tuple built first would not keep the constexprs)
+        if HALVES == 2:
+            gl.warp_specialize([
+                (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
+                               stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
+                               REM_T, SUM_ASKED, UNIFORM, 0, 2, num_warps)),
+                (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
+                               stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
+                               REM_T, SUM_ASKED, UNIFORM, 1, 2, num_warps)),
+                (_ws_loader, (q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs,
+                              bars, CU_SEQLENS, k_col, v_col, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              NBUF, W1, REM_T, R_ROWS, UNIFORM, 2)),
+            ], [num_warps, 1], [HALF_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
+                               stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
+                               REM_T, SUM_ASKED, UNIFORM, 0, 1, num_warps)),
+                (_ws_loader, (q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs,
+                              bars, CU_SEQLENS, k_col, v_col, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              NBUF, W1, REM_T, R_ROWS, UNIFORM, 1)),
+            ], [1], [LOADER_REGS])
 
 # The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied, persistent
 # programs per SM or 0), from GPU time per call on H100 (benchmarks/probe_gluon_attention.py):
@@ -619,12 +647,15 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     w1 = REM_WIDTH if d0 < head_dim else 0
     row = q.stride(0)
     shape = [total, max(k_col, v_col) + heads * head_dim]  # q's rows, from q's first element to the last head
-    same = block_m == block_n  # one box shape for Q and K/V: Q's descriptor serves (the kernel aliases it)
-    q_desc = _descriptor(q, shape, row, block_m, d0)
+    # the persistent kernel's 8-warp tiles: two 4-warp compute partitions, each on half the rows (q boxes of half)
+    halves = 2 if ws and num_warps == 8 and os.environ.get("QWEN3VL_WS_HALVES", "1") == "1" else 1
+    q_rows = block_m // halves
+    same = q_rows == block_n  # one box shape for Q and K/V: Q's descriptor serves (the kernel aliases it)
+    q_desc = _descriptor(q, shape, row, q_rows, d0)
     kv_desc = None if same else _descriptor(q, shape, row, block_n, d0)
     q1_desc = kv1_desc = None
     if w1:
-        q1_desc = _descriptor(q, shape, row, block_m, w1)
+        q1_desc = _descriptor(q, shape, row, q_rows, w1)
         if rem is not None:
             kv1_desc = _descriptor(rem, list(rem.shape), rem.stride(0), w1, block_n)
         elif not same:
@@ -642,9 +673,13 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
         # registers are allocated per warpgroup: the loader's warp takes one more
         warps = num_warps + 4
         options = {"maxnreg": maxnreg or min(256, 65536 // (32 * warps * ws) // 8 * 8)}
+        half_regs = 0
+        if halves == 2:  # three warpgroups: the loader's at its minimum, the rest shared by the compute two
+            constants["num_warps"] = num_warps // 2
+            half_regs = (options["maxnreg"] * 3 - WS_LOADER_REGS) // 2 // 8 * 8
         launch(_gl_varlen_attn_ws, (min(items, _sm_count(q.device) * ws),), q_desc, kv_desc, q1_desc, kv1_desc, out,
                cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, heads, items,
-               LOADER_REGS=WS_LOADER_REGS, **constants, **options)
+               HALVES=halves, LOADER_REGS=WS_LOADER_REGS, HALF_REGS=half_regs, **constants, **options)
         return
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
            cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, **constants, **options)
