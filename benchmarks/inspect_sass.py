@@ -94,7 +94,7 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
         return f"tensordesc<bf16[{rows},{cols}],{ga._smem_layout(rows, cols, torch.bfloat16)!r}>"
 
     # the persistent kernel's 8-warp tiles: two compute partitions on half the rows each (launch_gluon)
-    halves = 2 if ws and warps == 8 and os.environ.get("QWEN3VL_WS_HALVES", "1") == "1" else 1
+    halves = 2 if ws and warps == 8 else 1
     q_rows = bm // halves
     # the fused QKV buffer: one descriptor per box shape (launch_gluon), K's and V's heads at column offsets
     same = q_rows == bn

@@ -39,7 +39,6 @@ TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per S
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -648,7 +647,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     row = q.stride(0)
     shape = [total, max(k_col, v_col) + heads * head_dim]  # q's rows, from q's first element to the last head
     # the persistent kernel's 8-warp tiles: two 4-warp compute partitions, each on half the rows (q boxes of half)
-    halves = 2 if ws and num_warps == 8 and os.environ.get("QWEN3VL_WS_HALVES", "1") == "1" else 1
+    halves = 2 if ws and num_warps == 8 else 1
     q_rows = block_m // halves
     same = q_rows == block_n  # one box shape for Q and K/V: Q's descriptor serves (the kernel aliases it)
     q_desc = _descriptor(q, shape, row, q_rows, d0)
