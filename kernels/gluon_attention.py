@@ -569,7 +569,10 @@ if gluon is not None:
 # - the persistent kernel with a loader warp (`_gl_varlen_attn_ws`; benchmarks/results/cold/ws/): no faster warm,
 #   but after another kernel's traffic (the tuner's and the benchmark's timing) its loader streams the next item's
 #   operands while the current one computes: 64/128 two per SM at 64 on 64x256, 58.9 us against 62.4 for the
-#   automatic path then (cuDNN 59.5); 128/64 on 8 warps, one per SM, at 72 1x1024 (24.7 against 25.3).
+#   automatic path then (cuDNN 59.5); 128/64 on 8 warps, one per SM, at 72, run as two 4-warp compute partitions
+#   (one per 64-row half, neither waiting for the other): 1x1024 18.4 us warm and 23.9 cold against 20.0 and 24.7
+#   for the automatic path before and 20.9 and 23.8 for cuDNN (cold/ws/probe_cold_d72_ws_halves1_rev5da3f62.json;
+#   as one 8-warp partition, 19.9 and 24.6: _halves0_).
 GLUON_TILES = {
     64: [(128, 128, 8, 2, 128, False, 0), (64, 128, 4, 2, 0, False, 0), (64, 128, 4, 2, 0, False, 2),
          (64, 64, 4, 2, 0, False, 0)],
