@@ -93,20 +93,17 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
     def desc(rows, cols):
         return f"tensordesc<bf16[{rows},{cols}],{ga._smem_layout(rows, cols, torch.bfloat16)!r}>"
 
-    # the persistent kernel's 8-warp tiles: two compute partitions on half the rows each (launch_gluon)
-    halves = 2 if ws and warps == 8 else 1
-    q_rows = bm // halves
+    q_rows = bm // ga.ws_halves(warps, ws)
     # the fused QKV buffer: one descriptor per box shape (launch_gluon), K's and V's heads at column offsets
     same = q_rows == bn
     sig.update(q_desc=desc(q_rows, d0), kv_desc=None if same else desc(bn, d0), O="*bf16", CU_SEQLENS="*i32",
                qk_scale="fp32", q1_desc=desc(q_rows, w1) if w1 else None,
                kv1_desc=(desc(w1, bn) if rem_copy else None if same else desc(bn, w1)) if w1 else None)
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
-                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps // halves)
+                     R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps)
     if ws:  # as launch_gluon launches it
-        maxnreg = maxnreg or 65536 // (32 * (warps + 4) * ws) // 8 * 8
-        constants.update(HALVES=halves, LOADER_REGS=ga.WS_LOADER_REGS,
-                         HALF_REGS=(maxnreg * 3 - ga.WS_LOADER_REGS) // 2 // 8 * 8 if halves == 2 else 0)
+        constants.update(ga.ws_options(warps, ws, maxnreg))
+        maxnreg = constants.pop("maxnreg")
     constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
     # the JIT marks the integer arguments divisible by 16 where they are (at 72 O's head stride is not)
@@ -156,8 +153,9 @@ def _opcode(instruction: str) -> str:
 
 def _main_loop(sass: str, needs=("HGMMA", "MUFU", "UTMALDG")) -> list[str]:
     """The steady-state step of the full tile: of the backward branches whose span holds a wgmma, an exp2 and (in
-    `needs`; not where a loader partition issues them) a TMA load, the longest unmasked one (a `q_tail` kernel also has the half-height tile's loop; ptxas may
-    place other blocks inside a loop's address span, so spans are told apart by their content)."""
+    `needs`; not where a loader partition issues them) a TMA load, the longest unmasked one (a `q_tail` kernel also
+    has the half-height tile's loop; ptxas may place other blocks inside a loop's address span, so spans are told
+    apart by their content)."""
     instructions, labels, pending = [], {}, None
     for line in sass.splitlines():
         line = line.strip()

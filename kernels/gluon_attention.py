@@ -75,23 +75,29 @@ if gluon is not None:
         return p, alpha, m_new, l_i
 
     @gluon.jit
-    def _load_kv(desc, bufs, r_desc, r_bufs, ready, tile, tok0, col, r_row, r_col, n, BLOCK_N: gl.constexpr,
-                 NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr):
-        """Key tile `tile` of the segment into its ring slot, if the segment has it: BLOCK_N rows of K (or V) and,
-        with a remainder (W1 > 0), its W1 columns past D0 on the same barrier: W1 rows of R from row `r_row`
-        (REM_T), or the next W1 columns of the same rows. The caller has waited for the slot's last reader, a
-        wgmma; with two warpgroups, both have (`_both_done`: one thread issues the copy)."""
-        slot = tile % NBUF
+    def _load_tile(desc, bufs, r_desc, r_bufs, bar, slot, tok, col, r_row, r_col, pred, BLOCK_N: gl.constexpr,
+                   W1: gl.constexpr, REM_T: gl.constexpr):
+        """BLOCK_N rows of K (or V) from token `tok` into ring slot `slot`, counted on `bar`, and with a remainder
+        (W1 > 0) their W1 columns past D0 on the same barrier: W1 rows of R from (r_row, r_col) (REM_T), or the next
+        W1 columns of the same rows. Nothing where `pred` is false."""
         nbytes: gl.constexpr = BLOCK_N * (desc.block_type.shape[1] + W1) * desc.dtype.primitive_bitwidth // 8
-        mbarrier.expect(ready.index(slot), nbytes, pred=tile < n)
-        _tma_load(desc, [tok0 + tile * BLOCK_N, col], ready.index(slot), bufs.index(slot), pred=tile < n)
+        mbarrier.expect(bar, nbytes, pred=pred)
+        _tma_load(desc, [tok, col], bar, bufs.index(slot), pred=pred)
         if W1 > 0:
             if REM_T:
-                _tma_load(r_desc, [r_row, r_col + tile * BLOCK_N], ready.index(slot), r_bufs.index(slot),
-                          pred=tile < n)
+                _tma_load(r_desc, [r_row, r_col], bar, r_bufs.index(slot), pred=pred)
             else:
-                _tma_load(r_desc, [tok0 + tile * BLOCK_N, col + desc.block_type.shape[1]], ready.index(slot),
-                          r_bufs.index(slot), pred=tile < n)
+                _tma_load(r_desc, [tok, col + desc.block_type.shape[1]], bar, r_bufs.index(slot), pred=pred)
+
+    @gluon.jit
+    def _load_kv(desc, bufs, r_desc, r_bufs, ready, tile, tok0, col, r_row, r_col, n, BLOCK_N: gl.constexpr,
+                 NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr):
+        """Key tile `tile` of the segment into its ring slot, if the segment has it (`_load_tile`). The caller has
+        waited for the slot's last reader, a wgmma; with two warpgroups, both have (`_both_done`: one thread issues
+        the copy)."""
+        slot = tile % NBUF
+        _load_tile(desc, bufs, r_desc, r_bufs, ready.index(slot), slot, tok0 + tile * BLOCK_N, col, r_row,
+                   r_col + tile * BLOCK_N, tile < n, BLOCK_N, W1, REM_T)
 
     @gluon.jit
     def _both_done():
@@ -119,6 +125,30 @@ if gluon is not None:
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
+    def _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, tile, n_valid, qk_scale, MASK: gl.constexpr,
+                    NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr, SUM_MMA: gl.constexpr,
+                    s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
+                    p_layout: gl.constexpr):
+        """The softmax of score tile S (`_softmax`), the accumulators rescaled, and O += P V for key tile `tile`
+        once its V tile has landed (V's remainder too: R's box transposed is a K-major B operand), waited for."""
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, n_valid, MASK, SUM_MMA, s_layout)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        slot = tile % NBUF
+        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
+        mbarrier.wait(v_ready.index(slot), (tile // NBUF) & 1)
+        acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
+        if W1 > 0:
+            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
+            if REM_T:
+                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+            else:
+                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
+            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return acc, acc1, m_i, l_i
+
+    @gluon.jit
     def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
               k_ready, v_ready, s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
               NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, R_V: gl.constexpr,
@@ -128,21 +158,9 @@ if gluon is not None:
         are the slots read by both wgmmas refilled with the tiles NBUF ahead. Refilling V's slot before issuing QK^T
         (rev 6b841b4) put the copy's issue in front of the tensor cores: 64/128 on 4 warps took 90.6 us at 8x1024
         there, 80.1 here (cuDNN 83.6 and 82.6 in the same runs)."""
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - j * BLOCK_N, MASK, SUM_MMA, s_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        slot = j % NBUF
-        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        mbarrier.wait(v_ready.index(slot), (j // NBUF) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-        if W1 > 0:  # V's remainder (R's box transposed is a K-major B operand)
-            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
-            if REM_T:
-                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
-            else:
-                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
-            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc, acc1, m_i, l_i = _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, j, seqlen - j * BLOCK_N,
+                                          qk_scale, MASK, NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
+                                          p_layout)
         if NEXT:
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1, REM_T)
         _both_done()
@@ -167,6 +185,38 @@ if gluon is not None:
         if WIDTH < vals.shape[1]:
             mask = mask & (cols < WIDTH)[None, :]
         gl.store(ptrs, o.to(O.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _zero_past(q1_smem, R_V: gl.constexpr, num_warps: gl.constexpr):
+        """Q's remainder box in shared memory with its columns from R_V on zeroed (they run past the head: into the
+        next head, or TMA's zero fill), fenced for the wgmmas and seen by every warp."""
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
+        q1 = q1_smem.load(layout)
+        cols = gl.arange(0, q1_smem.type.shape[1], layout=gl.SliceLayout(0, layout))
+        q1_smem.store(gl.where((cols < R_V)[None, :], q1, gl.zeros_like(q1)))
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
+    def _store_o(o_row, acc, acc1, l_i, row0, tok0, seqlen, stride_ot, R_V: gl.constexpr, W1: gl.constexpr,
+                 SUM_MMA: gl.constexpr, num_warps: gl.constexpr):
+        """O = acc / l into the rows row0.. of the segment (`o_row`: O at the head's first column), the remainder's
+        R_V columns from acc1. One reciprocal per row and a multiply per element, not a division per element (32 of
+        them per thread at 64/64 on 4 warps, a tenth of all the instructions of a 256-token segment's program). With
+        SUM_MMA the row sums are acc1's column R_V (PV summed P's rows against R's row of ones)."""
+        o_slice: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+        o1_slice: gl.constexpr = gl.SliceLayout(1, acc1.type.layout)
+        if SUM_MMA:
+            sum_col = gl.arange(0, acc1.shape[1], layout=gl.SliceLayout(0, acc1.type.layout))
+            inv_o1 = 1.0 / gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
+            inv_o = gl.convert_layout(inv_o1, o_slice)
+        else:
+            inv_l = 1.0 / l_i
+            inv_o = gl.convert_layout(inv_l, o_slice)
+            inv_o1 = gl.convert_layout(inv_l, o1_slice)
+        _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, acc.shape[1], num_warps)
+        if W1 > 0:
+            _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, acc.shape[1], R_V, num_warps)
 
     @gluon.jit
     def _gl_varlen_attn_fwd(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, stride_ot, stride_oh, k_col, v_col,
@@ -258,12 +308,7 @@ if gluon is not None:
 
             mbarrier.wait(q_bar, 0)
             if R_V < W1:  # Q's remainder box runs past the head (into the next head, or TMA's zero fill): zeroed
-                q1_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
-                q1 = q1_smem.load(q1_layout)
-                q1_cols = gl.arange(0, W1, layout=gl.SliceLayout(0, q1_layout))
-                q1_smem.store(gl.where((q1_cols < R_V)[None, :], q1, gl.zeros_like(q1)))
-                fence_async_shared()
-                _cta_barrier()
+                _zero_past(q1_smem, R_V, num_warps)
             s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
             _both_done()
             _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
@@ -293,20 +338,8 @@ if gluon is not None:
                 mbarrier.invalidate(k_ready.index(i))
                 mbarrier.invalidate(v_ready.index(i))
 
-            # O = acc / l: one reciprocal per row and a multiply per element, not a division per element (32 of
-            # them per thread at 64/64 on 4 warps, a tenth of all the instructions of a 256-token segment's program)
-            if SUM_MMA:
-                sum_col = gl.arange(0, 16, layout=gl.SliceLayout(0, o1_layout))
-                inv_o1 = 1.0 / gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
-                inv_o = gl.convert_layout(inv_o1, gl.SliceLayout(1, o_layout))
-            else:
-                inv_l = 1.0 / l_i
-                inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
-                inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout))
-            o_row = O + head * stride_oh
-            _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
-            if W1 > 0:
-                _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
+            _store_o(O + head * stride_oh, acc, acc1, l_i, row0, tok0, seqlen, stride_ot, R_V, W1, SUM_MMA,
+                     num_warps)
 
     # ---- persistent, warp-specialised variant: a one-warp loader partition feeds the compute warps ----
 
@@ -324,19 +357,6 @@ if gluon is not None:
             tok0 = gl.load(CU_SEQLENS + seg)
             seqlen = gl.load(CU_SEQLENS + seg + 1) - tok0
         return (i % n_qt) * BLOCK_M, head, seg, tok0, seqlen
-
-    @gluon.jit
-    def _ws_load_tile(desc, bufs, r_desc, r_bufs, bar, slot, tok, col, r_row, r_col, BLOCK_N: gl.constexpr,
-                      W1: gl.constexpr, REM_T: gl.constexpr):
-        """One K (or V) tile and its remainder into ring slot `slot`, counted on `bar`."""
-        nbytes: gl.constexpr = BLOCK_N * (desc.block_type.shape[1] + W1) * desc.dtype.primitive_bitwidth // 8
-        mbarrier.expect(bar, nbytes)
-        _tma_load(desc, [tok, col], bar, bufs.index(slot))
-        if W1 > 0:
-            if REM_T:
-                _tma_load(r_desc, [r_row, r_col], bar, r_bufs.index(slot))
-            else:
-                _tma_load(r_desc, [tok, col + desc.block_type.shape[1]], bar, r_bufs.index(slot))
 
     @gluon.jit
     def _ws_loader(q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars,
@@ -375,11 +395,11 @@ if gluon is not None:
                     phase = ((kt // NBUF) & 1) ^ 1
                     tok = tok0 + j * BLOCK_N
                     mbarrier.wait(k_empty.index(slot), phase)
-                    _ws_load_tile(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready.index(slot), slot, tok, k_col0 + col,
-                                  r_row, r_col + j * BLOCK_N, BLOCK_N, W1, REM_T)
+                    _load_tile(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready.index(slot), slot, tok, k_col0 + col,
+                               r_row, r_col + j * BLOCK_N, True, BLOCK_N, W1, REM_T)
                     mbarrier.wait(v_empty.index(slot), phase)
-                    _ws_load_tile(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready.index(slot), slot, tok, v_col0 + col,
-                                  r_row + R_V, r_col + j * BLOCK_N, BLOCK_N, W1, REM_T)
+                    _load_tile(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready.index(slot), slot, tok, v_col0 + col,
+                               r_row + R_V, r_col + j * BLOCK_N, True, BLOCK_N, W1, REM_T)
                     kt += 1
                 it += 1
 
@@ -391,23 +411,10 @@ if gluon is not None:
         """Ring tile kt: S = Q K^T, K's slot released, the softmax, O += P V, V's slot released."""
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
         slot = kt % NBUF
-        phase = (kt // NBUF) & 1
         s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, kt, s_zero, NBUF, W1, REM_T)
         mbarrier.arrive(k_empty.index(slot), count=1)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, n_valid, MASK, SUM_MMA, s_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        mbarrier.wait(v_ready.index(slot), phase)
-        acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-        if W1 > 0:
-            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
-            if REM_T:
-                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
-            else:
-                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
-            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc, acc1, m_i, l_i = _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, kt, n_valid, qk_scale,
+                                          MASK, NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
         mbarrier.arrive(v_empty.index(slot), count=1)
         return acc, acc1, m_i, l_i
 
@@ -452,12 +459,7 @@ if gluon is not None:
                 s_zero = gl.zeros([BLOCK_MH, BLOCK_N], gl.float32, layout=s_layout)
                 mbarrier.wait(q_ready.index(qs), (it // 2) & 1)
                 if R_V < W1:  # Q's remainder box runs past the head: zeroed, as in the plain kernel
-                    q1_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [num_warps, 1], [1, 0])
-                    q1 = q1_smem.load(q1_layout)
-                    q1_cols = gl.arange(0, W1, layout=gl.SliceLayout(0, q1_layout))
-                    q1_smem.store(gl.where((q1_cols < R_V)[None, :], q1, gl.zeros_like(q1)))
-                    fence_async_shared()
-                    _cta_barrier()
+                    _zero_past(q1_smem, R_V, num_warps)
                 n = (seqlen + BLOCK_N - 1) // BLOCK_N
                 for j in range(0, n - 1):
                     acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
@@ -472,18 +474,8 @@ if gluon is not None:
                                                NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
                 kt += 1
                 mbarrier.arrive(q_empty.index(qs), count=1)
-                if SUM_MMA:
-                    sum_col = gl.arange(0, 16, layout=gl.SliceLayout(0, o1_layout))
-                    inv_o1 = 1.0 / gl.sum(gl.where((sum_col == R_V)[None, :], acc1, 0.0), axis=1)
-                    inv_o = gl.convert_layout(inv_o1, gl.SliceLayout(1, o_layout))
-                else:
-                    inv_l = 1.0 / l_i
-                    inv_o = gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))
-                    inv_o1 = gl.convert_layout(inv_l, gl.SliceLayout(1, o1_layout))
-                o_row = O + head * stride_oh
-                _store_rows(o_row, acc * inv_o[:, None], row0, tok0, seqlen, stride_ot, 0, D0, num_warps)
-                if W1 > 0:
-                    _store_rows(o_row, acc1 * inv_o1[:, None], row0, tok0, seqlen, stride_ot, D0, R_V, num_warps)
+                _store_o(O + head * stride_oh, acc, acc1, l_i, row0, tok0, seqlen, stride_ot, R_V, W1, SUM_MMA,
+                         num_warps)
                 it += 1
 
     @gluon.jit
@@ -649,9 +641,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     w1 = REM_WIDTH if d0 < head_dim else 0
     row = q.stride(0)
     shape = [total, max(k_col, v_col) + heads * head_dim]  # q's rows, from q's first element to the last head
-    # the persistent kernel's 8-warp tiles: two 4-warp compute partitions, each on half the rows (q boxes of half)
-    halves = 2 if ws and num_warps == 8 else 1
-    q_rows = block_m // halves
+    q_rows = block_m // ws_halves(num_warps, ws)
     same = q_rows == block_n  # one box shape for Q and K/V: Q's descriptor serves (the kernel aliases it)
     q_desc = _descriptor(q, shape, row, q_rows, d0)
     kv_desc = None if same else _descriptor(q, shape, row, block_n, d0)
@@ -672,16 +662,9 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
                      R_ROWS=rem_rows, SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps)
     if ws:  # persistent programs, `ws` per SM, each with a one-warp loader partition
         items = cdiv(max_seqlen, block_m) * heads * segments
-        # registers are allocated per warpgroup: the loader's warp takes one more
-        warps = num_warps + 4
-        options = {"maxnreg": maxnreg or min(256, 65536 // (32 * warps * ws) // 8 * 8)}
-        half_regs = 0
-        if halves == 2:  # three warpgroups: the loader's at its minimum, the rest shared by the compute two
-            constants["num_warps"] = num_warps // 2
-            half_regs = (options["maxnreg"] * 3 - WS_LOADER_REGS) // 2 // 8 * 8
         launch(_gl_varlen_attn_ws, (min(items, _sm_count(q.device) * ws),), q_desc, kv_desc, q1_desc, kv1_desc, out,
                cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, heads, items,
-               HALVES=halves, LOADER_REGS=WS_LOADER_REGS, HALF_REGS=half_regs, **constants, **options)
+               **{**constants, **ws_options(num_warps, ws, maxnreg)})
         return
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
            cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, **constants, **options)
@@ -689,6 +672,23 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
 
 # Registers per thread of the persistent kernel's loader warp (scalar work: item decoding, ring counters, TMA issue).
 WS_LOADER_REGS = 40
+
+
+def ws_halves(num_warps: int, ws: int) -> int:
+    """Compute partitions per program: the persistent kernel's 8-warp tiles run as two 4-warp partitions, each on
+    half the rows (q's boxes half as tall); everything else as one."""
+    return 2 if ws and num_warps == 8 else 1
+
+
+def ws_options(num_warps: int, ws: int, maxnreg: int = 0) -> dict:
+    """The persistent kernel's launch options and register constants for a tile of `num_warps` compute warps, `ws`
+    programs per SM. Registers are allocated per warpgroup (the loader's warp takes a whole one), so the cap is
+    what `ws` programs of num_warps + 4 warps leave each thread; with two compute partitions, the three warpgroups
+    share it, the loader's at WS_LOADER_REGS."""
+    maxnreg = maxnreg or min(256, 65536 // (32 * (num_warps + 4) * ws) // 8 * 8)
+    halves = ws_halves(num_warps, ws)
+    return dict(num_warps=num_warps // halves, maxnreg=maxnreg, HALVES=halves, LOADER_REGS=WS_LOADER_REGS,
+                HALF_REGS=(maxnreg * 3 - WS_LOADER_REGS) // 2 // 8 * 8 if halves == 2 else 0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -455,9 +455,10 @@ GLUON_COMPILES = [(d, t, False) for d, tiles in GLUON_TILES.items() for t in til
                          ("uniform" if x else "varlen") if isinstance(x, bool) else f"d{x}")
 def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
     """Each Gluon candidate, compiled for sm90 here: no spills (the 128-row tile runs capped at 128 registers), no
-    serialised wgmmas, at least two CTAs per SM (the persistent tiles: as many as they launch per SM), and a steady-state step of one key tile's PV and the next one's
-    QK^T (4 + block_n / 16 wgmmas per warpgroup, and past 64 one more for QK^T's remainder and block_n / 16 more
-    for PV's) with one exp2 per score plus the rescale factors."""
+    serialised wgmmas, at least two CTAs per SM (the persistent tiles: as many as they launch per SM), and a
+    steady-state step of one key tile's PV and the next one's QK^T (4 + block_n / 16 wgmmas per warpgroup, and past
+    64 one more for QK^T's remainder and block_n / 16 more for PV's) with one exp2 per score plus the rescale
+    factors."""
     from kernels.gluon_attention import gluon_available
 
     if not gluon_available():
