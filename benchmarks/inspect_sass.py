@@ -83,8 +83,8 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
     from kernels import gluon_attention as ga
 
     bm, bn, warps, nbuf, maxnreg, *rest = tile
-    rest += [1, 1, 0, 0][len(rest):]
-    rem_copy, ws, pipe = bool(rest[0]), rest[2], bool(rest[3])
+    rest += [1, 1, 0][len(rest):]
+    rem_copy, ws = bool(rest[0]), rest[2]
     d0, d1, _ = va.head_dim_split(head_dim)
     w1 = ga.REM_WIDTH if d1 else 0
     fn = ga._gl_varlen_attn_ws if ws else ga._gl_varlen_attn_fwd
@@ -102,7 +102,7 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, NBUF=nbuf, W1=w1, REM_T=rem_copy,
                      R_ROWS=va.remainder_rows(head_dim), SUM_ASKED=True, UNIFORM=uniform, num_warps=warps)
     if ws:  # as launch_gluon launches it
-        constants.update(ga.ws_options(warps, ws, maxnreg), PIPE=pipe)
+        constants.update(ga.ws_options(warps, ws, maxnreg))
         maxnreg = constants.pop("maxnreg")
     constants.update({name: None for name in ("kv_desc", "q1_desc", "kv1_desc") if sig[name] is None})
     sig.update({name: "constexpr" for name in constants})
@@ -184,15 +184,15 @@ def main():
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--gluon", nargs="*", default=None,
                     help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap"
-                         "[/remainder copied[/sum_mma[/ws[/pipe]]]]")
+                         "[/remainder copied[/sum_mma[/ws]]]")
     ap.add_argument("--uniform", action="store_true", help="the Gluon kernel's variant for packs of equal lengths")
     args = ap.parse_args()
     if args.gluon is not None:
         from kernels.gluon_attention import GLUON_TILES
 
         for head_dim in args.head_dims:
-            tiles = [(bm, bn, w, nbuf, cap, copy, 1, ws, pipe)  # the string form's order (sum_mma on)
-                     for bm, bn, w, nbuf, cap, copy, ws, pipe in GLUON_TILES.get(head_dim, [])]
+            tiles = [(bm, bn, w, nbuf, cap, copy, 1, ws)  # the string form's order (sum_mma on)
+                     for bm, bn, w, nbuf, cap, copy, ws in GLUON_TILES.get(head_dim, [])]
             for tile in [tuple(map(int, t.split("/"))) for t in args.gluon] or tiles:
                 report = compile_gluon_tile(tile, head_dim, args.uniform)
                 name = "/".join(map(str, map(int, tile)))

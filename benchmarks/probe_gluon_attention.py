@@ -27,17 +27,16 @@ AWKWARD = {"1": [1], "7": [7], "131": [131], "1023": [1023], "awkward": [1, 7, 1
 
 
 def tile_config(tile: str) -> va.TileConfig:
-    """block_m/block_n/warps/ring/register cap[/rem_copy[/sum_mma[/ws[/pipe]]]] (rem_copy and sum_mma 0 or 1,
-    default 1; ws: persistent warp-specialised programs per SM, default 0, the plain kernel; pipe: with ws, 0 or 1,
-    default 0, the softmax under the previous tile's PV)."""
+    """block_m/block_n/warps/ring/register cap[/rem_copy[/sum_mma[/ws]]] (rem_copy and sum_mma 0 or 1, default 1;
+    ws: persistent warp-specialised programs per SM, default 0, the plain kernel)."""
     bm, bn, w, nbuf, cap, *flags = map(int, tile.split("/"))
-    flags += [1, 1, 0, 0][len(flags):]
+    flags += [1, 1, 0][len(flags):]
     return va.TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=bool(flags[0]),
-                         sum_mma=bool(flags[1]), ws=flags[2], pipe=bool(flags[3]))
+                         sum_mma=bool(flags[1]), ws=flags[2])
 
 
 def tile_name(c: va.TileConfig) -> str:
-    ws = f"/{int(c.ws)}" + "/1" * c.pipe if c.ws else ""
+    ws = f"/{int(c.ws)}" if c.ws else ""
     return f"{c.block_m}/{c.block_n}/{c.num_warps}/{c.num_stages}/{c.maxnreg}/{int(c.rem_copy)}/{int(c.sum_mma)}{ws}"
 
 

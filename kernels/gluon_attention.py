@@ -24,7 +24,10 @@ benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): FlashAttention-3'
 tile j and PV of tile j - 1 in flight during tile j's softmax) ran 5-20% slower than this schedule, and issuing the
 next QK^T before the softmax 3-15% slower. (The session 12 prototype of that overlap, rev 66bd4ed, kept a wgmma in
 flight across the loop's back-edge, and ptxas serialised every wgmma of it: "non wgmma instructions reading
-accumulator registers of a wgmma between start and end of the pipeline stage".) Two key streams per program (rev
+accumulator registers of a wgmma between start and end of the pipeline stage". Rev 5c78f38's version in the
+persistent kernel, both wgmmas retired inside each step and the segment's masked last tile taken first, compiled
+clean but ran 6% slower at 72 on 1x1024 and as two 128/128 partitions on 1x4096-16k, 3% faster only as 128/64
+partitions, which 128/128 serial beats: benchmarks/results/cold/pipe/, cold/halves128/.) Two key streams per program (rev
 39e3988: each step's two QK^T issued together, one stream's softmax under the other's wgmmas, the sums merged at the
 end; 186 registers at 72) ran 11-36% slower on every case, 1x1024 included, where the grid leaves an SM two programs
 (gluon_attention_probe_d{64,72}_dual_rev39e3988.json). Sharing a query tile's keys out between two programs (rev
@@ -114,13 +117,6 @@ if gluon is not None:
             REM_T: gl.constexpr):
         """S = Q K^T for key tile `tile`, once its K tile has landed; with a remainder, + Q's remainder columns
         times K's (R's K box [W1, BLOCK_N] is the B operand as it is)."""
-        s = _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, tile, s_zero, NBUF, W1, REM_T)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-    @gluon.jit
-    def _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, tile, s_zero, NBUF: gl.constexpr, W1: gl.constexpr,
-                  REM_T: gl.constexpr):
-        """`_qk`'s wgmmas issued, not waited for: one group, two with a remainder."""
         slot = tile % NBUF
         mbarrier.wait(k_ready.index(slot), (tile // NBUF) & 1)
         s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -129,7 +125,7 @@ if gluon is not None:
                 s = warpgroup_mma(q1_smem, rk_bufs.index(slot), s, is_async=True)
             else:
                 s = warpgroup_mma(q1_smem, rk_bufs.index(slot).permute((1, 0)), s, is_async=True)
-        return s
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
     def _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, tile, n_valid, qk_scale, MASK: gl.constexpr,
@@ -139,17 +135,6 @@ if gluon is not None:
         """The softmax of score tile S (`_softmax`), the accumulators rescaled, and O += P V for key tile `tile`
         once its V tile has landed (V's remainder too: R's box transposed is a K-major B operand), waited for."""
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, n_valid, MASK, SUM_MMA, s_layout)
-        acc, acc1, p_op = _pv_issue(p, alpha, acc, acc1, v_bufs, rv_bufs, v_ready, tile, NBUF, W1, REM_T, o_layout,
-                                    o1_layout, p_layout)
-        acc, acc1 = _pv_wait(acc, acc1, p_op, 0, W1)
-        return acc, acc1, m_i, l_i
-
-    @gluon.jit
-    def _pv_issue(p, alpha, acc, acc1, v_bufs, rv_bufs, v_ready, tile, NBUF: gl.constexpr, W1: gl.constexpr,
-                  REM_T: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr, p_layout: gl.constexpr):
-        """The accumulators rescaled by `alpha`, and O += P V for key tile `tile` issued once its V tile has landed
-        (V's remainder too: R's box transposed is a K-major B operand): one wgmma group, two with a remainder. P as the
-        wgmmas' register operand is returned, for `_pv_wait` to keep until they are done."""
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         slot = tile % NBUF
         p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
@@ -161,17 +146,10 @@ if gluon is not None:
                 acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
             else:
                 acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
-        return acc, acc1, p_op
-
-    @gluon.jit
-    def _pv_wait(acc, acc1, p_op, OUTSTANDING: gl.constexpr, W1: gl.constexpr):
-        """`_pv_issue`'s wgmmas waited for (OUTSTANDING groups issued after them left in flight), their operand P
-        live until then."""
-        if W1 > 0:
-            acc, acc1, p_op = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc, acc1, p_op))
+            acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
         else:
-            acc, p_op = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(acc, p_op))
-        return acc, acc1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        return acc, acc1, m_i, l_i
 
     @gluon.jit
     def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
@@ -387,8 +365,7 @@ if gluon is not None:
     def _ws_loader(q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars,
                    CU_SEQLENS, k_col0, v_col0, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr,
-                   REM_T: gl.constexpr, R_ROWS: gl.constexpr, UNIFORM: gl.constexpr, HALVES: gl.constexpr,
-                   PIPE: gl.constexpr):
+                   REM_T: gl.constexpr, R_ROWS: gl.constexpr, UNIFORM: gl.constexpr, HALVES: gl.constexpr):
         """The loader partition: for each of the program's work items, Q into the free one of two Q buffers, then
         K and V tile by tile into their rings, each slot as soon as the compute warps have released it. It runs
         ahead of them across items: the next item's Q and first key tiles are in flight while the current item's
@@ -419,16 +396,13 @@ if gluon is not None:
                 for j in range(n):
                     slot = kt % NBUF
                     phase = ((kt // NBUF) & 1) ^ 1
-                    t = j
-                    if PIPE:  # the segment's last key tile first
-                        t = (j + n - 1) % n
-                    tok = tok0 + t * BLOCK_N
+                    tok = tok0 + j * BLOCK_N
                     mbarrier.wait(k_empty.index(slot), phase)
                     _load_tile(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready.index(slot), slot, tok, k_col0 + col,
-                               r_row, r_col + t * BLOCK_N, True, BLOCK_N, W1, REM_T)
+                               r_row, r_col + j * BLOCK_N, True, BLOCK_N, W1, REM_T)
                     mbarrier.wait(v_empty.index(slot), phase)
                     _load_tile(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready.index(slot), slot, tok, v_col0 + col,
-                               r_row + R_V, r_col + t * BLOCK_N, True, BLOCK_N, W1, REM_T)
+                               r_row + R_V, r_col + j * BLOCK_N, True, BLOCK_N, W1, REM_T)
                     kt += 1
                 it += 1
 
@@ -452,7 +426,7 @@ if gluon is not None:
                     qk_scale, max_seqlen, heads, n_items, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
                     SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr, HALF: gl.constexpr, HALVES: gl.constexpr,
-                    PIPE: gl.constexpr, num_warps: gl.constexpr):
+                    num_warps: gl.constexpr):
         """A compute partition: the plain kernel's key-tile loop and epilogue for each of the program's items, its
         operands from the loader's buffers. With HALVES = 2, two such partitions of one warpgroup each take the
         item's first and second half of its rows (HALF), on their own Q buffers, and each releases the shared K/V
@@ -490,70 +464,22 @@ if gluon is not None:
                 if R_V < W1:  # Q's remainder box runs past the head: zeroed, as in the plain kernel
                     _zero_past(q1_smem, R_V, num_warps)
                 n = (seqlen + BLOCK_N - 1) // BLOCK_N
-                if PIPE:
-                    acc, acc1, m_i, l_i = _ws_pipelined(kt, n, seqlen, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem,
-                                                        k_bufs, v_bufs, rk_bufs, rv_bufs, bars, qk_scale, BLOCK_N,
-                                                        NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
-                                                        p_layout)
-                    kt += n
-                else:
-                    acc, acc1, m_i, l_i = _ws_serial(kt, n, seqlen, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem,
-                                                     k_bufs, v_bufs, rk_bufs, rv_bufs, bars, qk_scale, BLOCK_N, NBUF,
-                                                     W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
-                    kt += n
+                for j in range(0, n - 1):
+                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
+                                                   rk_bufs, rv_bufs, bars, BLOCK_N, qk_scale, False, NBUF, W1, REM_T,
+                                                   SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                    kt += 1
+                # the last key tile, masked (a no-op where the segment fills it). One masked copy only: with an
+                # unmasked copy beside it, selected at run time, Triton 3.6 built the masked copy's wgmma operand
+                # addresses wrong (compute-sanitizer: shared reads out of bounds, segments not a multiple of BLOCK_N)
+                acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
+                                               rk_bufs, rv_bufs, bars, seqlen - (n - 1) * BLOCK_N, qk_scale, True,
+                                               NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                kt += 1
                 mbarrier.arrive(q_empty.index(qs), count=1)
                 _store_o(O + head * stride_oh, acc, acc1, l_i, row0, tok0, seqlen, stride_ot, R_V, W1, SUM_MMA,
                          num_warps)
                 it += 1
-
-    @gluon.jit
-    def _ws_serial(kt, n, seqlen, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs, rk_bufs, rv_bufs,
-                   bars, qk_scale, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
-                   SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
-                   p_layout: gl.constexpr):
-        """An item's n key tiles from ring tile kt on, in order, each wgmma waited for at once."""
-        for j in range(0, n - 1):
-            acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
-                                           rk_bufs, rv_bufs, bars, BLOCK_N, qk_scale, False, NBUF, W1, REM_T,
-                                           SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
-            kt += 1
-        # the last key tile, masked (a no-op where the segment fills it). One masked copy only: with an
-        # unmasked copy beside it, selected at run time, Triton 3.6 built the masked copy's wgmma operand
-        # addresses wrong (compute-sanitizer: shared reads out of bounds, segments not a multiple of BLOCK_N)
-        acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
-                                       rk_bufs, rv_bufs, bars, seqlen - (n - 1) * BLOCK_N, qk_scale, True,
-                                       NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
-        return acc, acc1, m_i, l_i
-
-    @gluon.jit
-    def _ws_pipelined(kt, n, seqlen, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs, rk_bufs, rv_bufs,
-                      bars, qk_scale, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr,
-                      REM_T: gl.constexpr, SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                      o1_layout: gl.constexpr, p_layout: gl.constexpr):
-        """An item's n key tiles from ring tile kt on, the segment's last (masked) first, as the loader sends them;
-        then for each further tile, QK^T issued, PV of the tile before it issued behind it, and the softmax run
-        while PV is on the tensor cores (FlashAttention-3's intra-warpgroup overlap). Nothing stays in flight
-        across the loop's back-edge."""
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-        PV_GROUPS: gl.constexpr = 2 if W1 > 0 else 1
-        s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, kt, s_zero, NBUF, W1, REM_T)
-        mbarrier.arrive(k_empty.index(kt % NBUF), count=1)
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, seqlen - (n - 1) * BLOCK_N, True, SUM_MMA, s_layout)
-        for j in range(0, n - 1):
-            s = _qk_issue(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, kt + 1, s_zero, NBUF, W1, REM_T)
-            acc, acc1, p_op = _pv_issue(p, alpha, acc, acc1, v_bufs, rv_bufs, v_ready, kt, NBUF, W1, REM_T,
-                                        o_layout, o1_layout, p_layout)
-            s = warpgroup_mma_wait(num_outstanding=PV_GROUPS, deps=(s,))
-            mbarrier.arrive(k_empty.index((kt + 1) % NBUF), count=1)
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, BLOCK_N, False, SUM_MMA, s_layout)
-            acc, acc1 = _pv_wait(acc, acc1, p_op, 0, W1)
-            mbarrier.arrive(v_empty.index(kt % NBUF), count=1)
-            kt += 1
-        acc, acc1, p_op = _pv_issue(p, alpha, acc, acc1, v_bufs, rv_bufs, v_ready, kt, NBUF, W1, REM_T, o_layout,
-                                    o1_layout, p_layout)
-        acc, acc1 = _pv_wait(acc, acc1, p_op, 0, W1)
-        mbarrier.arrive(v_empty.index(kt % NBUF), count=1)
-        return acc, acc1, m_i, l_i
 
     @gluon.jit
     def _gl_varlen_attn_ws(q_desc, kv_desc, q1_desc, kv1_desc, O, CU_SEQLENS, stride_ot, stride_oh, k_col, v_col,
@@ -561,7 +487,7 @@ if gluon is not None:
                            BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
                            R_ROWS: gl.constexpr, SUM_ASKED: gl.constexpr, UNIFORM: gl.constexpr,
                            HALVES: gl.constexpr, LOADER_REGS: gl.constexpr, HALF_REGS: gl.constexpr,
-                           PIPE: gl.constexpr, num_warps: gl.constexpr):
+                           num_warps: gl.constexpr):
         """`_gl_varlen_attn_fwd`'s work as persistent programs: program p takes work items p, p + grid, ... (one
         item per (query tile, head, segment), in the plain kernel's grid order), a one-warp loader partition
         (`_ws_loader`) streams each item's Q, K and V through shared memory, and the `num_warps` compute warps
@@ -608,26 +534,26 @@ if gluon is not None:
             gl.warp_specialize([
                 (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
                                stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
-                               REM_T, SUM_ASKED, UNIFORM, 0, 2, PIPE, num_warps)),
+                               REM_T, SUM_ASKED, UNIFORM, 0, 2, num_warps)),
                 (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
                                stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
-                               REM_T, SUM_ASKED, UNIFORM, 1, 2, PIPE, num_warps)),
+                               REM_T, SUM_ASKED, UNIFORM, 1, 2, num_warps)),
                 (_ws_loader, (q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs,
                               bars, CU_SEQLENS, k_col, v_col, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              NBUF, W1, REM_T, R_ROWS, UNIFORM, 2, PIPE)),
+                              NBUF, W1, REM_T, R_ROWS, UNIFORM, 2)),
             ], [num_warps, 1], [HALF_REGS, LOADER_REGS])
         else:
             gl.warp_specialize([
                 (_ws_compute, (O, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, CU_SEQLENS, stride_ot,
                                stride_oh, qk_scale, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N, NBUF, W1,
-                               REM_T, SUM_ASKED, UNIFORM, 0, 1, PIPE, num_warps)),
+                               REM_T, SUM_ASKED, UNIFORM, 0, 1, num_warps)),
                 (_ws_loader, (q_desc, kv_desc, q1_desc, kv1_desc, q_bufs, q1_bufs, k_bufs, v_bufs, rk_bufs, rv_bufs,
                               bars, CU_SEQLENS, k_col, v_col, max_seqlen, heads, n_items, HEAD_DIM, BLOCK_M, BLOCK_N,
-                              NBUF, W1, REM_T, R_ROWS, UNIFORM, 1, PIPE)),
+                              NBUF, W1, REM_T, R_ROWS, UNIFORM, 1)),
             ], [1], [LOADER_REGS])
 
 # The candidates per head dim, (block_m, block_n, warps, ring depth, register cap or 0, remainder copied, persistent
-# programs per SM or 0, pipelined), from GPU time per call on H100 (benchmarks/probe_gluon_attention.py):
+# programs per SM or 0), from GPU time per call on H100 (benchmarks/probe_gluon_attention.py):
 # - 64 (benchmarks/results/gluon_attention_probe_d64_rev19a3e6d.json): 128/128 on 8 warps capped at 128 registers
 #   (2 CTAs per SM instead of 1; no spills) is the fastest from 1x4096 up, 64/128 at 8x1024, 64/64 on packs of short
 #   segments (64x256, 32x784);
@@ -635,25 +561,21 @@ if gluon is not None:
 #   segments (64/64). At 72, with the remainder copied (kv_remainder_t, whose row of ones sums P's rows on the
 #   tensor cores) from 1x4096 up, 3-5% faster there; read in place on packs of short segments, where the copy's
 #   ~19 us is a fifth of the call (64x256: 83.4 us against 102.2). 128/128 capped at 128 registers spills there.
-# - the persistent kernel with a loader warp (`_gl_varlen_attn_ws`; benchmarks/results/cold/ws/): no faster warm,
-#   but after another kernel's traffic (the tuner's and the benchmark's timing) its loader streams the next item's
-#   operands while the current one computes. At 72, 128/64 on 8 warps, one per SM, run as two 4-warp compute
-#   partitions (one per 64-row half, neither waiting for the other): 1x1024 18.4 us warm and 23.9 cold against 20.0
-#   and 24.7 for the automatic path before and 20.9 and 23.8 for cuDNN (cold/ws/probe_cold_d72_ws_halves1_*.json;
-#   as one 8-warp partition, 19.9 and 24.6: _halves0_). At 64 on 64x256, 64/64 three per SM: 54.2-55.4 us warm and
-#   58.0-59.3 cold against 55.0-56.2 and 59.6-60.0 for cuDNN, where 64/128 two per SM (session 22's pick) took
-#   55.4-56.4 and 61.6 (cold/pipe/probe_cold_d64_*). Deeper rings (4, 6) did not help at 72 on 1x1024.
-# - pipelined (`_ws_pipelined`, FlashAttention-3's intra-warpgroup overlap) at 72 with the remainder copied, ring 4:
-#   1x4096 199.5 us against 204.7 for the plain kernel's best, 8x1024 119.6 against 123.0, 16k level (3228 against
-#   3232; cold/pipe/gluon_attention_probe_d72_pipe1_*.json). Not on 1x1024 (19.0 us warm against 17.9 serial) nor on
-#   64x256 at 64 (59.7 against 55.4), nor at 64 from 1x4096 up (128/128 as two partitions: 2666 us at 16k against
-#   2311 for the plain kernel).
+# - the persistent kernel with a loader warp (`_gl_varlen_attn_ws`; benchmarks/results/cold/): its loader streams
+#   the next item's operands while the current one computes, and its 8-warp tiles run as two 4-warp partitions (one
+#   per 64-row half, neither waiting for the other) with up to 232 registers each. At 72, 128/128 one per SM: 1x16384
+#   2874 us against 3285 for the plain kernel's best (128/64, remainder copied), 1x4096 188 against 210, 8x1024
+#   106.9 against 118.9 for 128/64 as two partitions (session 22's pick), 1x1024 17.2 warm and 22.1 cold against
+#   17.8 and 22.5 (cuDNN 20.9 and 24.5) (cold/halves128/*_rev5c78f38.json). At 64 on 64x256, 64/64 three per SM:
+#   54.2-55.4 us warm and 58.0-59.3 cold against 55.0-56.2 and 59.6-60.0 for cuDNN, where 64/128 two per SM took
+#   55.4-56.4 and 61.6 (cold/pipe/probe_cold_d64_pipe0_*); 128/128 as two partitions is slower at 64 (16k: 2666 us
+#   against 2311). Rings deeper than 2 did not help (cold/rings/).
 GLUON_TILES = {
-    64: [(128, 128, 8, 2, 128, False, 0, False), (64, 128, 4, 2, 0, False, 0, False),
-         (64, 64, 4, 3, 0, False, 3, False), (64, 64, 4, 2, 0, False, 0, False)],
-    72: [(128, 64, 8, 2, 0, True, 0, False), (128, 64, 8, 4, 0, True, 1, True), (128, 64, 8, 2, 0, False, 0, False),
-         (128, 64, 8, 2, 0, False, 1, False), (64, 64, 4, 2, 0, False, 0, False)],
-    80: [(128, 64, 8, 2, 0, False, 0, False), (64, 128, 4, 2, 0, False, 0, False), (64, 64, 4, 2, 0, False, 0, False)],
+    64: [(128, 128, 8, 2, 128, False, 0), (64, 128, 4, 2, 0, False, 0), (64, 64, 4, 3, 0, False, 3),
+         (64, 64, 4, 2, 0, False, 0)],
+    72: [(128, 128, 8, 2, 0, True, 1), (128, 128, 8, 2, 0, False, 1), (128, 64, 8, 2, 0, True, 0),
+         (128, 64, 8, 2, 0, False, 0), (64, 64, 4, 2, 0, False, 0)],
+    80: [(128, 64, 8, 2, 0, False, 0), (64, 128, 4, 2, 0, False, 0), (64, 64, 4, 2, 0, False, 0)],
 }
 
 # The remainder's width past D0 (72: 8 columns; 80: 16) in the remainder's boxes: a wgmma's K step at 16 bits.
@@ -706,7 +628,7 @@ def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: tuple[int, int], block_m: int,
                  block_n: int, num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None,
-                 rem_rows: int = 0, sum_mma: bool = True, ws: int = 0, pipe: bool = False):
+                 rem_rows: int = 0, sum_mma: bool = True, ws: int = 0):
     """One launch over the packed segments. q `(T, H, D)` and, at `columns` of its rows, k's and v's heads
     (`qkv_columns`: the caller has found q, k and v parts of one buffer's rows) with 16-byte aligned rows, at most
     REM_WIDTH head-dim columns past a power of two (`varlen_attention.triton_varlen_attention` checks both);
@@ -747,7 +669,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
         items = cdiv(max_seqlen, block_m) * heads * segments
         launch(_gl_varlen_attn_ws, (min(items, _sm_count(q.device) * ws),), q_desc, kv_desc, q1_desc, kv1_desc, out,
                cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, heads, items,
-               PIPE=pipe, **{**constants, **ws_options(num_warps, ws, maxnreg)})
+               **{**constants, **ws_options(num_warps, ws, maxnreg)})
         return
     launch(_gl_varlen_attn_fwd, (cdiv(max_seqlen, block_m), heads, segments), q_desc, kv_desc, q1_desc, kv1_desc, out,
            cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, **constants, **options)
@@ -771,7 +693,6 @@ def ws_options(num_warps: int, ws: int, maxnreg: int = 0) -> dict:
     maxnreg = maxnreg or min(256, 65536 // (32 * (num_warps + 4) * ws) // 8 * 8)
     halves = ws_halves(num_warps, ws)
     return dict(num_warps=num_warps // halves, maxnreg=maxnreg, HALVES=halves, LOADER_REGS=WS_LOADER_REGS,
-
                 HALF_REGS=(maxnreg * 3 - WS_LOADER_REGS) // 2 // 8 * 8 if halves == 2 else 0)
 
 

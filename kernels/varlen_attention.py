@@ -698,9 +698,6 @@ class TileConfig:
     gluon: bool = False  # the Gluon kernel (kernels/gluon_attention.py) instead; num_stages is its K/V ring depth
     maxnreg: int = 0  # Gluon kernel: registers per thread, capped (0: ptxas's choice)
     rem_copy: bool = True  # Gluon kernel, past a power of two: K's and V's remainder from kv_remainder_t, or in place
-    # Gluon persistent kernel: each key tile's softmax under the PV wgmma of the tile before (its segment's last
-    # tile first)
-    pipe: bool = False
 
 
 # The pointer kernel's candidates (block_m, block_n, warps, stages): they compile correctly on sm90 with
@@ -767,8 +764,8 @@ def gluon_candidates(head_dim: int) -> list[TileConfig]:
     """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing)."""
     if head_dim not in GLUON_HEAD_DIMS or not gluon_available():
         return []
-    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy, ws=ws, pipe=pipe)
-            for bm, bn, w, nbuf, cap, copy, ws, pipe in GLUON_TILES[head_dim]]
+    return [TileConfig(bm, bn, w, nbuf, tma=True, gluon=True, maxnreg=cap, rem_copy=copy, ws=ws)
+            for bm, bn, w, nbuf, cap, copy, ws in GLUON_TILES[head_dim]]
 
 
 def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TileConfig]:
@@ -913,7 +910,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             rem = kv_remainder_t(k, v, cu_seqlens, max_seqlen) if d1 and (c.rem_copy or not c.gluon) else None
             if c.gluon:
                 launch_gluon(q, out, cu_seqlens, max_seqlen, scale, columns, c.block_m, c.block_n, c.num_warps,
-                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, int(c.ws), c.pipe)
+                             c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, int(c.ws))
                 return
             rem = q if rem is None else rem  # q: a placeholder without a remainder
             rem_stride0 = rem.stride(0)
