@@ -28,12 +28,12 @@ accumulator registers of a wgmma between start and end of the pipeline stage". R
 persistent kernel, both wgmmas retired inside each step and the segment's masked last tile taken first, compiled
 clean but ran 6% slower at 72 on 1x1024 and 3-17% slower as two 128/128 partitions on 1x4096-16k; it was 3% faster
 only as 128/64 partitions, which 128/128 serial beats: benchmarks/results/cold/pipe/, cold/halves128/.) Two key
-streams per program (rev 39e3988: each step's two QK^T issued together, one stream's softmax under the other's
-wgmmas, the sums merged at the end; 186 registers at 72) ran 11-36% slower on every case, 1x1024 included, where the grid leaves an SM two programs
-(gluon_attention_probe_d{64,72}_dual_rev39e3988.json). Sharing a query tile's keys out between two programs (rev
-66b8799, the last to finish merging both through a global workspace) ran slower too: at d72 1x1024 34.7 us warm against
-21.0; without the merge 26.1 (64/64) and 18.4 (128/64 on 8 warps, then level with cuDNN cold), the merge's global round
-trips ~9 us (benchmarks/results/cold/probe_cold_d72_split_*.json).
+streams per program (rev 39e3988: each step's two QK^T issued together, one stream's softmax under the other's wgmmas,
+the sums merged at the end; 186 registers at 72) ran 11-36% slower on every case, 1x1024 included, where the grid
+leaves an SM two programs (gluon_attention_probe_d{64,72}_dual_rev39e3988.json). Sharing a query tile's keys out
+between two programs (rev 66b8799, the last to finish merging both through a global workspace) ran slower too: at d72
+1x1024 34.7 us warm against 21.0; without the merge 26.1 (64/64) and 18.4 (128/64 on 8 warps, then level with cuDNN
+cold), the merge's global round trips ~9 us (benchmarks/results/cold/probe_cold_d72_split_*.json).
 
 Against the `tl.dot` kernel, the gain is in registers and staging: ~130 registers per thread instead of 154, Q by
 TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per SM.
