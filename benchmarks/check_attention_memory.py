@@ -31,17 +31,17 @@ def main():
         cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))
         k.copy_(apply_vision_rope(k, cos, sin))
         ref = reference_varlen_attention(apply_vision_rope(q, cos, sin), k, v, cu)
-        for cfg in tma_candidates(head_dim) if "tma" in kernels else []:
-            out = triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, config=cfg)
+
+        def check(cfg, out):
             err = ((out.float() - ref).norm() / ref.norm()).item()
             print(f"d{head_dim} {cfg}: rel err {err:.2e}", flush=True)
             assert err < 1e-2, err
+
+        for cfg in tma_candidates(head_dim) if "tma" in kernels else []:
+            check(cfg, triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, config=cfg))
         q.copy_(apply_vision_rope(q, cos, sin))  # the Gluon kernel takes rotated q and k
         for cfg in gluon_candidates(head_dim) if "gluon" in kernels else []:
-            out = triton_varlen_attention(q, k, v, cu, max(lengths), config=cfg)
-            err = ((out.float() - ref).norm() / ref.norm()).item()
-            print(f"d{head_dim} {cfg}: rel err {err:.2e}", flush=True)
-            assert err < 1e-2, err
+            check(cfg, triton_varlen_attention(q, k, v, cu, max(lengths), config=cfg))
 
 
 if __name__ == "__main__":

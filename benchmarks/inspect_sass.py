@@ -74,6 +74,13 @@ def compile_tile(config: va.TileConfig, head_dim: int, heads: int = 16, lengths:
     return _report(kernel, config.num_warps, config.block_m * bn)
 
 
+def gluon_fields(tile: tuple) -> tuple[int, ...]:
+    """A `GLUON_TILES` entry (block_m, block_n, warps, ring, cap, remainder copied, ws) in --gluon's field order:
+    block_m/block_n/warps/ring/cap/remainder copied/sum_mma (on, as the candidates run)/ws."""
+    bm, bn, warps, nbuf, cap, copy, ws = tile
+    return bm, bn, warps, nbuf, cap, int(copy), 1, ws
+
+
 def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = False) -> dict:
     """The Gluon kernel (kernels/gluon_attention.py) for one of its tiles, (block_m, block_n, warps, ring depth,
     register cap or 0), specialised as the JIT does for a fused QKV buffer and a contiguous output; `uniform`: the
@@ -191,8 +198,7 @@ def main():
         from kernels.gluon_attention import GLUON_TILES
 
         for head_dim in args.head_dims:
-            tiles = [(bm, bn, w, nbuf, cap, copy, 1, ws)  # the string form's order (sum_mma on)
-                     for bm, bn, w, nbuf, cap, copy, ws in GLUON_TILES.get(head_dim, [])]
+            tiles = [gluon_fields(t) for t in GLUON_TILES.get(head_dim, [])]
             for tile in [tuple(map(int, t.split("/"))) for t in args.gluon] or tiles:
                 report = compile_gluon_tile(tile, head_dim, args.uniform)
                 name = "/".join(map(str, map(int, tile)))

@@ -463,10 +463,12 @@ def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
 
     if not gluon_available():
         pytest.skip("this Triton has no Gluon Hopper API")
+    from benchmarks.inspect_sass import gluon_fields
+
     bm, bn, warps, nbuf, cap, copy, ws = tile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", str(head_dim),
-                          "--gluon", f"{bm}/{bn}/{warps}/{nbuf}/{cap}/{int(copy)}/1/{ws}"] + ["--uniform"] * uniform,
+                          "--gluon", "/".join(map(str, gluon_fields(tile)))] + ["--uniform"] * uniform,
                          capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout.splitlines()[-1])
