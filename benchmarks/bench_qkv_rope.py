@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from benchmarks.common import bench, environment, print_table, write_results
 from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
-from service.config import PRESETS
+from service.model.config import PRESETS
 
 SHAPES = {"2b 32x448px": ("qwen3-vl-2b", 32 * 784), "2b 8x448px": ("qwen3-vl-2b", 8 * 784),
           "2b 1x1024px": ("qwen3-vl-2b", 4096), "8b 32x448px": ("qwen3-vl-8b", 32 * 784)}

@@ -28,7 +28,8 @@ import time
 
 import numpy as np
 
-from benchmarks.common import encode_video, environment, wait_until_ready, write_results
+from benchmarks.common import environment, wait_until_ready, write_results
+from service.model.video import encode_video
 
 
 def jpegs(n: int, side: int = 448) -> list[bytes]:
@@ -60,7 +61,7 @@ def clip(side: int = 448, seconds: int = 4, rate: int = 24, seed: int = 0) -> by
 def tower_throughput(model, images, budget, seconds, device="cuda", dtype="bfloat16"):
     import torch
 
-    from service.encoder import Encoder, pack_by_budget
+    from service.model.encoder import Encoder, pack_by_budget
 
     enc = Encoder.load(model, device, dtype)
     items = [enc.preprocess(b) for b in images]

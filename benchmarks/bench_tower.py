@@ -1,6 +1,6 @@
 """Whole-tower throughput on the GPU: our tower against transformers' and against the GEMM floor.
 
-`ours` is the served path (service.graphs: the forward replayed as a CUDA graph once its pack
+`ours` is the served path (service.model.graphs: the forward replayed as a CUDA graph once its pack
 signature repeats; graphs only on the Triton backend); `ours-eager` launches kernel by kernel.
 Workloads (448px -> 28x28 patches = 784 tokens): 8x448px, 32x448px, 1x1024px, 4x768px and one
 16-frame 448px video-shaped grid (8 temporal patches of 784 tokens). Baselines in the same run:
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,10 +27,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import ClockLog, bench, environment, print_table, write_results
 from kernels.qkv_rope import gemm_candidates
-from service.config import preset
-from service.graphs import GraphedTower
-from service.tower import Attention
-from service.loader import random_tower
+from service.model.config import preset
+from service.model.graphs import GraphedTower
+from service.model.loader import random_tower
 
 PEAK_TFLOPS = 989.0
 WORKLOADS = {
@@ -116,21 +116,21 @@ def run_preset(name, workloads, compile_hf):
         grid_t = torch.tensor(grids, device="cuda")
         flops = tower_flops(cfg, grids)
 
-        def ours_fn(backend):
-            def fn():
-                ours._backend = backend  # None: the served policy (kernels.attention.resolve_backend)
-                return ours(pixels, ours.plan(grids))  # plan built inside: it is part of the forward
+        def ours_fn(attention):
+            def fn():  # attention None: the served policy (kernels.attention.resolve_backend)
+                return ours(pixels, ours.plan(grids), attention)  # plan built inside: it is part of the forward
             return fn
 
         graphed = GraphedTower(ours)  # the served path: a CUDA graph per repeated pack signature
         unfused_graphed = GraphedTower(ours)
 
-        def unfused():  # the served path with cuBLAS's QKV projection and the RoPE pass (rev 1a9c69a's)
-            Attention.fused_qkv_rope = False
+        def unfused():  # the served path with cuBLAS's QKV projection and the RoPE pass
+            served = ours.options
+            ours.options = replace(served, fused_qkv_rope=False)
             try:
                 return unfused_graphed(pixels, grids)
             finally:
-                Attention.fused_qkv_rope = True
+                ours.options = served
 
         fns = {"ours": lambda: graphed(pixels, grids), "ours-eager": ours_fn(None),
                "ours-triton-attn": ours_fn("triton"), "ours-sdpa-attn": ours_fn("sdpa"),
@@ -153,7 +153,6 @@ def run_preset(name, workloads, compile_hf):
                             "mfu": flops / ms / 1e9 / PEAK_TFLOPS, "first_call_s": time.time() - t0,
                             "gpu": clocks.summary()}
                 print(f"{name} {wl} {key}: {ms:.2f} ms {res[key]['gpu']}", flush=True)
-        ours._backend = None
         row = {"preset": name, "workload": wl, "images": n_images, "tokens": tokens, "flops": flops, "results": res,
                "attention_backend": ours.backend, "graph_attention": graphed.attention(grids),
                "graph_attention_ms": graphed.replay_ms(grids),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from service.config import PRESETS
+from service.model.config import PRESETS
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -190,29 +190,3 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
     return str(v)
-
-
-def encode_video(frames, rate: int, fmt: str = "mp4", codec: str = "libx264", faststart: bool = False) -> bytes:
-    """Encode RGB uint8 frames `[H, W, 3]` (all one size) with PyAV into a video file's bytes. `faststart`
-    (MP4): the index, with its frame count, before the data, as streaming sites write it."""
-    import io
-    import tempfile
-
-    import av
-
-    frames = list(frames)
-    height, width = frames[0].shape[:2]
-    tmp = tempfile.NamedTemporaryFile(suffix=f".{fmt}") if faststart else None  # the muxer rewrites the file
-    buf = tmp.name if tmp else io.BytesIO()
-    with av.open(buf, mode="w", format=fmt, options={"movflags": "faststart"} if faststart else {}) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    if tmp:
-        with tmp:
-            return Path(tmp.name).read_bytes()
-    return buf.getvalue()

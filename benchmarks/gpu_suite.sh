@@ -24,11 +24,11 @@ for step in "${@:-all}"; do
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;
     attention|all) python -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" ;;&
     qkv) python -m benchmarks.bench_qkv_rope 2>&1 | tee "$OUT/bench_qkv_rope.log" ;;
-    memcheck) compute-sanitizer --tool memcheck python -m benchmarks.check_attention_memory 2>&1 \
+    memcheck) compute-sanitizer --tool memcheck python -m tools.check_attention_memory 2>&1 \
                 | tee "$OUT/memcheck.log" | tail -n 25 ;;
-    profile) python -m benchmarks.profile_tower --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_tower.log" ;;
+    profile) python -m tools.profile_tower --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_tower.log" ;;
     sweep) for g in ${SWEEP_GROUPS:-baseline ptr tma tma-ws}; do
-             timeout ${SWEEP_TIMEOUT:-240} python -m benchmarks.sweep_attention --group $g --out "$OUT/sweep.jsonl" \
+             timeout ${SWEEP_TIMEOUT:-240} python -m tools.sweep_attention --group $g --out "$OUT/sweep.jsonl" \
                ${SWEEP_ARGS:-} > "$OUT/sweep_$g.log" 2>&1 || echo "sweep group $g: exit $?"
            done ;;
     tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;

@@ -1,11 +1,15 @@
-"""Triton kernels for the Qwen3-VL vision tower, each beside its pure-PyTorch reference."""
+"""Triton kernels for the Qwen3-VL vision tower, each beside its pure-PyTorch reference.
 
-from .attention import BACKENDS, forced_backend, resolve_backend, triton_supported, varlen_attention
+`attention/` (varlen block-diagonal attention: three kernels, the SDPA fallback, the dispatcher), `qkv_rope.py`
+(QKV projection with RoPE in its epilogue, and the in-place RoPE pass), `add_layernorm.py`, `pos_embed.py`,
+`rope.py` (the rotary tables), `tuning.py` (launch-configuration choice and the lean launch path).
+"""
+
+from .attention import BACKENDS, resolve_backend, triton_supported, varlen_attention
 from .rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 
 __all__ = [
     "BACKENDS",
-    "forced_backend",
     "apply_vision_rope",
     "resolve_backend",
     "triton_supported",

@@ -2,7 +2,7 @@
 
 The tower's QKV GEMM writes `(T, 3, H, D)`; `qkv_rope_` rotates the Q and K slices in place (float32
 arithmetic, one rounding, as transformers does) so the attention kernel reads plain Q/K with no
-per-tile rotation work. Measured against rotating inside the attention kernel (kernels/varlen_attention
+per-tile rotation work. Measured against rotating inside the attention kernel (kernels/attention
 with cos/sin): rotating every K tile once per query tile costs far more than one pass here
 (docs/PERFORMANCE.md).
 
@@ -74,9 +74,7 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
               k_only: bool = False, *, pairs_per_program: int = 1024, num_warps: int = 8) -> torch.Tensor:
     """Rotate Q and K (only K with `k_only`: the attention kernel rotates Q as it loads it) of `qkv`
     `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv. The last two arguments set
-    the Triton launch: on H100 at 32x448px, 1024 pairs and 8 warps took 0.095 ms at the 8B's widths
-    (4096 and 4: 0.104) and tied the others at the 2B's, 0.078 ms against a 0.076 ms copy of the same
-    bytes (benchmarks/probe_rope_pass.py)."""
+    the Triton launch (the defaults ran within 3% of a plain copy of the same bytes on H100)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be (T, 3, H, D) with a contiguous last dim; got {tuple(qkv.shape)} "
                          f"strides {qkv.stride()}")

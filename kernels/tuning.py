@@ -77,8 +77,8 @@ TIMING_ROUNDS = 3
 def _timings(candidates, launch, warmup: int, rep: int) -> list[float]:
     """Each candidate's median of TIMING_ROUNDS timings (`do_bench`, ms; inf where it fails), the rounds
     interleaved: where a call's host time counts (small calls launched eagerly), the host's own slow spells last
-    tens of milliseconds and would otherwise land on one candidate (H100 machines here, host time per call
-    varying 2x within a run: benchmarks/results/launch/launch_profile_d72_h100_rev20f7171.json)."""
+    tens of milliseconds and would otherwise land on one candidate (host time per call varied 2x within a run on the
+    H100 machines here)."""
     runs = [[] for _ in candidates]
     for _ in range(TIMING_ROUNDS):
         for c, run in zip(candidates, runs):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .errors import EncoderError
+from .settings import Settings
 
 log = logging.getLogger("qwen3vl_encoder")
 
@@ -18,9 +19,11 @@ def encode_main(args) -> int:
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from .encoder import Encoder, pack_by_budget, result_tensors
+    from .engine.build import load_encoder
+    from .model.encoder import pack_by_budget, result_tensors
 
-    encoder = Encoder.load(args.model, args.device, args.dtype)
+    settings = Settings(model=args.model, device=args.device, dtype=args.dtype, cuda_graphs=8)
+    encoder = load_encoder(settings)
     items = []
     for path in tqdm(args.files, desc="preprocess", unit="img", disable=args.quiet):
         try:
@@ -48,6 +51,10 @@ def serve_main(args) -> int:
     return run(args)
 
 
+def _default(name: str):
+    return Settings.model_fields[name].default
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen3vl-encoder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     frames.add_argument("--fps", type=float, default=None, help="videos: frames sampled per second (default: the "
                         "checkpoint's video processor, 2 for Qwen3-VL)")
     frames.add_argument("--num-frames", type=int, default=None, help="videos: frames sampled in all")
-    enc.add_argument("--max-batch-patches", type=int, default=32768, help="patch budget of one forward")
-    enc.add_argument("--max-batch-items", type=int, default=64)
+    enc.add_argument("--max-batch-patches", type=int, default=_default("max_batch_patches"),
+                     help="patch budget of one forward")
+    enc.add_argument("--max-batch-items", type=int, default=_default("max_batch_items"))
     enc.add_argument("--quiet", action="store_true", help="no progress bars")
     enc.add_argument("files", nargs="+", type=Path)
     enc.set_defaults(func=encode_main)

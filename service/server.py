@@ -46,7 +46,7 @@ def settings_from_args(args) -> Settings:
 def run(args) -> int:
     import uvicorn
 
-    from .api import create_app
+    from .http.app import create_app
 
     try:
         settings = settings_from_args(args)
@@ -74,7 +74,7 @@ def run(args) -> int:
 
 def run_with_engine_process(settings: Settings) -> int:
     """`http_workers` >= 1: spawn the engine process, wait until its model is loaded and warm, then run
-    the uvicorn supervisor over `http_workers` front-end processes (service.ipc). SIGTERM/SIGINT: the
+    the uvicorn supervisor over `http_workers` front-end processes (service.engine.process). SIGTERM/SIGINT: the
     supervisor drains and stops the front-ends, then the engine finishes its queue and exits; 0 when
     all of that went cleanly. If the engine dies, the front-ends are stopped and the exit code is 1."""
     import contextlib
@@ -86,7 +86,8 @@ def run_with_engine_process(settings: Settings) -> int:
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
-    from .ipc import engine_process_main, settings_env
+    from .engine.process import engine_process_main
+    from .engine.protocol import settings_env
 
     workdir = tempfile.mkdtemp(prefix="qwen3vl-")
     metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -118,7 +119,7 @@ def run_with_engine_process(settings: Settings) -> int:
         engine.join(10)
         return 2
 
-    config = uvicorn.Config("service.api:frontend_app", factory=True, host=settings.host, port=settings.port,
+    config = uvicorn.Config("service.http.app:frontend_app", factory=True, host=settings.host, port=settings.port,
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
     supervisor = Multiprocess(config, sockets=[config.bind_socket()])

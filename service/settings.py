@@ -20,6 +20,19 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     warmup: bool = Field(True, description="compile and tune kernels before /ready turns true")
 
+    # kernels
+    attention_backend: Literal["auto", "triton", "sdpa"] = Field(
+        "auto", description="attention backend for eager forwards and CUDA graphs alike; auto: the Triton kernels "
+                            "where they run (sm80+), SDPA elsewhere")
+    tma_descriptors: Literal["auto", "host", "device"] = Field(
+        "auto", description="where the Hopper attention kernel encodes its K/V tensor descriptors; auto: on the "
+                            "device for small eager calls that no launch plan replays, on the host otherwise")
+    launch_plans: bool = Field(True, description="record each attention call layout's launch once and replay it "
+                                                 "(~10-15 us of host time per call instead of 55-105)")
+    cublaslt_workspace_kib: int | None = Field(
+        0, ge=0, description="cuBLASLt workspace of the model's process in KiB (PyTorch's CUBLASLT_WORKSPACE_SIZE; "
+                             "None: PyTorch's default). 0: the GEMMs need no memset before each call")
+
     # HTTP
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
@@ -49,7 +62,7 @@ class Settings(BaseSettings):
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding one engine process that owns the model; 0: one process does "
-                                     "everything (service.ipc). Default: 4 on CUDA (fewer on small hosts), 0 on CPU")
+                                     "everything (service.engine.process). Default: 4 on CUDA (fewer on small hosts), 0 on CPU")
     engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
     preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "

@@ -14,7 +14,7 @@ from safetensors.torch import load, load_file
 from conftest import encode_bytes, make_video, photos, rel_err
 from servers import serve
 from service.cli import main as cli_main
-from service.encoder import Encoder
+from service.model.encoder import Encoder
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ def test_api_key(server):
 def test_bad_request_does_not_break_good_ones_in_the_same_window(server):
     """Good and bad requests arrive inside one batching window (max_wait_ms=50): each gets its own answer."""
     url, app = server
-    engine = app.state.service["engine"]
+    engine = app.state.service.engine
     before = engine.forwards
 
     async def go():

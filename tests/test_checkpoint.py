@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_TEXT, TINY_VISION, hf_tower_outputs, rel_err
-from service.config import PRESETS, preset
+from service.model.config import PRESETS, preset
 from service.errors import CheckpointError
-from service.loader import load_tower
+from service.model.loader import load_tower
 
 
 def _tower_matches(tower, visual, grids=((1, 4, 6), (1, 2, 2))):
@@ -32,7 +32,7 @@ def _hf_visual(path):
 
 
 def test_sharded_checkpoint_reads_only_vision_shards(sharded_checkpoint, monkeypatch):
-    import service.checkpoint as ck
+    import service.model.checkpoint as ck
 
     opened = []
     real = ck.safe_open

@@ -82,11 +82,11 @@ def test_gpu_reservation_and_grace_period():
 
 
 def test_healthcheck_uses_the_health_route():
-    from service.api import create_app
+    from service.http.app import create_app
 
     health = re.search(r"HEALTHCHECK.*?CMD (.*)", DOCKERFILE, re.S).group(1)
     assert f"127.0.0.1:{Settings().port}/health" in health
-    routes = {r.path for r in create_app(Settings(model="random:tiny")).routes}
+    routes = set(create_app(Settings(model="random:tiny")).openapi()["paths"])
     assert {"/health", "/ready", "/metrics", "/embed", "/v1/embeddings", "/info"} <= routes
 
 

@@ -14,8 +14,8 @@ from PIL import Image
 
 from conftest import encode_bytes, rel_err
 from servers import serve
-from service.encoder import Encoder
-from service.engine import Engine
+from service.model.encoder import Encoder
+from service.engine.batching import Engine
 from service.errors import DeadlineExceeded, EncoderError, Overloaded
 
 
@@ -190,7 +190,7 @@ def test_decoding_in_worker_processes(tiny):
 def test_graph_attention_pick():
     """The CUDA-graph attention choice: the fastest replay, but Triton on near ties (within the margin),
     since its lower power draw holds a higher clock at the GPU's power cap."""
-    from service.graphs import pick_attention
+    from service.model.graphs import pick_attention
 
     assert pick_attention({"sdpa": 10.0, "triton": 10.05}, 0.01) == "triton"
     assert pick_attention({"sdpa": 10.0, "triton": 10.2}, 0.01) == "sdpa"

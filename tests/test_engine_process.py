@@ -20,11 +20,10 @@ import torch
 from PIL import Image
 from safetensors.torch import load as safetensors_load
 
-from benchmarks.common import wait_until_ready
 from conftest import encode_bytes, make_video, rel_err
-from servers import free_port
-from service.encoder import Encoder
-from service.ipc import read_message, write_message
+from servers import free_port, wait_until_ready
+from service.engine.protocol import read_message, write_message
+from service.model.encoder import Encoder
 
 
 @contextlib.contextmanager

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
@@ -11,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import encode_bytes, hf_tower_outputs, photos, rel_err
-from service.encoder import Encoder
+from service.model.encoder import Encoder
+from service.model.tower import TowerOptions
 
 TOL = 1e-5  # float32 on CPU
 
@@ -104,12 +104,10 @@ def test_fused_triton_tower_matches_transformers(full_checkpoint, hf_model, fuse
     sums by the LayerNorm pass, or add+LayerNorm) in the interpreter, fp32."""
     import kernels.qkv_rope
 
-    enc = Encoder.load(str(full_checkpoint))
-    enc.tower._backend = "triton"
+    enc = Encoder.load(str(full_checkpoint), options=TowerOptions(attention_backend="triton", fused_qkv_rope=fused_qkv,
+                                                                  residual_in_gemm=residual_in_gemm))
     for p in enc.tower.parameters():
         p.data = p.data.clone()  # weights mapped from the file may be unaligned; tensor descriptors need 16 B
-    monkeypatch.setattr(type(enc.tower.blocks[0].attn), "fused_qkv_rope", fused_qkv)
-    monkeypatch.setattr(type(enc.tower), "residual_in_gemm", residual_in_gemm)
     launches = []
     monkeypatch.setattr(kernels.qkv_rope, "_qkv_rope_gemm", _Spy(kernels.qkv_rope._qkv_rope_gemm, launches))
     grids = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
@@ -128,15 +126,14 @@ def test_attention_backend_per_forward(full_checkpoint, hf_model, backend, atten
     """`forward(..., attention=)` runs that attention backend and leaves the rest of the tower's path (the
     fused projection goes with the tower's backend): both mixes match transformers (interpreter, fp32).
     On the CPU the tower offers one backend only, so CUDA graphs never choose there."""
-    va = importlib.import_module("kernels.varlen_attention")  # `kernels.varlen_attention` is also a function
+    from kernels.attention import launch, pointer
 
-    enc = Encoder.load(str(full_checkpoint))
-    assert enc.tower.attention_choices() == ("sdpa",)
-    enc.tower._backend = backend
+    assert Encoder.load(str(full_checkpoint)).tower.attention_choices() == ("sdpa",)
+    enc = Encoder.load(str(full_checkpoint), options=TowerOptions(attention_backend=backend))
     for p in enc.tower.parameters():
         p.data = p.data.clone()  # weights mapped from the file may be unaligned; tensor descriptors need 16 B
     launches = []
-    monkeypatch.setattr(va, "_varlen_attn_fwd", _Spy(va._varlen_attn_fwd, launches))
+    monkeypatch.setattr(launch, "_varlen_attn_fwd", _Spy(pointer._varlen_attn_fwd, launches))
     grids = [(1, 6, 10), (2, 4, 4), (1, 2, 2)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), enc.config.patch_dim)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from PIL import Image
 
 from conftest import encode_bytes, photos
 from service.errors import ImageTooLarge, InvalidInput, UnsupportedImage
-from service.preprocess import Preprocessor, PreprocessConfig
+from service.model.preprocess import Preprocessor, PreprocessConfig
 
 PRE = Preprocessor(PreprocessConfig())
 

@@ -15,18 +15,12 @@ import torch
 
 from conftest import rel_err
 from kernels import attention as attn_mod
-from kernels.gluon_attention import GLUON_TILES
+from kernels.attention import launch as launch_mod
+from kernels.attention.launch import triton_varlen_attention
+from kernels.attention.reference import reference_varlen_attention, sdpa_gathers, sdpa_varlen_attention, segment_runs
+from kernels.attention.tiles import GLUON_TILES, TileConfig, head_dim_split
+from kernels.attention.tma import tma_layout_ok
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
-from kernels.varlen_attention import (
-    TileConfig,
-    head_dim_split,
-    reference_varlen_attention,
-    sdpa_gathers,
-    sdpa_varlen_attention,
-    segment_runs,
-    tma_layout_ok,
-    triton_varlen_attention,
-)
 
 
 def make_inputs(lengths, heads, head_dim, dtype, rope, seed=0, device="cpu"):
@@ -145,8 +139,8 @@ def test_gluon_kernel_only_where_it_applies():
     """The automatic Hopper path offers the Gluon kernel only at the head dims it was measured at, without RoPE in
     the kernel and with q in the fused QKV layout (its Q arrives by TMA too); a pinned Gluon configuration outside
     those is refused, not misread."""
-    from kernels.gluon_attention import gluon_available
-    from kernels.varlen_attention import GLUON_HEAD_DIMS, gluon_candidates, hopper_candidates, tma_candidates
+    from kernels.attention.gluon import gluon_available
+    from kernels.attention.tiles import GLUON_HEAD_DIMS, gluon_candidates, hopper_candidates, tma_candidates
 
     if not gluon_available():
         pytest.skip("this Triton has no Gluon Hopper API")
@@ -180,7 +174,7 @@ def test_gluon_kernel_only_where_it_applies():
 def test_qkv_columns_only_for_one_buffers_rows():
     """The Gluon kernel reads q, k and v through descriptors over q's rows: only where they are the three parts
     of one buffer's rows, k's and v's heads after q's."""
-    from kernels.gluon_attention import qkv_columns
+    from kernels.attention.gluon import qkv_columns
 
     qkv = torch.randn(40, 3, 2, 72, dtype=torch.float16)
     q, k, v = qkv.unbind(1)
@@ -200,7 +194,7 @@ def test_launch_plan_key_holds_what_the_launch_depends_on():
     """A replayed launch skips every check and choice, so its key must change with anything they read: layouts, k's
     and v's place in q's rows, scalars, `out`, and each address's 16-byte alignment (Triton's pointer
     specialisation); and stay equal for a new buffer of the same layout, whose addresses are then substituted."""
-    from kernels.varlen_attention import _plan_key
+    from kernels.attention.launch import _plan_key
 
     def key(q, k, v, cu, m=33, scale=None, out=None):
         return _plan_key(q, k, v, cu, m, scale, out)
@@ -236,7 +230,8 @@ def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
     """The transposed remainder the Hopper kernel reads: per head K's remainder rows, V's, and a row of ones
     where the remainder leaves a spare column; every column written (data, or zeros in the gaps between
     segments), each segment from a 16-byte aligned column."""
-    from kernels.varlen_attention import kv_remainder_t, remainder_rows
+    from kernels.attention.tiles import remainder_rows
+    from kernels.attention.tma import kv_remainder_t
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     heads = 3
@@ -341,18 +336,16 @@ def test_input_validation():
 
 def test_dispatcher(monkeypatch):
     attn_mod._resolve.cache_clear()
-    monkeypatch.delenv(attn_mod.ENV_VAR, raising=False)
     assert attn_mod.resolve_backend("cpu") == "sdpa"
-    monkeypatch.setenv(attn_mod.ENV_VAR, "triton")
+    assert attn_mod.resolve_backend("cpu", forced="auto") == "sdpa"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match="cannot run here"):
-        attn_mod.resolve_backend("cpu")
-    monkeypatch.setenv(attn_mod.ENV_VAR, "bogus")
+        attn_mod.resolve_backend("cpu", forced="triton")
     with pytest.raises(ValueError, match="expected one of"):
-        attn_mod.resolve_backend("cpu")
-    monkeypatch.setenv(attn_mod.ENV_VAR, "triton")
+        attn_mod.resolve_backend("cpu", forced="bogus")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert attn_mod.resolve_backend("cpu") == "triton"
+    assert attn_mod.resolve_backend("cpu", forced="triton") == "triton"
+    assert attn_mod.resolve_backend("cpu", forced="sdpa") == "sdpa"
     attn_mod._resolve.cache_clear()
 
 
@@ -360,7 +353,6 @@ def test_dispatcher(monkeypatch):
 def test_dispatcher_head_dims_past_a_power_of_two(hopper, gluon, monkeypatch):
     """Where Triton is the device's backend: 72 and 80 on it only where the Gluon kernel takes them (Hopper, Gluon's
     API present), SDPA otherwise; 96 (no Gluon tile) always on SDPA; powers of two always on Triton."""
-    monkeypatch.delenv(attn_mod.ENV_VAR, raising=False)
     monkeypatch.setattr(attn_mod, "_resolve", lambda *a: "triton")
     monkeypatch.setattr(attn_mod, "is_hopper", lambda device: hopper)
     monkeypatch.setattr(attn_mod, "gluon_available", lambda: gluon)
@@ -381,12 +373,11 @@ def test_device_descriptor_launch_sets_triton_allocator_in_its_own_thread(monkey
     """Triton's allocator lives in a ContextVar, so it is per thread. The served tower launches from the
     engine's worker thread, not the thread that imported the kernels: the device-descriptor launch must
     set the allocator in whichever thread launches (a set-once flag gave 500s under load on the H100)."""
-    import importlib
     from concurrent.futures import ThreadPoolExecutor
 
     from triton.runtime import _allocation
 
-    va = importlib.import_module("kernels.varlen_attention")
+    va = launch_mod
     seen = []
 
     class FakeKernel:  # stands in for the Hopper kernel: records the allocator visible at launch
@@ -395,7 +386,7 @@ def test_device_descriptor_launch_sets_triton_allocator_in_its_own_thread(monkey
 
     monkeypatch.setattr(va, "_varlen_attn_fwd_tma", FakeKernel())
     q, k, v, cu, _, _ = make_inputs([7, 131], 2, 64, torch.float16, False)
-    cfg = va.TileConfig(64, 64, 4, 2, tma=True, device_desc=True)
+    cfg = TileConfig(64, 64, 4, 2, tma=True, device_desc=True)
     for _ in range(2):  # two fresh threads: each starts with Triton's null allocator
         with ThreadPoolExecutor(1) as pool:
             pool.submit(va.triton_varlen_attention, q, k, v, cu, 131, config=cfg).result()
@@ -428,7 +419,7 @@ def test_hopper_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
     included) with one exp2 per score plus the rows' rescale factors."""
     bm, bn, warps, stages = tile
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
-    run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", str(head_dim),
+    run = subprocess.run([sys.executable, "-m", "tools.inspect_sass", "--json", "--head-dims", str(head_dim),
                           "--tiles", "/".join(map(str, tile))], capture_output=True, text=True, env=env,
                          cwd=Path(__file__).parents[1], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -445,13 +436,17 @@ def test_hopper_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile):
     assert scores <= ops.get("MUFU", 0) <= scores + 2 * halves, report
 
 
+def gluon_tile_fields(c: TileConfig) -> tuple[int, ...]:
+    return c.block_m, c.block_n, c.num_warps, c.num_stages, c.maxnreg, int(c.rem_copy), c.ws
+
+
 # every candidate; the variant for packs of equal lengths at the short-segment tiles, where the tuner picks it
 GLUON_COMPILES = [(d, t, False) for d, tiles in GLUON_TILES.items() for t in tiles] + \
                  [(d, tiles[-1], True) for d, tiles in GLUON_TILES.items()]
 
 
 @pytest.mark.parametrize("head_dim,tile,uniform", GLUON_COMPILES,
-                         ids=lambda x: "/".join(map(str, map(int, x))) if isinstance(x, tuple) else
+                         ids=lambda x: "/".join(map(str, gluon_tile_fields(x))) if isinstance(x, TileConfig) else
                          ("uniform" if x else "varlen") if isinstance(x, bool) else f"d{x}")
 def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
     """Each Gluon candidate, compiled for sm90 here: no spills (the 128-row tile runs capped at 128 registers), no
@@ -459,15 +454,15 @@ def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
     steady-state step of one key tile's PV and the next one's QK^T (4 + block_n / 16 wgmmas per warpgroup, and past
     64 one more for QK^T's remainder and block_n / 16 more for PV's) with one exp2 per score plus the rescale
     factors."""
-    from kernels.gluon_attention import gluon_available
+    from kernels.attention.gluon import gluon_available
 
     if not gluon_available():
         pytest.skip("this Triton has no Gluon Hopper API")
-    from benchmarks.inspect_sass import gluon_fields
+    from tools.inspect_sass import gluon_fields
 
-    bm, bn, warps, nbuf, cap, copy, ws = tile
+    bm, bn, warps, cap, ws = tile.block_m, tile.block_n, tile.num_warps, tile.maxnreg, tile.ws
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.inspect_sass", "--json", "--head-dims", str(head_dim),
+    run = subprocess.run([sys.executable, "-m", "tools.inspect_sass", "--json", "--head-dims", str(head_dim),
                           "--gluon", "/".join(map(str, gluon_fields(tile)))] + ["--uniform"] * uniform,
                          capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -18,8 +18,8 @@ import torch
 
 from conftest import make_video
 from service.errors import InvalidInput, UnsupportedVideo, VideoTooLong
-from service.preprocess import PreprocessConfig, Preprocessor
-from service.video import VideoConfig, is_video, sample_indices
+from service.model.preprocess import PreprocessConfig, Preprocessor
+from service.model.video import VideoConfig, is_video, sample_indices
 
 PRE = Preprocessor(PreprocessConfig())
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None

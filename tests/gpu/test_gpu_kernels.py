@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
 
 from conftest import rel_err
 from kernels.rope import apply_vision_rope
-from kernels.varlen_attention import (
-    reference_varlen_attention,
-    sdpa_varlen_attention,
-    triton_varlen_attention,
-)
+from kernels.attention import launch as va
+from kernels.attention import tiles
+from kernels.attention.launch import triton_varlen_attention
+from kernels.attention.reference import reference_varlen_attention, sdpa_varlen_attention
 from test_varlen_attention import make_inputs
-
-va = importlib.import_module("kernels.varlen_attention")  # the package also exports a function of that name
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,7 +55,7 @@ def test_tma_kernel_every_candidate(lengths, head_dim, rope):
     qr = apply_vision_rope(q, cos, sin) if rope else q
     ref = reference_varlen_attention(qr, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
-    for cfg in [*va.hopper_candidates(head_dim, not rope), None]:
+    for cfg in [*tiles.hopper_candidates(head_dim, not rope), None]:
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
         triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out, config=cfg)
         torch.cuda.synchronize()
@@ -69,14 +65,14 @@ def test_tma_kernel_every_candidate(lengths, head_dim, rope):
 
 @hopper
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: f"{len(l)}seg_max{max(l)}")
-@pytest.mark.parametrize("head_dim", va.GLUON_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", tiles.GLUON_HEAD_DIMS)
 def test_gluon_kernel_fp16(lengths, head_dim):
     """The Gluon kernel's candidates on fp16 inputs against fp32, output poisoned before each call; past 64 also
     with the remainder copied and P's row sums summed in registers."""
     q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.float16, False, seed=11, device="cuda")
     ref = reference_varlen_attention(q, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
-    configs = va.gluon_candidates(head_dim)
+    configs = tiles.gluon_candidates(head_dim)
     assert configs
     if head_dim > 64:  # the remainder copied, its row sums off (80 has none; 72's candidates have them on)
         configs.append(dataclasses.replace(configs[0], rem_copy=True, sum_mma=False))
@@ -97,11 +93,11 @@ def test_tma_device_descriptors_equal_host_ones(lengths, head_dim, monkeypatch):
     a plan replays and under CUDA-graph capture, with equal results."""
     q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=5, device="cuda")
     m = max(lengths)
-    for cfg in va.tma_candidates(head_dim):
+    for cfg in tiles.tma_candidates(head_dim):
         host = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=False))
         device = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=True))
         assert torch.equal(host, device), cfg
-    monkeypatch.setattr(va, "tma_descriptors", lambda: "auto")
+    monkeypatch.setattr(va, "_options", va.LaunchOptions(tma_descriptors="auto"))
     assert va._device_descriptors(sum(lengths) * m * 16 * head_dim)  # all three shapes are small eager calls
     assert not va._device_descriptors(sum(lengths) * m * 16 * head_dim, replayable=True)
     eager = triton_varlen_attention(q, k, v, cu, m)
@@ -122,7 +118,7 @@ def test_small_call_from_a_worker_thread(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     q, k, v, cu, _, _ = make_inputs([7, 131, 1000], 16, 64, torch.bfloat16, False, seed=2, device="cuda")
-    monkeypatch.setattr(va, "tma_descriptors", lambda: "auto")  # small eager calls: device descriptors
+    monkeypatch.setattr(va, "_options", va.LaunchOptions(tma_descriptors="auto"))  # small eager calls: device descriptors
     main = triton_varlen_attention(q, k, v, cu, 1000)
     for _ in range(2):
         with ThreadPoolExecutor(1) as pool:
@@ -143,9 +139,9 @@ def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
 
     q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, True, seed=7, device="cuda")
     m = max(lengths)
-    calls = [dict(config=dataclasses.replace(c, device_desc=d)) for c in va.tma_candidates(head_dim)[:2]
+    calls = [dict(config=dataclasses.replace(c, device_desc=d)) for c in tiles.tma_candidates(head_dim)[:2]
              for d in (False, True)] + [dict(cos=cos, sin=sin), dict(cos=cos, sin=sin, rotate_k=False)]
-    calls += [dict(config=c) for c in va.gluon_candidates(head_dim)]
+    calls += [dict(config=c) for c in tiles.gluon_candidates(head_dim)]
     lean, jit = [], []
     for kwargs in calls:
         for _ in range(2):  # the first call with a specialisation compiles through the JIT, the second is lean
@@ -174,10 +170,10 @@ def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch
     monkeypatch.setattr(tuning, "_choices", {})
     monkeypatch.setattr(va, "_plans", {})
     if kernel == "gluon":
-        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: va.gluon_candidates(d)[-1:])
+        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: tiles.gluon_candidates(d)[-1:])
     elif kernel == "tma":
-        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: va.tma_candidates(d)[:1])
-        monkeypatch.setattr(va, "tma_descriptors", lambda: "host")  # device ones need scratch: not replayable
+        monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: tiles.tma_candidates(d)[:1])
+        monkeypatch.setattr(va, "_options", va.LaunchOptions(tma_descriptors="host"))  # device ones need scratch: not replayable
     else:
         monkeypatch.setattr(va, "_tma_default", lambda q: False)
     replayable = not (kernel == "tma" and head_dim == 72)

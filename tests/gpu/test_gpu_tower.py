@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import encode_bytes, hf_tower_outputs, make_video, photos, rel_err
-from service.config import preset
-from service.encoder import Encoder
-from service.loader import random_tower
-from service.preprocess import Preprocessor, PreprocessConfig
+from service.model.config import preset
+from service.model.encoder import Encoder
+from service.model.loader import random_tower
+from service.model.tower import TowerOptions
+from service.model.preprocess import Preprocessor, PreprocessConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -132,13 +133,11 @@ def test_cuda_graph_replay_equals_eager(name, forced, monkeypatch):
     kept (both timed); a pack whose equal lengths are scattered has no SDPA graph (the fallback gathers
     with host-built indices), so with SDPA forced it is never captured, and unforced it runs Triton."""
     from kernels import attention as attn_mod
-    from service.graphs import GraphedTower, pick_attention
+    from service.model.graphs import GraphedTower, pick_attention
 
-    if forced:
-        monkeypatch.setenv("QWEN3VL_ATTN_BACKEND", forced)
     attn_mod._resolve.cache_clear()
     cfg = preset(name)
-    tower = random_tower(cfg, "cuda", torch.bfloat16, seed=3)
+    tower = random_tower(cfg, "cuda", torch.bfloat16, seed=3, options=TowerOptions(attention_backend=forced or "auto"))
     choices = tower.attention_choices()
     assert choices == ((forced,) if forced else (tower.backend, {"triton": "sdpa", "sdpa": "triton"}[tower.backend]))
     graphed = GraphedTower(tower, max_graphs=3, capture_after=2)

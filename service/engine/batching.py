@@ -1,0 +1,275 @@
+"""The batching engine: plain asyncio plus one GPU worker thread. Knows nothing of HTTP.
+
+- `preprocess` decodes and resizes in a pool (processes in the server, so the GIL stays free for the
+  thread that dispatches GPU work), overlapping the GPU; normalising and patchifying happen on the
+  device inside the forward.
+- `submit(items)` queues a request's items and awaits their results. Items of many requests are
+  packed into one forward by a patch budget (`max_batch_patches`), an item cap and a maximum wait
+  (`max_wait_ms`). The queue is bounded in items: past it, `Overloaded` (the API answers 429).
+- Items whose request is abandoned (client gone, deadline passed) are dropped before compute.
+- A forward that fails is split in halves and retried, so an out-of-memory batch still serves what
+  fits and a failing item fails alone.
+- `stop()` refuses new work, finishes everything queued or running, then returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import DeadlineExceeded, EncoderError, Overloaded, ShuttingDown
+from ..model.encoder import EncodeResult, Encoder
+from ..model.preprocess import Preprocessed, decode_in_worker, init_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchStats:
+    items: int
+    patches: int
+    forward_s: float
+    ok: bool
+
+
+@dataclass
+class _Work:
+    item: Preprocessed
+    future: asyncio.Future
+    abandoned: Callable[[], bool]
+    deepstack: bool = True
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Timing:
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+
+
+class Engine:
+    local = True  # runs in this process (`remote.RemoteEngine` is the other kind)
+
+    def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
+                 max_queue_items: int, preprocess_workers: int = 4, preprocess_processes: bool = False,
+                 on_batch: Callable[[BatchStats], None] | None = None):
+        self.encoder = encoder
+        self.max_batch_patches = max_batch_patches
+        self.max_batch_items = max_batch_items
+        self.max_wait = max_wait_ms / 1000
+        self.max_queue_items = max_queue_items
+        self.on_batch = on_batch
+        self._queue: collections.deque[_Work] = collections.deque()
+        self._queued_patch_count = 0  # patches of the items in _queue
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        if preprocess_processes:
+            # spawn, not fork: this process already runs CUDA and threads
+            self._pre_pool = ProcessPoolExecutor(preprocess_workers, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=init_worker, initargs=(encoder.preprocessor.config,))
+        else:
+            self._pre_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
+        self._processes = preprocess_processes
+        self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward")  # dispatches, in order
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish")  # waits for outputs
+        self._accepting = False
+        self._in_flight = 0  # items handed to the GPU worker and not yet answered
+        self.forwards = 0  # forward passes run, for tests and /info
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self):
+        self._wakeup = asyncio.Event()
+        self._accepting = True
+        self._task = asyncio.create_task(self._batcher(), name="batcher")
+
+    async def stop(self):
+        """Refuse new work, answer everything already accepted, then stop the workers."""
+        self._accepting = False
+        if self._task is not None:
+            while self._queue or self._in_flight:
+                self._wakeup.set()
+                await asyncio.sleep(0.01)
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._gpu.shutdown(wait=True)
+        self._finisher.shutdown(wait=True)
+        self._pre_pool.shutdown(wait=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    # -- API -----------------------------------------------------------------------------------------
+
+    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
+        """Decode and resize one image or video in the pool (`fps`/`num_frames`: video frame sampling)."""
+        loop = asyncio.get_running_loop()
+        args = (data, min_pixels, max_pixels, fps, num_frames)
+        if not self._processes:
+            return await loop.run_in_executor(self._pre_pool, self.encoder.preprocessor, *args)
+        frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, *args)
+        return self.encoder.preprocessor.item(frames, grid, meta)
+
+    async def stats(self) -> dict:
+        """Queue depth, items in flight, forwards run, and the device's memory (read in the process that owns it)."""
+        stats = {"queue_depth": self.queue_depth, "in_flight": self.in_flight, "forwards": self.forwards,
+                 "gpu_allocated_bytes": 0, "gpu_reserved_bytes": 0}
+        device = self.encoder.device
+        if device.type == "cuda":
+            stats["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
+            stats["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device)
+        return stats
+
+    async def submit(self, items: list[Preprocessed], *, timeout_s: float,
+                     abandoned: "Callable[[], bool] | asyncio.Event | None" = None,
+                     deepstack: bool = True) -> tuple[list[EncodeResult], Timing]:
+        """Encode `items` in whatever packs the batcher forms. `abandoned` (a predicate, or an event set when
+        the client has gone) drops the request's items before compute; `deepstack=False` lets a pack skip
+        copying the DeepStack features back when none of its requests wants them."""
+        if isinstance(abandoned, asyncio.Event):
+            abandoned = abandoned.is_set
+        abandoned = abandoned or (lambda: False)
+        if not self._accepting:
+            raise ShuttingDown("the service is shutting down")
+        if len(self._queue) + len(items) > self.max_queue_items:
+            raise Overloaded(f"queue full: {len(self._queue)} images queued, limit {self.max_queue_items}",
+                             retry_after=max(1.0, self.max_wait * 4))
+        loop = asyncio.get_running_loop()
+        gone = False
+
+        def is_abandoned() -> bool:
+            return gone or abandoned()
+
+        works = [_Work(it, loop.create_future(), is_abandoned, deepstack) for it in items]
+        self._queue.extend(works)
+        self._queued_patch_count += sum(it.num_patches for it in items)
+        self._wakeup.set()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(w.future for w in works)), timeout_s)
+        except asyncio.TimeoutError:
+            gone = True
+            raise DeadlineExceeded(f"request not served within {timeout_s:.1f} s") from None
+        except BaseException:
+            gone = True  # cancelled (client gone) or failed: the rest of its items are not computed
+            raise
+        timing = Timing(queue_s=max(r[1] for r in results), inference_s=max(r[2] for r in results))
+        return [r[0] for r in results], timing
+
+    # -- batching --------------------------------------------------------------------------------------
+
+    def _take_batch(self) -> list[_Work]:
+        batch, patches = [], 0
+        while self._queue and len(batch) < self.max_batch_items:
+            w = self._queue[0]
+            n = w.item.num_patches
+            if w.future.done() or w.abandoned():
+                self._queue.popleft()
+                self._queued_patch_count -= n
+                if not w.future.done():
+                    w.future.cancel()
+                continue
+            if batch and patches + n > self.max_batch_patches:
+                break
+            batch.append(self._queue.popleft())
+            self._queued_patch_count -= n
+            patches += n
+        return batch
+
+    async def _batcher(self):
+        """Forms packs and keeps up to two forwards in flight: while pack k's outputs are still being
+        computed and copied back, pack k+1 is already dispatched, so Python dispatch overlaps GPU work."""
+        loop = asyncio.get_running_loop()
+        finishing: collections.deque[asyncio.Task] = collections.deque()
+        try:
+            while True:
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                if not self._queue:
+                    continue
+                # let a forward fill up: until the budget is met or the oldest item has waited max_wait
+                deadline = self._queue[0].enqueued + self.max_wait
+                while (self._accepting and len(self._queue) < self.max_batch_items
+                       and self._queued_patch_count < self.max_batch_patches and time.perf_counter() < deadline):
+                    await asyncio.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
+                batch = self._take_batch()
+                if self._queue:
+                    self._wakeup.set()
+                if not batch:
+                    continue
+                while len(finishing) >= 2:
+                    await finishing.popleft()
+                self._in_flight += len(batch)
+                launched = await self._launch(loop, batch)
+                if launched is None:
+                    self._in_flight -= len(batch)
+                    continue
+                finishing.append(asyncio.create_task(self._finish(loop, batch, launched)))
+        finally:
+            for task in finishing:
+                await task
+
+    async def _launch(self, loop, batch: list[_Work]):
+        """Dispatch a forward. On failure the pack is split and its halves run to completion, so an
+        out-of-memory pack still serves what fits and a failing item fails alone; then None."""
+        start = time.perf_counter()
+        try:
+            pending = await loop.run_in_executor(self._gpu, self.encoder.launch, [w.item for w in batch],
+                                                 any(w.deepstack for w in batch))
+            return start, pending
+        except Exception as e:  # noqa: BLE001 - one bad pack must not take the service down
+            self._report(batch, start, False)
+            if len(batch) > 1:
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                log.warning("forward of %d items failed (%s); retrying in halves", len(batch), e)
+                half = len(batch) // 2
+                for part in (batch[:half], batch[half:]):
+                    launched = await self._launch(loop, part)
+                    if launched is not None:
+                        await self._finish(loop, part, launched, count=False)
+                return None
+            err = e if isinstance(e, EncoderError) else EncoderError(f"inference failed: {type(e).__name__}: {e}")
+            if not batch[0].future.done():
+                batch[0].future.set_exception(err)
+            return None
+
+    async def _finish(self, loop, batch: list[_Work], launched, count: bool = True):
+        start, pending = launched
+        try:
+            results = await loop.run_in_executor(self._finisher, self.encoder.finish, pending)
+        except Exception as e:  # noqa: BLE001
+            err = EncoderError(f"inference failed: {type(e).__name__}: {e}")
+            for w in batch:
+                if not w.future.done():
+                    w.future.set_exception(err)
+            return
+        finally:
+            if count:
+                self._in_flight -= len(batch)
+        end = time.perf_counter()
+        self._report(batch, start, True)
+        for w, r in zip(batch, results):
+            if not w.future.done():
+                w.future.set_result((r, start - w.enqueued, end - start))
+
+    def _report(self, batch, start, ok):
+        self.forwards += 1
+        if self.on_batch is not None:
+            self.on_batch(BatchStats(len(batch), sum(w.item.num_patches for w in batch),
+                                     time.perf_counter() - start, ok))

@@ -1,0 +1,74 @@
+"""Settings -> a loaded, warmed encoder and its batching engine. Shared by the single-process server and the engine
+process; the one place where the settings that shape the model and its kernels are passed down."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+
+from kernels.attention import configure as configure_attention
+
+from ..model.encoder import Encoder
+from ..model.loader import set_cublaslt_workspace
+from ..model.preprocess import Preprocessor
+from ..model.tower import TowerOptions
+from ..settings import Settings
+from .batching import BatchStats, Engine
+
+log = logging.getLogger(__name__)
+
+
+def configure_runtime(settings: Settings) -> None:
+    """Process-wide switches of the kernels and cuBLAS, before the model's first forward."""
+    set_cublaslt_workspace(settings.cublaslt_workspace_kib)
+    configure_attention(tma_descriptors=settings.tma_descriptors, launch_plans=settings.launch_plans)
+
+
+def load_encoder(settings: Settings) -> Encoder:
+    configure_runtime(settings)
+    if settings.model.startswith("random:"):
+        log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
+                    "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
+    return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(),
+                        settings.resolved_cuda_graphs(), TowerOptions(attention_backend=settings.attention_backend))
+
+
+async def build_engine(settings: Settings, encoder: Encoder | None = None,
+                       on_batch: Callable[[BatchStats], None] | None = None) -> tuple[Encoder, Engine]:
+    """Load the model (unless given) and build the batching engine; `on_batch` receives each forward's stats."""
+    enc = encoder if encoder is not None else await asyncio.to_thread(load_encoder, settings)
+    # the server's decoded-size and video-length limits replace the checkpoint preprocessor's defaults
+    cfg = enc.preprocessor.config
+    enc.preprocessor = Preprocessor(replace(cfg, max_image_pixels=settings.max_image_pixels,
+                                            video=replace(cfg.video, max_source_frames=settings.max_video_frames)))
+    engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
+                    max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
+                    preprocess_workers=settings.preprocess_workers, preprocess_processes=settings.preprocess_processes,
+                    on_batch=on_batch)
+    return enc, engine
+
+
+def warmup(enc: Encoder, settings: Settings):
+    """Run representative packs once so kernels compile and tune before traffic. The kernels' tuning keys are
+    coarse classes (`kernels.attention.tiles.seq_bucket` and `load_class`, the QKV projection's token classes), so
+    per attention length class (<=256, <=1024, <=4096, longer) one image alone and one pack as full as the batch
+    limits allow cover them."""
+    from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
+
+    rng = np.random.default_rng(0)
+    factor = enc.preprocessor.config.factor
+    sides = [16, 32, 64, 96] if enc.device.type == "cuda" else [8]
+    for side in sides:
+        if side * side > settings.max_batch_patches:
+            break
+        px = side * enc.preprocessor.config.patch_size
+        img = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
+        item = enc.preprocess(img, min_pixels=px * px, max_pixels=px * px)
+        full = min(settings.max_batch_patches // (side * side), settings.max_batch_items)
+        for count in sorted({1, full}) if enc.device.type == "cuda" else [1]:
+            enc.encode([item] * count)
+    log.info("warm-up done (multiples of %d px)", factor)

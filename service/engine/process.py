@@ -1,0 +1,153 @@
+"""The engine process (`Settings.http_workers` >= 1): one process owns the model and the batching engine, and
+serves it over a Unix socket to the HTTP front-end processes (`remote.RemoteEngine`; wire format in
+`protocol.py`).
+
+HTTP handling and CUDA dispatch then stop sharing one interpreter lock, and the engine still packs the images of
+every front-end into one forward. The engine process holds no metrics registry: the stats of each forward ride
+back to a front-end on its next reply, and the front-ends read queue depth and device memory with `stats`.
+
+Lifecycle (service.server): the main process spawns this process, waits until it has loaded and warmed up the
+model, then runs the uvicorn supervisor. On SIGTERM the front-ends drain their requests first; then the engine is
+told to stop, finishes whatever is still queued, and exits. The engine ignores SIGINT/SIGTERM itself, so a Ctrl-C
+that reaches the whole process group cannot stop it under the front-ends' in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import signal
+
+import numpy as np
+
+from .. import errors
+from .batching import BatchStats, Engine
+from .build import build_engine, warmup
+from .protocol import error_header, raw_bytes, read_message, write_message
+
+log = logging.getLogger(__name__)
+
+
+class EngineServer:
+    """Serves an `Engine` to front-end processes over a Unix socket."""
+
+    def __init__(self, engine: Engine, info: dict):
+        self.engine = engine
+        self.info = info
+        self._batches: list[tuple] = []  # stats of forwards not yet reported to a front-end
+
+    def on_batch(self, stats: BatchStats) -> None:
+        self._batches.append((stats.items, stats.patches, stats.forward_s, stats.ok))
+
+    async def serve(self, path: str):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return await asyncio.start_unix_server(self._connection, path=path, limit=2**22)
+
+    def _reply(self, writer, header: dict, buffers=()) -> None:
+        if self._batches:
+            header["batches"], self._batches = self._batches, []
+        write_message(writer, header, buffers)
+
+    async def _connection(self, reader, writer):
+        gone: set[int] = set()  # request ids cancelled by the front-end
+        closed = False
+        tasks: set[asyncio.Task] = set()
+
+        def abandoned_fn(rid):
+            return lambda: closed or rid in gone
+
+        try:
+            while True:
+                header, payload = await read_message(reader)
+                op = header["op"]
+                if op == "submit":
+                    task = asyncio.create_task(self._submit(header, payload, writer, abandoned_fn(header["id"])))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                elif op == "cancel":
+                    gone.add(header["id"])
+                elif op == "hello":
+                    self._reply(writer, {"op": "hello", "id": header["id"], "info": self.info})
+                elif op == "stats":
+                    stats = {**await self.engine.stats(), "pid": os.getpid()}
+                    self._reply(writer, {"op": "stats", "id": header["id"], "stats": stats})
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the front-end went away: whatever it still had queued is dropped before compute
+        finally:
+            closed = True
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            writer.close()
+
+    async def _submit(self, header, payload, writer, abandoned):
+        rid = header["id"]
+        items, offset = [], 0
+        pre = self.engine.encoder.preprocessor
+        for shape, grid, meta in header["items"]:
+            n = math.prod(shape)
+            items.append(pre.item(np.frombuffer(payload, np.uint8, n, offset).reshape(shape), tuple(grid), meta))
+            offset += n
+        try:
+            results, timing = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
+                                                       deepstack=header["deepstack"])
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the front-end as a typed error
+            reply, buffers = error_header(rid, e), []
+        else:
+            reply = {"op": "result", "id": rid, "timing": (timing.queue_s, timing.inference_s),
+                     "results": [(r.grid_thw, tuple(r.embeds.shape), str(r.embeds.dtype).removeprefix("torch."),
+                                  tuple(r.deepstack.shape)) for r in results]}
+            buffers = [b for r in results for b in (raw_bytes(r.embeds), raw_bytes(r.deepstack))]
+        if abandoned() and reply["op"] == "result":
+            return
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            self._reply(writer, reply, buffers)
+            await writer.drain()
+
+
+def engine_process_main(conn, settings_env: dict[str, str]) -> int:
+    """Entry point of the engine process (spawned by service.server): load and warm the model, serve
+    the socket, report ("ready", None) or ("error", message) on `conn`, stop when `conn` says so or
+    closes (the parent is gone)."""
+    os.environ.update(settings_env)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the main process decides when the engine stops
+    from ..settings import Settings
+
+    settings = Settings()
+    try:
+        return asyncio.run(_serve(conn, settings))
+    except errors.EncoderError as e:
+        conn.send(("error", str(e)))
+        return 2
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which exits non-zero
+        log.exception("engine process failed")
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return 1
+
+
+async def _serve(conn, settings) -> int:
+    enc, engine = await build_engine(settings)
+    if settings.warmup:
+        await asyncio.to_thread(warmup, enc, settings)
+    info = {"config": enc.config, "preprocess": enc.preprocessor.config, "device": str(enc.device),
+            "dtype": str(enc.dtype).removeprefix("torch."), "backend": enc.backend}
+    server = EngineServer(engine, info)
+    engine.on_batch = server.on_batch
+    await engine.start()
+    listener = await server.serve(settings.engine_socket)
+    log.info("engine ready: %s on %s (%s), attention backend %s; socket %s", settings.model, enc.device, enc.dtype,
+             enc.backend, settings.engine_socket)
+    conn.send(("ready", None))
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(EOFError, OSError):
+        await loop.run_in_executor(None, conn.recv)  # "stop", or EOF when the parent is gone
+    log.info("engine stopping: finishing queued work")
+    listener.close()
+    await engine.stop()
+    return 0

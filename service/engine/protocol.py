@@ -1,0 +1,87 @@
+"""The wire format between the HTTP front-end processes and the engine process (a Unix socket).
+
+A message is a 12-byte prefix (header length u32, payload length u64), a pickled header dict, then a raw
+payload: the uint8 frames going in, the embeddings coming back, no per-element encoding.
+Front-end -> engine ops: `hello`, `submit`, `cancel`, `stats`. The engine answers `hello` (the model's
+description), `result` or `error` (with the typed error's class, message, index and retry-after), `stats`. Any
+reply may carry `batches`: the stats of forwards finished since the last reply, for the front-end's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+import struct
+import warnings
+
+import numpy as np
+import torch
+
+from .. import errors
+
+_PREFIX = struct.Struct("<IQ")
+# Frames and results arrive in read-only bytes; they are only ever read, never written in place.
+warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable")
+_ERRORS = {cls.__name__: cls for cls in (errors.EncoderError, errors.InvalidInput, errors.UnsupportedImage,
+                                         errors.ImageTooLarge, errors.UnsupportedVideo, errors.VideoTooLong,
+                                         errors.Overloaded, errors.DeadlineExceeded, errors.ShuttingDown,
+                                         errors.CheckpointError)}
+
+
+def write_message(writer: asyncio.StreamWriter, header: dict, buffers=()) -> None:
+    """Queue one message on `writer` (no await in between, so messages of concurrent tasks never interleave)."""
+    head = pickle.dumps(header, protocol=pickle.HIGHEST_PROTOCOL)
+    views = [memoryview(b).cast("B") for b in buffers if b.nbytes]
+    writer.write(_PREFIX.pack(len(head), sum(v.nbytes for v in views)) + head)
+    for v in views:
+        writer.write(v)
+
+
+async def read_message(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
+    head_len, payload_len = _PREFIX.unpack(await reader.readexactly(_PREFIX.size))
+    header = pickle.loads(await reader.readexactly(head_len))
+    payload = await reader.readexactly(payload_len) if payload_len else b""
+    return header, payload
+
+
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes (any dtype, bfloat16 included) as a uint8 array, without a copy when contiguous."""
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def tensor_at(payload: bytes, offset: int, shape, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The tensor of `shape` and `dtype` at `offset` in `payload` (no copy), and the offset after it."""
+    count = math.prod(shape) * dtype.itemsize
+    if count == 0:
+        return torch.empty(shape, dtype=dtype), offset
+    t = torch.frombuffer(payload, dtype=torch.uint8, count=count, offset=offset).view(dtype).view(shape)
+    return t, offset + count
+
+
+def error_header(rid: int, e: Exception) -> dict:
+    if not isinstance(e, errors.EncoderError):
+        e = errors.EncoderError(f"inference failed: {type(e).__name__}: {e}")
+    return {"op": "error", "id": rid, "type": type(e).__name__, "message": getattr(e, "message", str(e)),
+            "index": getattr(e, "index", None), "retry_after": getattr(e, "retry_after", None)}
+
+
+def rebuild_error(header: dict) -> errors.EncoderError:
+    cls = _ERRORS.get(header["type"], errors.EncoderError)
+    if issubclass(cls, errors.InvalidInput):
+        return cls(header["message"], header["index"])
+    if issubclass(cls, errors.Overloaded):
+        return cls(header["message"], retry_after=header["retry_after"] or 1.0)
+    return cls(header["message"])
+
+
+def settings_env(settings) -> dict[str, str]:
+    """The settings as QWEN3VL_* environment variables, for processes that rebuild them with Settings()."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if hasattr(value, "get_secret_value"):
+            value = value.get_secret_value()
+        env[f"QWEN3VL_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env

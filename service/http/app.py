@@ -1,0 +1,244 @@
+"""The FastAPI app: routes, the service state they share, and its lifespan.
+
+Routes: POST /embed, POST /v1/embeddings (OpenAI-compatible), GET /health, /ready, /info, /metrics. The engine is
+the local `Engine` (`http_workers=0`: this process loads the model) or a `RemoteEngine` (a front-end process of the
+engine process, `settings.engine_socket` set); both have one interface. Errors map to status codes in `status.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
+
+from .. import __version__
+from ..engine.batching import Engine
+from ..engine.build import build_engine, warmup
+from ..engine.remote import RemoteEngine
+from ..errors import InvalidInput
+from ..model.encoder import Encoder
+from ..settings import Settings
+from .metrics import Metrics
+from .middleware import ObserveMiddleware
+from .output import embed_response, openai_response, wants_deepstack
+from .parsing import check_limits, parse_embed, parse_openai
+from .schemas import EmbedJSON, EmbedOptions
+from .status import HTTPError, install_error_handlers
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """What the routes share: the settings, the metrics, and the engine and model description once started."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None):
+        self.settings = settings
+        self.metrics = metrics
+        self.encoder = encoder  # the local Encoder, or the engine process's description (RemoteEncoder)
+        self.engine: Engine | RemoteEngine | None = None
+        self.ready = False
+
+    async def start(self):
+        settings, metrics = self.settings, self.metrics
+        if settings.engine_socket:  # a front-end process: the model lives in the engine process
+            engine = RemoteEngine(settings.engine_socket, settings.preprocess_workers, on_batch=metrics.observe_batch)
+            await engine.start()
+            self.encoder = engine.encoder  # its preprocessor carries the engine's (server's) limits
+        else:
+            self.encoder, engine = await build_engine(settings, self.encoder, on_batch=metrics.observe_batch)
+            if settings.warmup:
+                await asyncio.to_thread(warmup, self.encoder, settings)
+            await engine.start()
+        self.engine = engine
+        enc = self.encoder
+        metrics.model_info.labels(settings.model, str(enc.dtype).removeprefix("torch."), str(enc.device), enc.backend,
+                                  str(settings.model.startswith("random:")).lower()).set(1)
+        self.ready = True
+        log.info("ready: %s on %s (%s), attention backend %s%s", settings.model, enc.device, enc.dtype, enc.backend,
+                 "" if engine.local else f", engine process at {settings.engine_socket}")
+
+    async def stop(self):
+        self.ready = False
+        if self.engine is not None:
+            await self.engine.stop()
+            if not self.engine.local and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                multiprocess.mark_process_dead(os.getpid())
+
+    @property
+    def engine_alive(self) -> bool:
+        return self.engine is not None and (self.engine.local or self.engine.alive)
+
+    def check_auth(self, request: Request):
+        key = self.settings.api_key
+        if key is not None and request.headers.get("authorization", "") != f"Bearer {key.get_secret_value()}":
+            raise HTTPError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+    def serving_engine(self) -> Engine | RemoteEngine:
+        if not self.ready:
+            raise HTTPError(503, "not_ready", "the model is still loading or warming up")
+        if not self.engine_alive:
+            raise HTTPError(503, "engine_unavailable", "the engine process is not running")
+        return self.engine
+
+    async def encode(self, request: Request, inputs: list[bytes], opts: EmbedOptions):
+        """Preprocess and encode one request's inputs; the results, the items, and the timing headers."""
+        eng = self.serving_engine()
+        pre = eng.encoder.preprocessor.config
+        check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames)
+        arrival = time.perf_counter()
+        items = await asyncio.gather(*(self._preprocess(eng, i, data, opts) for i, data in enumerate(inputs)))
+        disconnected = asyncio.Event()
+        watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
+        try:
+            remaining = self.settings.request_timeout_s - (time.perf_counter() - arrival)
+            if eng.local:
+                self.metrics.queue_depth.set(eng.queue_depth + len(items))
+            results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
+                                               deepstack=wants_deepstack(opts))
+        finally:
+            watcher.cancel()
+            if eng.local:
+                self.metrics.queue_depth.set(eng.queue_depth)
+        self.metrics.observe_request(items, results, timing.queue_s)
+        headers = {"X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
+                   "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
+        return results, items, headers
+
+    async def _preprocess(self, eng, index: int, data: bytes, opts: EmbedOptions):
+        start = time.perf_counter()
+        try:
+            item = await eng.preprocess(data, opts.min_pixels, opts.max_pixels, opts.fps, opts.num_frames)
+        except InvalidInput as e:
+            raise e.at(index) from e.__cause__
+        self.metrics.preprocess_time.observe(time.perf_counter() - start)
+        return item
+
+    async def info(self) -> dict[str, Any]:
+        settings, enc, eng = self.settings, self.encoder, self.engine
+        body: dict[str, Any] = {"version": __version__, "model": settings.model,
+                                "random_weights": settings.model.startswith("random:"), "ready": self.ready}
+        if settings.model.startswith("random:"):
+            body["warning"] = "random weights: embeddings are meaningless"
+        if enc is not None:
+            pre = enc.preprocessor.config
+            body.update({
+                "architecture": enc.config.to_dict(), "dtype": str(enc.dtype).removeprefix("torch."),
+                "device": str(enc.device), "attention_backend": enc.backend,
+                "preprocessing": {"patch_size": pre.patch_size, "merge_size": pre.merge_size,
+                                  "temporal_patch_size": pre.temporal_patch_size, "min_pixels": pre.min_pixels,
+                                  "max_pixels": pre.max_pixels, "image_mean": pre.image_mean,
+                                  "image_std": pre.image_std, "video": asdict(pre.video)}})
+        body["limits"] = {k: getattr(settings, k) for k in (
+            "max_body_bytes", "max_inputs_per_request", "request_timeout_s", "max_image_pixels", "min_pixels_limit",
+            "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items", "max_video_frames")}
+        body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
+            enc.preprocessor.config.max_pixels if enc else None)
+        if eng is not None:
+            body["engine"] = await eng.stats() if self.engine_alive else {"error": "engine process not running"}
+            body["engine"]["process"] = "this" if eng.local else "separate"
+        body["http_workers"] = settings.resolved_http_workers()
+        body["cuda_graphs"] = settings.resolved_cuda_graphs()
+        return body
+
+
+async def _watch_disconnect(request: Request, disconnected: asyncio.Event):
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            disconnected.set()
+            return
+
+
+router = APIRouter()
+
+
+def _service(request: Request) -> Service:
+    return request.app.state.service
+
+
+@router.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features and pooled "
+                               "vectors",
+             openapi_extra={"requestBody": {"content": {
+                 "multipart/form-data": {"schema": {"type": "object", "properties": {
+                     "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
+                 "image/*": {"schema": {"type": "string", "format": "binary"}},
+                 "video/*": {"schema": {"type": "string", "format": "binary"}},
+                 "application/json": {"schema": EmbedJSON.model_json_schema()}}}})
+async def embed(request: Request):
+    svc = _service(request)
+    svc.check_auth(request)
+    inputs, opts = await parse_embed(request, svc.settings)
+    results, items, headers = await svc.encode(request, inputs, opts)
+    return embed_response(results, items, opts, svc.settings.model, svc.encoder.config.out_hidden_size, headers)
+
+
+@router.post("/v1/embeddings", summary="OpenAI-compatible: mean-pooled, L2-normalised image embeddings")
+async def openai_embeddings(request: Request):
+    svc = _service(request)
+    svc.check_auth(request)
+    inputs, req = await parse_openai(request, svc.settings)
+    results, _, headers = await svc.encode(request, inputs, EmbedOptions())
+    return openai_response(results, req.model or svc.settings.model, req.encoding_format, headers)
+
+
+@router.get("/health", summary="Liveness: the process is up")
+async def health():
+    return {"status": "ok"}
+
+
+@router.get("/ready", summary="Readiness: model loaded and kernels warmed up")
+async def ready(request: Request):
+    svc = _service(request)
+    if not (svc.ready and svc.engine_alive):
+        return JSONResponse({"ready": False}, status_code=503)
+    return {"ready": True}
+
+
+@router.get("/info", summary="Model, dimensions, device, attention backend, limits, version")
+async def info(request: Request):
+    return await _service(request).info()
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def prometheus(request: Request):
+    svc = _service(request)
+    if svc.engine_alive:
+        with contextlib.suppress(Exception):  # a scrape never fails for want of the engine's gauges
+            svc.metrics.sample_engine(await svc.engine.stats())
+    return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
+    """The app for `settings`; `encoder`: an already loaded model (tests), else loaded at start-up."""
+    metrics = Metrics(max_batch_patches=settings.max_batch_patches)
+    service = Service(settings, metrics, encoder)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="Qwen3-VL vision encoder", version=__version__, lifespan=lifespan)
+    install_error_handlers(app, metrics)
+    app.add_middleware(ObserveMiddleware, metrics=metrics)
+    app.include_router(router)
+    app.state.metrics = metrics
+    app.state.service = service
+    return app
+
+
+def frontend_app() -> FastAPI:
+    """uvicorn factory of the front-end worker processes: settings from the environment the main process set."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[http %(process)d]: %(message)s")
+    return create_app(Settings())

@@ -1,0 +1,88 @@
+"""Prometheus metrics, one prefix (`qwen3vl_`), kept by the HTTP processes. With an engine process, its forwards'
+stats reach them on replies and its gauges through `stats` (service.engine.process).
+
+Buckets span this service's range: a tiny image on a warm GPU answers in a few milliseconds, a
+16-frame video or an overloaded queue takes tens of seconds.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+
+PREFIX = "qwen3vl"
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITEM_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+PATCH_BUCKETS = (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None, max_batch_patches: int = 32768):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests by route and status", ["route", "status"],
+                                registry=r)
+        self.request_latency = Histogram(f"{PREFIX}_request_duration_seconds", "HTTP request latency",
+                                         ["route", "status"], buckets=TIME_BUCKETS, registry=r)
+        self.queue_time = Histogram(f"{PREFIX}_queue_seconds", "time an image waited for a forward",
+                                    buckets=TIME_BUCKETS, registry=r)
+        self.preprocess_time = Histogram(f"{PREFIX}_preprocess_seconds", "decode+resize+patchify time per image",
+                                         buckets=TIME_BUCKETS, registry=r)
+        self.forward_time = Histogram(f"{PREFIX}_forward_seconds", "time of one packed forward pass",
+                                      buckets=TIME_BUCKETS, registry=r)
+        self.batch_items = Histogram(f"{PREFIX}_batch_items", "images (or videos) per forward",
+                                     buckets=ITEM_BUCKETS, registry=r)
+        self.batch_patches = Histogram(f"{PREFIX}_batch_patches", "patches per forward", buckets=PATCH_BUCKETS,
+                                       registry=r)
+        self.batch_fill = Histogram(f"{PREFIX}_batch_fill_ratio", "patches per forward / max_batch_patches",
+                                    buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "images waiting for a forward", registry=r,
+                                 multiprocess_mode="livemostrecent")
+        self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "HTTP requests being served", registry=r,
+                               multiprocess_mode="livesum")
+        self.images = Counter(f"{PREFIX}_images", "images encoded", registry=r)
+        self.video_frames = Counter(f"{PREFIX}_video_frames", "video frames encoded", registry=r)
+        self.output_tokens = Counter(f"{PREFIX}_output_tokens", "merged visual tokens returned", registry=r)
+        self.errors = Counter(f"{PREFIX}_errors", "errors by reason", ["reason"], registry=r)
+        # a gauge fixed at 1 rather than an Info metric: multiprocess mode has no Info (same series name)
+        self.model_info = Gauge(f"{PREFIX}_model_info", "model, dtype, device and attention backend",
+                                ["model", "dtype", "device", "attention_backend", "random_weights"], registry=r,
+                                multiprocess_mode="max")
+        self.gpu_allocated = Gauge(f"{PREFIX}_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated",
+                                   registry=r, multiprocess_mode="livemostrecent")
+        self.gpu_reserved = Gauge(f"{PREFIX}_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
+                                  registry=r, multiprocess_mode="livemostrecent")
+        self._max_batch_patches = max_batch_patches
+
+    def sample_engine(self, stats: dict) -> None:
+        """Queue depth and device memory from the engine's `stats()` (read where the engine runs)."""
+        self.queue_depth.set(stats["queue_depth"])
+        self.gpu_allocated.set(stats.get("gpu_allocated_bytes", 0))
+        self.gpu_reserved.set(stats.get("gpu_reserved_bytes", 0))
+
+    def observe_batch(self, stats) -> None:
+        """One forward's `BatchStats`."""
+        self.forward_time.observe(stats.forward_s)
+        self.batch_items.observe(stats.items)
+        self.batch_patches.observe(stats.patches)
+        self.batch_fill.observe(min(1.0, stats.patches / self._max_batch_patches))
+
+    def observe_request(self, items, results, queue_s: float) -> None:
+        """One served request: its queue time, and the images, video frames and tokens it returned."""
+        self.queue_time.observe(queue_s)
+        for it, r in zip(items, results):
+            if it.kind == "video":
+                self.video_frames.inc(len(it.meta["frame_indices"]))
+            else:
+                self.images.inc()
+            self.output_tokens.inc(r.num_tokens)
+
+    def exposition(self) -> bytes:
+        """The text for /metrics: this registry, or, with several processes (PROMETHEUS_MULTIPROC_DIR set),
+        every process's metrics merged."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)

@@ -1,0 +1,160 @@
+"""Preprocessed items -> per-item embeddings, through packed forwards of the tower.
+
+No HTTP and no queueing here. `encode` runs one packed forward and splits its outputs back per item;
+the batching engine uses its two halves, `launch` (dispatch, asynchronous on the GPU) and `finish`
+(wait, split), to keep two forwards in flight. An item's result does not depend on what it was
+packed with (attention is block-diagonal per frame, every other op is per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .graphs import GraphedTower
+from .loader import load_tower
+from .preprocess import Preprocessor, Preprocessed, patchify
+from .tower import TowerOptions, VisionTower
+
+
+@dataclass
+class EncodeResult:
+    embeds: torch.Tensor  # [n_merged, out_hidden], on the CPU
+    deepstack: torch.Tensor  # [n_deepstack, n_merged, out_hidden]
+    grid_thw: tuple[int, int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.embeds.shape[0]
+
+
+class Encoder:
+    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, cuda_graphs: int = 8):
+        """`cuda_graphs`: how many pack signatures to keep as CUDA graphs (0: always eager)."""
+        self.tower = tower
+        self.forward = GraphedTower(tower, max_graphs=cuda_graphs)
+        self.preprocessor = preprocessor
+        p = next(tower.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.config = tower.config
+        self._luts: dict[bytes, torch.Tensor] = {}  # preprocessing LUTs, on the device
+
+    @classmethod
+    def load(cls, model: str, device="cpu", dtype="float32", cuda_graphs: int = 8,
+             options: TowerOptions = TowerOptions()) -> "Encoder":
+        tower, pre_cfg = load_tower(model, device, dtype, options)
+        return cls(tower, Preprocessor(pre_cfg), cuda_graphs=cuda_graphs)
+
+    @property
+    def backend(self) -> str:
+        return self.tower.backend
+
+    def preprocess(self, data, min_pixels: int | None = None, max_pixels: int | None = None, fps: float | None = None,
+                   num_frames: int | None = None) -> Preprocessed:
+        return self.preprocessor(data, min_pixels, max_pixels, fps, num_frames)
+
+    def pixels(self, items: list[Preprocessed]) -> torch.Tensor:
+        """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over in one copy,
+        then each item is normalised and patchified there."""
+        sizes = [it.frames.size for it in items]
+        staging = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        offset = 0
+        for it, n in zip(items, sizes):
+            staging[offset:offset + n].copy_(torch.from_numpy(it.frames.reshape(-1)))
+            offset += n
+        frames = staging.to(self.device, non_blocking=True)
+        out = torch.empty((sum(it.num_patches for it in items), self.config.patch_dim), dtype=self.dtype,
+                          device=self.device)
+        offset, row = 0, 0
+        for it, n in zip(items, sizes):
+            patchify(frames[offset:offset + n].view(it.frames.shape), self._lut(it), it.config,
+                     out[row:row + it.num_patches])
+            offset += n
+            row += it.num_patches
+        return out
+
+    def _lut(self, item: Preprocessed) -> torch.Tensor:
+        key = item.lut.tobytes()
+        lut = self._luts.get(key)
+        if lut is None:
+            lut = self._luts[key] = torch.from_numpy(item.lut).to(self.device)
+        return lut
+
+    @torch.inference_mode()
+    def launch(self, items: list[Preprocessed], deepstack: bool = True) -> "Pending":
+        """Dispatch one packed forward and the copies of its outputs to pinned host memory, without
+        waiting for the GPU. `finish` waits and splits the outputs per item."""
+        merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items])
+        if self.device.type != "cuda":
+            return Pending(items, merged, ds if deepstack else None, None)
+        merged_host = torch.empty(merged.shape, dtype=merged.dtype, pin_memory=True)
+        merged_host.copy_(merged, non_blocking=True)
+        ds_host = None
+        if deepstack:
+            ds_host = torch.empty(ds.shape, dtype=ds.dtype, pin_memory=True)
+            ds_host.copy_(ds, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Pending(items, merged_host, ds_host, done)
+
+    def finish(self, pending: "Pending") -> list[EncodeResult]:
+        if pending.done is not None:
+            pending.done.synchronize()  # releases the GIL while the GPU finishes
+        merged, ds = pending.merged, pending.deepstack
+        out, start = [], 0
+        for it in pending.items:
+            n = it.num_patches // self.config.merge_unit
+            out.append(EncodeResult(
+                embeds=merged[start:start + n],
+                deepstack=ds[:, start:start + n] if ds is not None else merged.new_empty((0, n, merged.shape[1])),
+                grid_thw=it.grid_thw,
+            ))
+            start += n
+        return out
+
+    def encode(self, items: list[Preprocessed], deepstack: bool = True) -> list[EncodeResult]:
+        """One packed forward over `items`; results in the same order, on the CPU."""
+        if not items:
+            return []
+        return self.finish(self.launch(items, deepstack))
+
+
+@dataclass
+class Pending:
+    """A dispatched forward: its items, host buffers that will hold its outputs, and the event after
+    which they do (None on the CPU, where everything is done already)."""
+
+    items: list[Preprocessed]
+    merged: torch.Tensor
+    deepstack: torch.Tensor | None
+    done: "torch.cuda.Event | None"
+
+
+def result_tensors(results, start: int = 0, pooled=None) -> dict[str, torch.Tensor]:
+    """The shared output layout of the CLI and the API: embeds.{i}, deepstack.{i}, grid_thw.{i}, pooled.{i}."""
+    out = {}
+    for i, r in enumerate(results, start):
+        out[f"embeds.{i}"] = r.embeds.contiguous()
+        out[f"deepstack.{i}"] = r.deepstack.contiguous()
+        out[f"grid_thw.{i}"] = torch.tensor(r.grid_thw, dtype=torch.int64)
+        if pooled is not None:
+            out[f"pooled.{i}"] = pooled[i - start].contiguous()
+    return out
+
+
+def pack_by_budget(sizes: list[int], max_patches: int, max_items: int) -> list[list[int]]:
+    """Greedy in-order packing of item indices: each pack holds <= max_items items and <= max_patches
+    patches (an item larger than the budget travels alone)."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if current and (used + n > max_patches or len(current) >= max_items):
+            packs.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    if current:
+        packs.append(current)
+    return packs

@@ -1,0 +1,90 @@
+"""`--model` resolution: a checkpoint directory or `random:<preset>` -> a ready tower on its device."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_vision_state_dict
+from .config import TowerConfig, preset, tower_config_from_dir
+from ..errors import CheckpointError
+from .preprocess import PreprocessConfig
+from .tower import TowerOptions, VisionTower
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANDOM_PREFIX = "random:"
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r}: expected one of {sorted(DTYPES)}") from None
+
+
+def set_cublaslt_workspace(kib: int | None) -> None:
+    """The cuBLASLt workspace of this process, in KiB (None: PyTorch's default, 32 MiB on Hopper). With one, the
+    tower's GEMMs run stream-K kernels that need zeroed semaphores, a memset before each GEMM (81 per 2B forward);
+    without, cuBLASLt picks statically scheduled kernels of the same tiles (~1% faster per forward on H100,
+    docs/PERFORMANCE.md). PyTorch reads CUBLASLT_WORKSPACE_SIZE at its first cuBLASLt call, so this must run
+    before any GEMM; a value already in the environment wins."""
+    if kib is not None:
+        os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", str(kib))
+
+
+def random_tower(cfg: TowerConfig, device, dtype, seed: int = 0, options: TowerOptions = TowerOptions()
+                 ) -> VisionTower:
+    """Random weights at a realistic scale (std 0.02, like the checkpoints' init); deterministic."""
+    gen = torch.Generator().manual_seed(seed)
+    tower = VisionTower(cfg, options)
+    with torch.no_grad():
+        for name, p in tower.named_parameters():
+            if "norm" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.02 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return tower.to(device=device, dtype=dtype).eval()
+
+
+def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions = TowerOptions()
+               ) -> tuple[VisionTower, PreprocessConfig]:
+    """Load the tower named by `model`: a local HF checkpoint directory, or `random:<preset>`."""
+    device, dtype = torch.device(device), parse_dtype(dtype)
+    if model.startswith(RANDOM_PREFIX):
+        cfg = preset(model[len(RANDOM_PREFIX):])
+        log.warning(
+            "RANDOM WEIGHTS: %s has no trained weights; its embeddings are MEANINGLESS. "
+            "Pass a Qwen3-VL checkpoint directory for real embeddings.", model,
+        )
+        return random_tower(cfg, device, dtype, options=options), PreprocessConfig(patch_size=cfg.patch_size,
+                                                                   temporal_patch_size=cfg.temporal_patch_size,
+                                                                   merge_size=cfg.spatial_merge_size)
+    path = Path(model)
+    if not path.is_dir():
+        raise CheckpointError(f"{model}: not a directory (use a local checkpoint directory or random:<preset>)")
+    cfg = tower_config_from_dir(path)
+    with torch.device("meta"):
+        tower = VisionTower(cfg, options)
+    expected = {k: (v.shape, True) for k, v in tower.state_dict().items()}
+    state = load_vision_state_dict(path, expected, dtype)
+    tower.load_state_dict(state, assign=True, strict=True)
+    tower = tower.to(device).eval()
+    pre = PreprocessConfig.from_dir(path)
+    if (pre.patch_size, pre.temporal_patch_size, pre.merge_size) != (
+        cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size
+    ):
+        raise CheckpointError(
+            f"{path / 'preprocessor_config.json'}: patch/temporal/merge sizes "
+            f"{(pre.patch_size, pre.temporal_patch_size, pre.merge_size)} disagree with config.json "
+            f"{(cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)}"
+        )
+    log.info("loaded vision tower from %s: %d blocks, hidden %d, %s on %s", path, cfg.depth, cfg.hidden_size,
+             dtype, device)
+    return tower, pre

@@ -1,0 +1,268 @@
+"""Image (or video) bytes -> patch rows and `grid_thw`, numerically identical to transformers' processors.
+
+Images follow the Qwen2-VL PIL image processor; videos (sniffed by their container signature) follow
+the Qwen3-VL video processor (`service.video`).
+
+The steps are the processor's own: decode, EXIF orientation, RGB conversion (anything with alpha is
+composited on white), `smart_resize` to multiples of patch*merge, a PIL bicubic resize in uint8, then
+rescale+normalise and the merge-block patch order the tower expects. Rescale and normalise map each
+uint8 value to one float32 per channel, so they are done with a 256-entry lookup table that holds
+exactly the values transformers computes (float64 rescale, float32 normalise). The lookup and the
+patch reordering run on the tower's device (`patchify`); the CPU only decodes and resizes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .video import VideoConfig, decode as decode_video_frames, is_video
+from ..errors import ImageTooLarge, InvalidInput, UnsupportedImage
+
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses anything flatter
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    min_pixels: int = 65536
+    max_pixels: int = 16777216
+    resample: int = int(Image.Resampling.BICUBIC)
+    # Decoded-size limit (width*height) checked from the header, before any pixel is decoded.
+    max_image_pixels: int = 64_000_000
+    video: VideoConfig = field(default_factory=VideoConfig)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dir(cls, path: Path, **overrides) -> "PreprocessConfig":
+        """Settings from `preprocessor_config.json` when the checkpoint has one, else Qwen3-VL's."""
+        file = path / "preprocessor_config.json"
+        kw: dict = {}
+        if file.is_file():
+            raw = json.loads(file.read_text())
+            size = raw.get("size") or {}
+            for key, src in (
+                ("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+                ("merge_size", "merge_size"), ("resample", "resample"),
+            ):
+                if raw.get(src) is not None:
+                    kw[key] = int(raw[src])
+            for key in ("image_mean", "image_std"):
+                if raw.get(key) is not None:
+                    kw[key] = tuple(float(v) for v in raw[key])
+            min_px = raw.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+            max_px = raw.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+            if min_px:
+                kw["min_pixels"] = int(min_px)
+            if max_px:
+                kw["max_pixels"] = int(max_px)
+        kw["video"] = VideoConfig.from_dir(path)
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass
+class Preprocessed:
+    """One item ready for the tower: resized uint8 frames `[F, H, W, C]` and its grid `(t, h, w)`.
+
+    Normalisation and patchification happen on the tower's device (`patchify`), so only uint8 pixels
+    travel there: 8x fewer bytes than float32 patch rows with the temporal repeat.
+    """
+
+    frames: np.ndarray
+    grid_thw: tuple[int, int, int]
+    lut: np.ndarray  # [C, 256] float32: uint8 value -> normalised value, per channel
+    config: "PreprocessConfig"
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """"image" or "video"."""
+        return self.meta.get("kind", "image")
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        """The float32 rows `[t*h*w, C*T*P*P]` transformers' processor returns for this item."""
+        import torch  # lazily: decoding worker processes never need torch
+
+        out = torch.empty((self.num_patches, patch_dim(self.config, self.frames.shape[-1])), dtype=torch.float32)
+        patchify(torch.from_numpy(self.frames), torch.from_numpy(self.lut), self.config, out)
+        return out.numpy()
+
+
+def patch_dim(config: "PreprocessConfig", channels: int = 3) -> int:
+    return channels * config.temporal_patch_size * config.patch_size**2
+
+
+def patchify(frames, lut, config: "PreprocessConfig", out):
+    """uint8 `[F, H, W, C]` -> `out` `[t*h*w, C*T*P*P]`: normalised through `lut`, merge-block order.
+
+    A trailing odd frame is repeated to fill the temporal patch (a single image becomes two equal
+    frames), as transformers does. Runs on whatever device the tensors are on.
+    """
+    import torch
+
+    tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
+    n_frames, height, width, channels = frames.shape
+    offsets = torch.arange(channels, device=frames.device) * 256
+    x = lut.reshape(-1).to(out.dtype)[frames.long() + offsets]  # [F, H, W, C] normalised
+    if n_frames % tp:
+        x = torch.cat([x, x[-1:].expand(tp - n_frames % tp, -1, -1, -1)])
+    t, gh, gw = x.shape[0] // tp, height // p, width // p
+    x = x.view(t, tp, gh // m, m, p, gw // m, m, p, channels)
+    # -> (t, gh/m, gw/m, m, m, C, tp, p, p): merge blocks outermost, each patch flattened as (C, tp, p, p)
+    x = x.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    out.view(t, gh // m, gw // m, m, m, channels, tp, p, p).copy_(x)
+    return out
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidInput(
+            f"aspect ratio {max(height, width) / min(height, width):.0f}:1 of a {width}x{height} image "
+            f"exceeds {MAX_ASPECT_RATIO}:1"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def decode_image(data: bytes, max_image_pixels: int) -> Image.Image:
+    """Bytes -> RGB PIL image, oriented by EXIF, transparency composited on white (as transformers does)."""
+    if not data:
+        raise UnsupportedImage("empty image: zero bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
+            width, height = img.size
+            if width * height > max_image_pixels:
+                raise ImageTooLarge(
+                    f"image of {width}x{height} = {width * height} pixels exceeds the limit of {max_image_pixels}"
+                )
+            img.load()  # GIF and TIFF: the first frame
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageTooLarge(f"decompression bomb refused: {e}") from e
+    except UnidentifiedImageError as e:
+        raise UnsupportedImage(
+            f"not a supported image: the bytes are none of {', '.join(FORMATS)} ({len(data)} bytes)"
+        ) from e
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise UnsupportedImage(f"corrupt or truncated image: {e}") from e
+    if width == 0 or height == 0:
+        raise UnsupportedImage(f"image has no pixels ({width}x{height})")
+    try:
+        img = ImageOps.exif_transpose(img)
+    except Exception:  # a broken EXIF block is ignored, as browsers do
+        pass
+    return to_rgb(img)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode == "RGB":
+        return img
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+class Preprocessor:
+    """Bytes (or a PIL image) -> `Preprocessed`. Videos are recognised by their container signature."""
+
+    def __init__(self, config: PreprocessConfig):
+        self.config = config
+        # float64 rescale then float32 cast, then float32 normalise: transformers' exact arithmetic.
+        scaled = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+        mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(config.image_std, dtype=np.float32)[:, None]
+        self.lut = ((scaled[None, :] - mean) / std).astype(np.float32)  # [C, 256]
+        self._video_lut: np.ndarray | None = None  # built on the first video (it needs torch)
+
+    def target_size(self, height: int, width: int, min_pixels: int | None = None, max_pixels: int | None = None):
+        c = self.config
+        return smart_resize(height, width, c.factor, min_pixels or c.min_pixels, max_pixels or c.max_pixels)
+
+    def __call__(self, data: bytes | Image.Image, min_pixels: int | None = None, max_pixels: int | None = None,
+                 fps: float | None = None, num_frames: int | None = None) -> Preprocessed:
+        """`min_pixels`/`max_pixels` apply to images; `fps` or `num_frames` (not both) to videos."""
+        c = self.config
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            if is_video(data):
+                return self.decode_video(bytes(data), fps, num_frames)
+            img = decode_image(data, c.max_image_pixels)
+        else:
+            img = to_rgb(data)
+        orig_w, orig_h = img.size
+        height, width = self.target_size(orig_h, orig_w, min_pixels, max_pixels)
+        img = img.resize((width, height), resample=c.resample)
+        frames = np.array(img)[None]  # [1, H, W, 3] uint8, writable (torch.from_numpy needs that)
+        grid = (1, height // c.patch_size, width // c.patch_size)
+        return self.item(frames, grid, {"kind": "image", "width": orig_w, "height": orig_h})
+
+    def decode_video(self, data: bytes, fps: float | None = None, num_frames: int | None = None) -> Preprocessed:
+        c, vc = self.config, self.config.video
+        if fps is not None and num_frames is not None:
+            raise InvalidInput("fps and num_frames are mutually exclusive")
+        frames, meta = decode_video_frames(data, vc, c.max_image_pixels, c.temporal_patch_size, c.factor, fps,
+                                           num_frames)
+        n, height, width = frames.shape[:3]
+        grid = (-(-n // c.temporal_patch_size), height // c.patch_size, width // c.patch_size)
+        return self.item(frames, grid, meta)
+
+    def item(self, frames: np.ndarray, grid: tuple[int, int, int], meta: dict) -> Preprocessed:
+        """Wrap resized uint8 frames (e.g. decoded in a worker process) as an item of this preprocessor."""
+        lut = self.lut
+        if meta.get("kind") == "video":
+            if self._video_lut is None:
+                self._video_lut = self.config.video.lut()
+            lut = self._video_lut
+        return Preprocessed(frames, grid, lut, self.config, meta)
+
+
+# -- worker processes --------------------------------------------------------------------------------
+# Decoding and resizing run in separate processes in the server, so they never compete for the GIL
+# with the thread that dispatches GPU work. Only the uint8 frames and the grid come back.
+
+_WORKER: Preprocessor | None = None
+
+
+def init_worker(config: PreprocessConfig) -> None:
+    global _WORKER
+    _WORKER = Preprocessor(config)
+
+
+def decode_in_worker(data: bytes, min_pixels: int | None, max_pixels: int | None, fps: float | None = None,
+                     num_frames: int | None = None):
+    item = _WORKER(data, min_pixels, max_pixels, fps, num_frames)
+    return item.frames, item.grid_thw, item.meta

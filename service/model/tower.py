@@ -1,0 +1,346 @@
+"""The Qwen3-VL vision tower, written for serving.
+
+Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load with a plain
+`load_state_dict`. What differs is how the forward is organised:
+- everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
+  interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
+  no per-image Python loop and no device->host reads;
+- on Hopper the QKV projection rotates Q and K in its own epilogue (`kernels.qkv_rope.qkv_rope_linear`,
+  power-of-two head dims); elsewhere one Triton pass rotates them in place in the projection's output.
+  Attention then runs through `kernels.attention` (one Triton launch per block on CUDA;
+  elsewhere SDPA, once per run of equal-length segments, on views of the fused QKV buffer);
+- the position embeddings are interpolated and added in one pass (`kernels.pos_embed`);
+- the attention's and the MLP's output projections add the residual in their GEMM, and the
+  LayerNorm after each is one pass that also adds back the biases those GEMMs left out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from kernels.attention import check_backend
+from kernels import resolve_backend, triton_supported, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
+from kernels.add_layernorm import add_layernorm, layernorm_offset
+from kernels.pos_embed import pos_embed_add_
+from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
+
+from .config import TowerConfig
+
+@dataclass(frozen=True)
+class TowerOptions:
+    """How the forward is organised. Every combination computes the same function (the parity tests run them);
+    the defaults are the fastest measured on H100 (docs/PERFORMANCE.md).
+
+    attention_backend: 'auto' (Triton kernels where they run, else SDPA), 'triton' or 'sdpa'.
+    fused_qkv_rope: Triton backend: the QKV projection adds its bias and rotates Q and K in its own epilogue
+      (`kernels.qkv_rope.qkv_rope_linear`, Hopper, power-of-two head dims) instead of cuBLAS plus an in-place pass.
+    residual_in_gemm: the output projections (attention proj, MLP fc2) add the residual in their GEMM's epilogue
+      (cuBLAS addmm, beta = 1) and the LayerNorm that follows only normalises (`_bias_offsets`): two passes over
+      the activations per residual instead of four.
+    rope_q_in_kernel: Triton backend: rotate Q inside the attention kernel rather than in the pass with K (slower:
+      16 heads re-read the cos/sin rows).
+    """
+
+    attention_backend: str = "auto"
+    fused_qkv_rope: bool = True
+    residual_in_gemm: bool = True
+    rope_q_in_kernel: bool = False
+
+    def __post_init__(self):
+        check_backend(self.attention_backend)
+
+
+def segment_lengths(grids) -> list[int]:
+    """Attention segment lengths of a pack of grids `(t, h, w)`: one segment of h * w per frame."""
+    return [h * w for t, h, w in grids for _ in range(t)]
+
+
+@dataclass
+class PackPlan:
+    """Per-forward metadata for a pack of grids `(t, h, w)` (in patches)."""
+
+    grids: tuple[tuple[int, int, int], ...]
+    seqlens: list[int]  # host copy of the attention segment lengths (one per frame)
+    cu_seqlens: torch.Tensor  # int32 [segments + 1]
+    max_seqlen: int
+    cos: torch.Tensor  # float32 [T, head_dim / 2]
+    sin: torch.Tensor
+    interp_index: torch.Tensor  # long [T, 4]: bilinear taps into the learned position grid
+    interp_weight: torch.Tensor  # float32 [T, 4]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t * h * w for t, h, w in self.grids)
+
+    @staticmethod
+    def build(grids, cfg: TowerConfig, device) -> "PackPlan":
+        grids = tuple(tuple(int(x) for x in g) for g in grids)
+        m = cfg.spatial_merge_size
+        for t, h, w in grids:
+            if t < 1 or h < m or w < m or h % m or w % m:
+                raise ValueError(f"grid {(t, h, w)} is not a positive multiple of the merge size {m}")
+        seqlens = segment_lengths(grids)
+        total = sum(seqlens)
+        # One host->device copy, from pinned memory: a copy from pageable memory would wait for the
+        # stream to drain, stalling the GPU between back-to-back forwards.
+        host = torch.tensor([0, *itertools.accumulate(seqlens), *itertools.chain.from_iterable(grids)],
+                            dtype=torch.int64)
+        device = torch.device(device)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        meta = host.to(device, non_blocking=True)
+        cu_seqlens = meta[:len(seqlens) + 1].to(torch.int32)
+        g = meta[len(seqlens) + 1:].view(-1, 3)  # [N, 3]
+        counts = g.prod(1)
+        heights = torch.repeat_interleave(g[:, 1], counts, output_size=total)
+        widths = torch.repeat_interleave(g[:, 2], counts, output_size=total)
+        starts = torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=total)
+        within = (torch.arange(total, device=device) - starts) % (heights * widths)  # index inside a frame
+        # Tokens are laid out in merge-block order: (block_row, block_col, in_row, in_col).
+        block_col = (within // (m * m)) % (widths // m)
+        block_row = within // (m * m * (widths // m))
+        row = block_row * m + (within // m) % m
+        col = block_col * m + within % m
+
+        cos, sin = vision_rope_cos_sin(torch.stack([row, col], 1), vision_rope_inv_freq(
+            cfg.head_dim, cfg.rope_theta, device=device))
+        side = cfg.num_grid_per_side
+        r_taps, r_w = _bilinear_taps(row, heights, side)
+        c_taps, c_w = _bilinear_taps(col, widths, side)
+        index = (r_taps[:, :, None] * side + c_taps[:, None, :]).reshape(total, 4)
+        weight = (r_w[:, :, None] * c_w[:, None, :]).reshape(total, 4)
+        return PackPlan(grids, seqlens, cu_seqlens, max(seqlens), cos, sin, index, weight)
+
+
+def _fused(backend: str) -> bool | None:
+    """Triton for the small fused kernels: always with the Triton backend (also when forced under the
+    interpreter), otherwise whenever the tensors are on a GPU."""
+    return True if backend == "triton" else None
+
+
+def _add_norm(x, y, norm: nn.LayerNorm, backend: str, merged_norm: nn.LayerNorm | None = None,
+              offset: torch.Tensor | None = None):
+    """(x + y, norm(x + y)), or without y (the GEMM added the residual) (x, norm(x + offset)) with the
+    float32 `offset` (or none); plus `merged_norm` of the same rows grouped into merged tokens."""
+    merged = None if merged_norm is None else (merged_norm.weight, merged_norm.bias, merged_norm.eps)
+    if y is None:
+        return x, *layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
+                                    merged_norm=merged)
+    return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged)
+
+
+def _project(linear: nn.Linear, x, residual):
+    """linear(x), or with a residual `residual += x @ W^T` in the GEMM's epilogue (bias left out)."""
+    return linear(x) if residual is None else residual.addmm_(x, linear.weight.t())
+
+
+def _bilinear_taps(index, size, side):
+    """Bilinear (align_corners=True) taps and weights of target positions `index` on an axis of `size`
+    into a learned axis of `side` entries: `F.interpolate`'s arithmetic, as transformers computes it."""
+    src = index.to(torch.float32) * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(2, device=index.device)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
+
+    def forward(self, x):
+        # A stride == kernel Conv3d over one patch is a matmul: [T, C*t*p*p] @ [C*t*p*p, hidden]
+        w = self.proj.weight
+        return F.linear(x.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x, plan: PackPlan, backend: str, options: TowerOptions, residual: torch.Tensor | None = None,
+                attention: str | None = None):
+        """The attention branch; with `residual`, returns `residual` + the branch without proj's bias.
+        `backend` is the tower's (it decides the fused projection), `attention` the attention call's
+        (default: the same)."""
+        tokens = x.shape[0]
+        attention = attention or backend
+        q_in_kernel = attention == "triton" and options.rope_q_in_kernel
+        if (backend == "triton" and options.fused_qkv_rope and not q_in_kernel
+                and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
+            qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
+        else:
+            qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
+            # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per
+            # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
+            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend), k_only=q_in_kernel)
+        q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
+        rope_q = dict(cos=plan.cos, sin=plan.sin, rotate_k=False) if q_in_kernel else {}
+        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=attention,
+                               **rope_q)
+        return _project(self.proj, out.view(tokens, -1), residual)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act_fn = ACT2FN[cfg.hidden_act]
+        self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """The MLP; with `residual`, returns `residual` + the MLP without fc2's bias."""
+        if self.tanh_gelu and x.is_cuda and gelu_epilogue_ok(x.device):
+            # bias + tanh-GELU in the GEMM's epilogue (cuBLASLt), computed from the fp32 accumulator:
+            # saves a read and a write of the widest activation of the block
+            h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
+        else:
+            h = self.act_fn(self.linear_fc1(x))
+        return _project(self.linear_fc2, h, residual)
+
+
+_GELU_EPILOGUE: dict[torch.device, bool] = {}
+
+
+def gelu_epilogue_ok(device) -> bool:
+    """Whether `_addmm_activation(use_gelu=True)` is the tanh GELU on this device (checked once).
+
+    On CUDA PyTorch documents it as the tanh approximation, on CPU it is the exact erf GELU; a wrong
+    variant would shift every embedding slightly without failing loudly, so it is verified."""
+    if device not in _GELU_EPILOGUE:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(64, 64, device=device, generator=g)
+        w = torch.randn(96, 64, device=device, generator=g)
+        b = torch.randn(96, device=device, generator=g)
+        fused = torch._addmm_activation(b, x, w.t(), use_gelu=True)
+        ref = F.gelu(torch.addmm(b, x, w.t()), approximate="tanh")
+        _GELU_EPILOGUE[device] = bool(torch.allclose(fused, ref, rtol=1e-3, atol=1e-4))
+    return _GELU_EPILOGUE[device]
+
+
+class Block(nn.Module):
+    """x + attn(norm1(x)), then + mlp(norm2(.)). The tower adds each residual in the output projection's
+    GEMM and normalises in one pass after it, across block boundaries (`TowerOptions.residual_in_gemm`)."""
+
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+
+class PatchMerger(nn.Module):
+    """2x2 neighbouring tokens -> one: optional LayerNorm after the shuffle (DeepStack) or before."""
+
+    def __init__(self, cfg: TowerConfig, postshuffle_norm: bool):
+        super().__init__()
+        self.merged = cfg.hidden_size * cfg.merge_unit
+        self.postshuffle_norm = postshuffle_norm
+        self.norm = nn.LayerNorm(self.merged if postshuffle_norm else cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged, self.merged)
+        self.act_fn = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.merged, cfg.out_hidden_size)
+
+    def forward(self, x):
+        x = self.norm(x.view(-1, self.merged)) if self.postshuffle_norm else self.norm(x).view(-1, self.merged)
+        return self.project(x)
+
+    def project(self, x, out=None):
+        """The MLP on normalised merged tokens `[T / merge_unit, merged]`, optionally into `out`."""
+        h = self.act_fn(self.linear_fc1(x))
+        if out is None:
+            return self.linear_fc2(h)
+        return torch.addmm(self.linear_fc2.bias, h, self.linear_fc2.weight.t(), out=out)
+
+
+class VisionTower(nn.Module):
+    def __init__(self, cfg: TowerConfig, options: TowerOptions = TowerOptions()):
+        super().__init__()
+        self.config = cfg
+        self.options = options
+        self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, postshuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
+        )
+        self._backend: str | None = None
+
+    @property
+    def backend(self) -> str:
+        """The attention backend this tower runs on its current device ('triton' or 'sdpa')."""
+        if self._backend is None:
+            self._backend = resolve_backend(self.pos_embed.weight.device, self.config.head_dim,
+                                            self.options.attention_backend)
+        return self._backend
+
+    def attention_choices(self) -> tuple[str, ...]:
+        """The attention backends this tower can run, its default (`backend`) first: both on a CUDA GPU
+        where the Triton kernels run, unless `options.attention_backend` forces one. `graphs.GraphedTower`
+        times each on a pack signature it captures and keeps the faster."""
+        device = self.pos_embed.weight.device
+        if self.options.attention_backend != "auto" or device.type != "cuda" or not triton_supported(device)[0]:
+            return (self.backend,)
+        return (self.backend, "sdpa" if self.backend == "triton" else "triton")
+
+    def plan(self, grids) -> PackPlan:
+        return PackPlan.build(grids, self.config, self.pos_embed.weight.device)
+
+    def forward(self, pixel_values: torch.Tensor, plan: PackPlan,
+                attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out].
+        `attention`: the attention backend of this forward (one of `attention_choices()`; default
+        `backend`); every other kernel is the same either way."""
+        if pixel_values.shape[0] != plan.num_tokens:
+            raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
+        x = self.patch_embed(pixel_values)
+        pos_embed_add_(x, self.pos_embed.weight, plan.interp_index, plan.interp_weight, use_triton=_fused(self.backend))
+        taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
+        unit = self.config.merge_unit
+        deepstack = x.new_empty((len(taps), x.shape[0] // unit, self.config.out_hidden_size))
+        blocks = self.blocks
+        in_gemm = self.options.residual_in_gemm
+        offsets = self._bias_offsets() if in_gemm else [None] * (2 * len(blocks))
+        _, h = _add_norm(x, None, blocks[0].norm1, self.backend)
+        for layer, block in enumerate(blocks):
+            # each residual add (in the output projection's GEMM, or in the pass) is fused with the norm
+            # that follows: norm2, then the next block's norm1, or after the last block the merger's
+            # (pre-shuffle); at a DeepStack tap also that merger's post-shuffle norm, same pass
+            if in_gemm:
+                x, y = block.attn(h, plan, self.backend, self.options, residual=x, attention=attention), None
+            else:
+                y = block.attn(h, plan, self.backend, self.options, attention=attention)
+            x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer])
+            if in_gemm:
+                x, y = block.mlp(h, residual=x), None
+            else:
+                y = block.mlp(h)
+            norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
+            tap = self.deepstack_merger_list[taps[layer]] if layer in taps else None
+            x, h, *tapped = _add_norm(x, y, norm, self.backend, tap.norm if tap is not None else None,
+                                      offset=offsets[2 * layer + 1])
+            if tap is not None:
+                tap.project(tapped[0], out=deepstack[taps[layer]])
+        merged = self.merger.project(h.view(-1, self.merger.merged))
+        return merged, deepstack
+
+    def _bias_offsets(self) -> torch.Tensor:
+        """[2 * depth, hidden] float32: the running sums of the output projections' biases (proj, fc2,
+        block by block), which the residual stream lacks when the GEMMs add the residual."""
+        biases = [b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.linear_fc2.bias)]
+        return torch.stack(biases).float().cumsum(0)

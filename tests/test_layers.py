@@ -1,0 +1,137 @@
+"""The architecture as a test: imports point one way, kernels -> model -> engine -> http, with no import circle,
+and neither the kernels nor the engine process's modules reach up into a layer above them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+# rank of each first-party package: a module may import its own rank or lower. `service.errors` (and the package
+# itself, which holds the version) is shared by every
+# service layer; `service.settings` is read by the engine and the HTTP layer, never by the model.
+RANKS = {"kernels": 0, "service.errors": 1, "service.model": 1, "service.settings": 2, "service.engine": 2,
+         "service.http": 3, "service.server": 4, "service.cli": 4, "service": 1}
+
+
+def _rank(module: str) -> int | None:
+    for prefix in sorted(RANKS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return RANKS[prefix]
+    return None
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """First-party modules imported by the file at `path`, relative imports resolved, at any depth of the file
+    (imports inside functions count: they run too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            found.add(target)
+            found.update(f"{target}.{a.name}" for a in node.names)  # `from pkg import module`
+    return {m for m in found if _rank(m) is not None and (m.split(".")[0] in ("kernels", "service"))}
+
+
+def _first_party() -> dict[str, set[str]]:
+    modules = {}
+    for top in ("kernels", "service"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            modules[_module_name(path)] = _imports(path)
+    known = set(modules)
+    # keep only imports that name a module (drop `from pkg.module import function` names)
+    return {m: {i for i in imps if i in known} for m, imps in modules.items()}
+
+
+GRAPH = _first_party()
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_no_upward_import(module):
+    upward = [i for i in GRAPH[module] if _rank(i) > _rank(module)]
+    assert not upward, f"{module} (rank {_rank(module)}) imports {upward} from a layer above it"
+
+
+def test_no_import_circle():
+    """Module-level and function-level imports together form no cycle (packages importing their own submodules
+    aside: `pkg/__init__` re-exporting `pkg.mod` is not a circle unless `pkg.mod` imports `pkg` back)."""
+    def edges(m):
+        return {i for i in GRAPH[m] if i != m}
+
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges(m)):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                if not all(a.startswith(b + ".") or b.startswith(a + ".") for a, b in zip(cycle, cycle[1:])):
+                    raise AssertionError("import circle: " + " -> ".join(cycle))
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m)
+
+
+def test_engine_process_never_loads_the_http_layer():
+    """What the engine process imports (its entry module, transitively) holds no HTTP module, FastAPI or
+    Prometheus."""
+    seen, todo = set(), ["service.engine.process"]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo.extend(GRAPH[m])
+    assert not [m for m in seen if m.startswith("service.http")], sorted(seen)
+    for m in seen:
+        path = ROOT / (m.replace(".", "/") + ".py")
+        if not path.exists():
+            path = ROOT / m.replace(".", "/") / "__init__.py"
+        names = {n.split(".")[0] for n in _all_imports(path)}
+        assert not names & {"fastapi", "starlette", "prometheus_client", "uvicorn"}, (m, names)
+
+
+def _all_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module)
+    return out
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The rank table catches what it is for: the model importing the engine is upward."""
+    assert _rank("service.engine.batching") > _rank("service.model.encoder")
+    assert _rank("service.http.app") > _rank("service.engine.remote") > _rank("kernels.attention.launch")
+    assert "service.model.encoder" in GRAPH["service.engine.batching"]
+
+
+def test_no_test_imports_benchmarks():
+    for path in (ROOT / "tests").rglob("*.py"):
+        assert not any(i.split(".")[0] == "benchmarks" for i in _all_imports(path)), path

@@ -1,0 +1,49 @@
+"""Every Triton attention configuration we may launch (the TMA kernel's with RoPE in the kernel, the Gluon kernel's
+without), on small awkward packs, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python -m tools.check_attention_memory [--kernels tma gluon]
+
+Each launch is also checked against the fp32 reference; prints one line per (head_dim, config)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
+from kernels.attention.launch import triton_varlen_attention
+from kernels.attention.reference import reference_varlen_attention
+from kernels.attention.tiles import gluon_candidates, tma_candidates
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", nargs="+", choices=["tma", "gluon"], default=["tma", "gluon"])
+    kernels = ap.parse_args().kernels
+    lengths = [1, 7, 131, 200, 64, 65, 17]
+    for head_dim in (64, 72, 80):
+        g = torch.Generator().manual_seed(head_dim)
+        total = sum(lengths)
+        qkv = torch.randn(total, 3, 2, head_dim, generator=g).to("cuda", torch.bfloat16)
+        q, k, v = qkv.unbind(1)
+        cu = torch.tensor([0] + lengths).cumsum(0).to("cuda", torch.int32)
+        pos = torch.randint(0, 64, (total, 2), generator=g).cuda()
+        cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))
+        k.copy_(apply_vision_rope(k, cos, sin))
+        ref = reference_varlen_attention(apply_vision_rope(q, cos, sin), k, v, cu)
+
+        def check(cfg, out):
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            print(f"d{head_dim} {cfg}: rel err {err:.2e}", flush=True)
+            assert err < 1e-2, err
+
+        for cfg in tma_candidates(head_dim) if "tma" in kernels else []:
+            check(cfg, triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, config=cfg))
+        q.copy_(apply_vision_rope(q, cos, sin))  # the Gluon kernel takes rotated q and k
+        for cfg in gluon_candidates(head_dim) if "gluon" in kernels else []:
+            check(cfg, triton_varlen_attention(q, k, v, cu, max(lengths), config=cfg))
+
+
+if __name__ == "__main__":
+    main()

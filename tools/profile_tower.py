@@ -1,0 +1,253 @@
+"""Where one tower forward's time goes: per-kernel CUDA times (torch.profiler) plus micro-benchmarks
+of each GEMM shape and memory-bound pass, so the breakdown can be set against the GEMM floor.
+
+Usage: python -m tools.profile_tower [--preset qwen3-vl-2b] [--workload 32x448px] [--out DIR]
+Writes profile_<preset>_<workload>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+import kernels.add_layernorm
+from benchmarks.bench_tower import WORKLOADS
+from benchmarks.common import ClockLog, bench, environment, write_results
+from kernels.add_layernorm import add_layernorm, layernorm_offset
+from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
+from service.model.config import preset
+from service.model.graphs import GraphedTower
+from service.model.loader import random_tower
+
+CATEGORIES = [  # first match wins
+    ("attention", r"varlen_attn|flash|fmha|cudnn|attention"),
+    ("add+layernorm", r"add_layernorm"),
+    ("qkv gemm+rope (triton)", r"qkv_rope_gemm"),
+    ("rope", r"rope"),
+    ("gemm", r"gemm|nvjet|sm90_xmma|cutlass|cublas|matmul|splitK"),
+    ("layernorm (torch)", r"layer_norm|LayerNorm"),
+    ("gelu", r"gelu|GeLU"),
+    ("copy/cast", r"copy|cast|Copy"),
+    ("elementwise", r"elementwise|vectorized|unrolled"),
+    ("reduce", r"reduce"),
+]
+
+
+def category(name: str) -> str:
+    for cat, pat in CATEGORIES:
+        if re.search(pat, name):
+            return cat
+    return "other"
+
+
+def kernel_table(fn, iters: int) -> list[dict]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us <= 0:
+            continue
+        rows.append({"kernel": e.key[:160], "category": category(e.key), "us_per_forward": us / iters,
+                     "calls_per_forward": e.count / iters})
+    return sorted(rows, key=lambda r: -r["us_per_forward"])
+
+
+def idle_gaps(ops):
+    """ops: (start, stop, name) sorted by start -> (busy time, [(gap, op before, op after)])."""
+    end, prev = ops[0][1], ops[0][2]
+    busy, gaps = ops[0][1] - ops[0][0], []
+    for start, stop, name in ops[1:]:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    return busy, gaps
+
+
+def timeline(fn, iters: int) -> dict:
+    """The GPU timeline of `iters` calls (the served, graphed forward): the span from the first kernel's
+    start to the last one's end, the time some kernel (or memset/memcpy) runs, and the largest idle
+    gaps with the operations on either side, so launch and dependency latency show apart from kernels."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as exported:
+            trace = json.load(exported)
+    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+                 if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    busy, gaps = idle_gaps(ops)
+    by_next = defaultdict(lambda: [0.0, 0])
+    for gap, _, nxt in gaps:
+        key = category(nxt) if category(nxt) != "other" else nxt[:40]
+        by_next[key][0] += gap
+        by_next[key][1] += 1
+    span = max(stop for _, stop, _ in ops) - ops[0][0]
+    return {"span_us_per_forward": span / iters, "busy_us_per_forward": busy / iters,
+            "idle_us_per_forward": (span - busy) / iters, "ops_per_forward": len(ops) / iters,
+            "idle_by_next_op_us_per_forward": {k: [v[0] / iters, v[1] / iters]
+                                               for k, v in sorted(by_next.items(), key=lambda kv: -kv[1][0])},
+            "largest_gaps_us": [(round(g, 1), a[:60], b[:60]) for g, a, b in sorted(gaps, reverse=True)[:15]]}
+
+
+def micro(cfg, tokens: int) -> dict:
+    """Each GEMM shape and memory-bound pass of one block, alone."""
+    h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
+    x = torch.randn(tokens, h, device="cuda", dtype=dt)
+    y = torch.randn_like(x)
+    mid = torch.randn(tokens, inter, device="cuda", dtype=dt)
+    w = {n: torch.randn(o, i, device="cuda", dtype=dt) * 0.02 for n, (o, i) in
+         {"qkv": (3 * h, h), "proj": (h, h), "fc1": (inter, h), "fc2": (h, inter)}.items()}
+    b = {n: torch.randn(t.shape[0], device="cuda", dtype=dt) * 0.02 for n, t in w.items()}
+    ln_w, ln_b = torch.ones(h, device="cuda", dtype=dt), torch.zeros(h, device="cuda", dtype=dt)
+    qkv = torch.randn(tokens, 3, cfg.num_heads, cfg.head_dim, device="cuda", dtype=dt)
+    cos = torch.rand(tokens, cfg.head_dim // 2, device="cuda")
+    sin = torch.rand_like(cos)
+    res = {}
+
+    def gemm(name, fn, m, n, k):
+        ms = bench(fn, warmup_ms=50, rep_ms=300)
+        res[name] = {"ms": ms, "tflops": 2 * m * n * k / ms / 1e9}
+
+    gemm("qkv (bias)", lambda: F.linear(x, w["qkv"], b["qkv"]), tokens, 3 * h, h)
+    gemm("qkv (no bias)", lambda: F.linear(x, w["qkv"]), tokens, 3 * h, h)
+    if gemm_candidates(h, cfg.head_dim):  # the fused projection runs (else it falls back to the pass)
+        gemm("qkv + rope (triton, fused epilogue)",
+             lambda: qkv_rope_linear(x, w["qkv"], b["qkv"], cos, sin, cfg.num_heads), tokens, 3 * h, h)
+    gemm("proj (bias)", lambda: F.linear(x, w["proj"], b["proj"]), tokens, h, h)
+    gemm("proj (+residual, addmm beta=1)", lambda: torch.addmm(y, x, w["proj"].t()), tokens, h, h)
+    gemm("fc1 (bias+gelu epilogue)", lambda: torch._addmm_activation(b["fc1"], x, w["fc1"].t(), use_gelu=True),
+         tokens, inter, h)
+    gemm("fc1 (bias)", lambda: F.linear(x, w["fc1"], b["fc1"]), tokens, inter, h)
+    gemm("fc2 (bias)", lambda: F.linear(mid, w["fc2"], b["fc2"]), tokens, h, inter)
+    gemm("fc2 (+residual, addmm beta=1)", lambda: torch.addmm(y, mid, w["fc2"].t()), tokens, h, inter)
+    acc = y.clone()  # the served form: the residual stream accumulates in place
+    gemm("proj (+residual in place, addmm_)", lambda: acc.addmm_(x, w["proj"].t()), tokens, h, h)
+    gemm("fc2 (+residual in place, addmm_)", lambda: acc.addmm_(mid, w["fc2"].t()), tokens, h, inter)
+    default_blas = torch.backends.cuda.preferred_blas_library()
+    res["preferred blas library"] = str(default_blas)
+    try:  # cuBLASLt through PyTorch needs a workspace, which the tower turns off (CUBLASLT_WORKSPACE_SIZE)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        gemm("proj (+residual in place, addmm_, cuBLASLt)", lambda: acc.addmm_(x, w["proj"].t()), tokens, h, h)
+        gemm("fc2 (+residual in place, addmm_, cuBLASLt)", lambda: acc.addmm_(mid, w["fc2"].t()), tokens, h, inter)
+    except RuntimeError as e:
+        res["proj (+residual in place, addmm_, cuBLASLt)"] = {"error": str(e)}
+    finally:
+        torch.backends.cuda.preferred_blas_library(default_blas)
+
+    def passes(name, fn, nbytes):
+        ms = bench(fn, warmup_ms=50, rep_ms=300)
+        res[name] = {"ms": ms, "GB/s": nbytes / ms / 1e6}
+
+    act = tokens * h * 2
+    passes("add+layernorm (triton)", lambda: add_layernorm(x, y, ln_w, ln_b, 1e-6), 4 * act)
+    offset = torch.randn(h, device="cuda")
+    passes("layernorm + bias offset (triton)", lambda: layernorm_offset(x, offset, ln_w, ln_b, 1e-6), 2 * act)
+    for rows, warps in itertools.product((2, 4, 8, 16), (4, 8)):
+        passes(f"layernorm + bias offset (triton, {rows} rows, {warps} warps)",
+               lambda rows=rows, warps=warps: kernels.add_layernorm._launch(x, None, offset, ln_w, ln_b, 1e-6, None, 0,
+                                                                              rows, warps), 2 * act)
+    passes("layernorm (torch)", lambda: F.layer_norm(x, (h,), ln_w, ln_b, 1e-6), 2 * act)
+    rope_bytes = 4 * act + 2 * cos.numel() * 4
+    passes("qkv rope (triton, in place)", lambda: qkv_rope_(qkv, cos, sin), rope_bytes)
+    passes("copy (torch, reference bandwidth)", lambda: y.copy_(x), 2 * act)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-vl-2b")
+    ap.add_argument("--workload", default="32x448px")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = preset(args.preset)
+    grids = WORKLOADS[args.workload]
+    tokens = sum(t * h * w for t, h, w in grids)
+    tower = random_tower(cfg, "cuda", torch.bfloat16)
+    pixels = torch.randn(tokens, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        return tower(pixels, tower.plan(grids))
+
+    graphed = GraphedTower(tower)
+    with torch.inference_mode():
+        fwd()
+        torch.cuda.synchronize()
+        for _ in range(3):
+            graphed(pixels, grids)  # captured on the third call
+        with ClockLog() as sustained_clocks:
+            graphed_wall = bench(lambda: graphed(pixels, grids), warmup_ms=200, rep_ms=1000)
+        time.sleep(2)  # let the clock recover: the timeline is a burst of a few replays
+        with ClockLog(interval_ms=10) as timeline_clocks:
+            graph_timeline = timeline(lambda: graphed(pixels, grids), args.iters)
+        graph_timeline["gpu"] = timeline_clocks.summary()
+        wall = bench(fwd, warmup_ms=200, rep_ms=1000)
+        table = kernel_table(fwd, args.iters)
+        by_cat = defaultdict(float)
+        for r in table:
+            by_cat[r["category"]] += r["us_per_forward"]
+        micro_res = micro(cfg, tokens)
+        # A/B of the QKV projection's RoPE: in its epilogue (served), by the pass, Q in the attention kernel
+        served = tower.options
+        micro_res["tower wall, Q and K rotated in the QKV projection"] = {"ms": wall}
+        tower.options = replace(served, fused_qkv_rope=False)
+        micro_res["tower wall, Q and K rotated by the pass"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
+        tower.options = replace(served, fused_qkv_rope=False, rope_q_in_kernel=True)
+        micro_res["tower wall, Q rotated in the attention kernel"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
+        # A/B of the residual add: in the output projections' GEMMs (served), or in the add+LayerNorm pass
+        for in_gemm in (False, True):
+            tower.options = replace(served, residual_in_gemm=in_gemm)
+            ab = GraphedTower(tower)
+            for _ in range(3):
+                ab(pixels, grids)
+            with ClockLog() as ab_clocks:
+                ms = bench(lambda: ab(pixels, grids), warmup_ms=200, rep_ms=1000)
+            where = "the output projections' GEMMs" if in_gemm else "the add+LayerNorm pass"
+            micro_res[f"tower graphed, residual added in {where}"] = {"ms": ms, "gpu": ab_clocks.summary()}
+            del ab
+    busy = sum(by_cat.values()) / 1000
+    print(f"{args.preset} {args.workload}: wall {wall:.2f} ms, GPU busy {busy:.2f} ms; graphed {graphed_wall:.2f} ms")
+    print(f"  graphed timeline: {json.dumps(graph_timeline, indent=1)}")
+    print(f"  GPU during the sustained graphed run: {sustained_clocks.summary()}")
+    for cat, us in sorted(by_cat.items(), key=lambda kv: -kv[1]):
+        print(f"  {cat:24s} {us / 1000:7.2f} ms")
+    for r in table[:25]:
+        print(f"  {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:<5.0f} {r['category']:16s} {r['kernel'][:90]}")
+    for k, v in micro_res.items():
+        print(f"  micro {k:36s} {v}")
+    write_results(f"profile_{args.preset}_{args.workload}", {
+        "benchmark": "profile_tower", "env": environment(), "preset": args.preset, "workload": args.workload,
+        "tokens": tokens, "wall_ms": wall, "gpu_busy_ms": busy, "by_category_ms": {k: v / 1000 for k, v in by_cat.items()},
+        "kernels": table, "micro": micro_res, "graphed_wall_ms": graphed_wall, "graphed_wall_gpu": sustained_clocks.summary(),
+        "graphed_timeline": graph_timeline},
+        args.out)
+
+
+if __name__ == "__main__":
+    main()
