@@ -89,6 +89,31 @@ def test_base64_encoding_and_options(server, encoder, images, dtype, torch_dtype
     assert abs(pooled.norm().item() - 1) <= 10 * tol
 
 
+@pytest.mark.parametrize("fmt", ["json", "safetensors"])
+def test_pooled_vector_alone(server, encoder, images, fmt):
+    """`embeddings=false&pooling=mean`: the pooled vectors of a pack of different sizes and nothing per token, equal
+    to the mean of the tokens an unbatched encode returns; without anything left to return, a 422 naming the fix."""
+    url, _ = server
+    names = ["chelsea", "aspect_1x20", "camera_gray"]
+    r = httpx.post(f"{url}/embed", params={"embeddings": "false", "pooling": "mean", "format": fmt},
+                   files=[("file", (n, images[n], "image/png")) for n in names], timeout=60)
+    assert r.status_code == 200, r.text
+    if fmt == "json":
+        got = [torch.tensor(d["pooled"]) for d in r.json()["data"]]
+        assert all("embeddings" not in d and "deepstack" not in d for d in r.json()["data"])
+    else:
+        tensors = load(r.content)
+        assert sorted(tensors) == sorted([f"{k}.{i}" for i in range(3) for k in ("pooled", "grid_thw")])
+        got = [tensors[f"pooled.{i}"] for i in range(3)]
+    for g, n in zip(got, names):
+        ref = unbatched(encoder, images[n])
+        assert rel_err(g, ref.embeds.float().mean(0)) <= 1e-6
+        assert rel_err(g, ref.pooled) <= 1e-6
+    bad = httpx.post(f"{url}/embed", params={"embeddings": "false"}, content=images["chelsea"],
+                     headers={"content-type": "image/png"}, timeout=60)
+    assert bad.status_code == 422 and "pooling=mean" in bad.json()["error"]["message"]
+
+
 def test_min_max_pixels_per_request(server, encoder, images):
     url, _ = server
     data = images["chelsea"]

@@ -30,16 +30,16 @@ class RecordingEncoder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def launch(self, items, deepstack=True):
+    def launch(self, items, deepstack=True, tokens=True):
         with self.lock:
             self.batches.append(len(items))
         if self.fail is not None:
             self.fail(items)
         time.sleep(self.delay_s)
-        return self.inner.launch(items, deepstack)
+        return self.inner.launch(items, deepstack, tokens)
 
-    def encode(self, items, deepstack=True):
-        return self.inner.finish(self.launch(items, deepstack))
+    def encode(self, items, deepstack=True, tokens=True):
+        return self.inner.finish(self.launch(items, deepstack, tokens))
 
 
 @pytest.fixture(scope="module")

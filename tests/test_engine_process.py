@@ -98,6 +98,26 @@ def test_results_equal_in_process_encoding_and_forwards_are_shared(two_workers, 
     assert 0 < info["engine"]["forwards"] - before < 24
 
 
+def test_pooled_only_and_tokens_in_one_pack_across_processes(two_workers, tiny):
+    """Requests for the pooled vector alone and for every token, concurrent (so packed together): each gets what it
+    asked for, and the pooled-only ones receive no token bytes (their bodies are a few hundred bytes)."""
+    url, _ = two_workers
+    images = _images(6, seed=5)
+
+    async def both():
+        return await asyncio.gather(_post_all(url, images[:3], {"embeddings": "false", "pooling": "mean"}),
+                                    _post_all(url, images[3:], {}))
+    pooled, tokens = asyncio.run(both())
+    for img, r in zip(images[:3], pooled):
+        assert r.status_code == 200 and "embeddings" not in r.json()["data"][0]
+        ref = tiny.encode([tiny.preprocess(img)])[0]
+        assert rel_err(torch.tensor(r.json()["data"][0]["pooled"]), ref.embeds.mean(0)) <= 1e-5
+        assert len(r.content) < 400 + 20 * ref.embeds.shape[1]
+    for img, r in zip(images[3:], tokens):
+        ref = tiny.encode([tiny.preprocess(img)])[0]
+        assert rel_err(torch.tensor(r.json()["data"][0]["embeddings"]), ref.embeds) <= 1e-5
+
+
 def test_bad_item_fails_alone_across_processes(two_workers, tiny):
     url, _ = two_workers
     good = _images(2, seed=3)

@@ -46,6 +46,7 @@ class _Work:
     future: asyncio.Future
     abandoned: Callable[[], bool]
     deepstack: bool = True
+    tokens: bool = True
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -138,10 +139,11 @@ class Engine:
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float,
                      abandoned: "Callable[[], bool] | asyncio.Event | None" = None,
-                     deepstack: bool = True) -> tuple[list[EncodeResult], Timing]:
+                     deepstack: bool = True, tokens: bool = True) -> tuple[list[EncodeResult], Timing]:
         """Encode `items` in whatever packs the batcher forms. `abandoned` (a predicate, or an event set when
-        the client has gone) drops the request's items before compute; `deepstack=False` lets a pack skip
-        copying the DeepStack features back when none of its requests wants them."""
+        the client has gone) drops the request's items before compute; `deepstack=False` and `tokens=False` let a
+        pack skip copying the DeepStack features and the merged tokens back when none of its requests wants them
+        (the pooled vectors always come back)."""
         if isinstance(abandoned, asyncio.Event):
             abandoned = abandoned.is_set
         abandoned = abandoned or (lambda: False)
@@ -156,7 +158,7 @@ class Engine:
         def is_abandoned() -> bool:
             return gone or abandoned()
 
-        works = [_Work(it, loop.create_future(), is_abandoned, deepstack) for it in items]
+        works = [_Work(it, loop.create_future(), is_abandoned, deepstack, tokens) for it in items]
         self._queue.extend(works)
         self._queued_patch_count += sum(it.num_patches for it in items)
         self._wakeup.set()
@@ -230,7 +232,7 @@ class Engine:
         start = time.perf_counter()
         try:
             pending = await loop.run_in_executor(self._gpu, self.encoder.launch, [w.item for w in batch],
-                                                 any(w.deepstack for w in batch))
+                                                 any(w.deepstack for w in batch), any(w.tokens for w in batch))
             return start, pending
         except Exception as e:  # noqa: BLE001 - one bad pack must not take the service down
             self._report(batch, start, False)

@@ -94,14 +94,17 @@ class EngineServer:
             offset += n
         try:
             results, timing = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
-                                                       deepstack=header["deepstack"])
+                                                       deepstack=header["deepstack"], tokens=header["tokens"])
         except Exception as e:  # noqa: BLE001 - every failure goes back to the front-end as a typed error
             reply, buffers = error_header(rid, e), []
         else:
+            # only what this request asked for crosses (its pack may have computed more for others)
+            sent = [(r.embeds if header["tokens"] else r.embeds[:0], r.deepstack if header["deepstack"] else
+                     r.deepstack[:0], r.pooled) for r in results]
             reply = {"op": "result", "id": rid, "timing": (timing.queue_s, timing.inference_s),
-                     "results": [(r.grid_thw, tuple(r.embeds.shape), str(r.embeds.dtype).removeprefix("torch."),
-                                  tuple(r.deepstack.shape)) for r in results]}
-            buffers = [b for r in results for b in (raw_bytes(r.embeds), raw_bytes(r.deepstack))]
+                     "results": [(r.grid_thw, r.num_tokens, str(e.dtype).removeprefix("torch."), tuple(e.shape),
+                                  tuple(d.shape), tuple(p.shape)) for r, (e, d, p) in zip(results, sent)]}
+            buffers = [raw_bytes(t) for ts in sent for t in ts]
         if abandoned() and reply["op"] == "result":
             return
         with contextlib.suppress(ConnectionError, RuntimeError):

@@ -125,12 +125,12 @@ class RemoteEngine:
                                           num_frames)
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
-                     deepstack: bool = True) -> tuple[list[EncodeResult], Timing]:
+                     deepstack: bool = True, tokens: bool = True) -> tuple[list[EncodeResult], Timing]:
         """Same contract as `Engine.submit`; the engine enforces the deadline, `abandoned` (set when the
         client disconnects) cancels the request there."""
         rid = next(self._ids)
         frames = [np.ascontiguousarray(it.frames) for it in items]
-        header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack,
+        header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack, "tokens": tokens,
                   "items": [(f.shape, it.grid_thw, it.meta) for f, it in zip(frames, items)]}
         fut = self._send(header, frames)
         waiter = asyncio.ensure_future(abandoned.wait()) if abandoned is not None else None
@@ -154,9 +154,11 @@ class RemoteEngine:
         if reply["op"] == "error":
             raise rebuild_error(reply)
         results, offset = [], 0
-        for grid, shape, dtype, ds_shape in reply["results"]:
+        for grid, num_tokens, dtype, shape, ds_shape, pooled_shape in reply["results"]:
             dt = getattr(torch, dtype)
             embeds, offset = tensor_at(payload, offset, shape, dt)
             ds, offset = tensor_at(payload, offset, ds_shape, dt)
-            results.append(EncodeResult(embeds=embeds, deepstack=ds, grid_thw=tuple(grid)))
+            pooled, offset = tensor_at(payload, offset, pooled_shape, torch.float32)
+            results.append(EncodeResult(embeds=embeds, deepstack=ds, grid_thw=tuple(grid), pooled=pooled,
+                                        num_tokens=num_tokens))
         return results, Timing(*reply["timing"])

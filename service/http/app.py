@@ -103,7 +103,7 @@ class Service:
             if eng.local:
                 self.metrics.queue_depth.set(eng.queue_depth + len(items))
             results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
-                                               deepstack=wants_deepstack(opts))
+                                               deepstack=wants_deepstack(opts), tokens=opts.embeddings)
         finally:
             watcher.cancel()
             if eng.local:
@@ -185,7 +185,7 @@ async def openai_embeddings(request: Request):
     svc = _service(request)
     svc.check_auth(request)
     inputs, req = await parse_openai(request, svc.settings)
-    results, _, headers = await svc.encode(request, inputs, EmbedOptions())
+    results, _, headers = await svc.encode(request, inputs, EmbedOptions(pooling="mean", embeddings=False))
     return openai_response(results, req.model or svc.settings.model, req.encoding_format, headers)
 
 

@@ -32,16 +32,14 @@ def encode_array(t: torch.Tensor, encoding: str, dtype: str | None):
 
 
 def pooled(results: list[EncodeResult], normalize: bool) -> list[torch.Tensor]:
-    out = []
-    for r in results:
-        v = r.embeds.float().mean(0)
-        out.append(torch.nn.functional.normalize(v, dim=0) if normalize else v)
-    return out
+    """Each result's mean-pooled vector (computed on the device, in float32), L2-normalised if asked."""
+    return [torch.nn.functional.normalize(r.pooled, dim=0) if normalize else r.pooled for r in results]
 
 
 def wants_deepstack(opts: EmbedOptions) -> bool:
-    """DeepStack features: asked for, or by default with safetensors (the CLI's layout)."""
-    return opts.deepstack if opts.deepstack is not None else opts.format == "safetensors"
+    """DeepStack features: asked for, or by default with safetensors (the CLI's layout) unless the token embeddings
+    are left out."""
+    return opts.deepstack if opts.deepstack is not None else opts.format == "safetensors" and opts.embeddings
 
 
 def embed_response(results: list[EncodeResult], items: list[Preprocessed], opts: EmbedOptions, model: str,
@@ -49,16 +47,17 @@ def embed_response(results: list[EncodeResult], items: list[Preprocessed], opts:
     pools = pooled(results, opts.normalize) if opts.pooling == "mean" else None
     if opts.format == "safetensors":
         tensors = result_tensors(results, pooled=pools)
-        if not wants_deepstack(opts):
-            tensors = {k: v for k, v in tensors.items() if not k.startswith("deepstack.")}
+        dropped = (() if wants_deepstack(opts) else ("deepstack.",)) + (() if opts.embeddings else ("embeds.",))
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(dropped)}
         if opts.dtype:
             tensors = {k: v.to(getattr(torch, opts.dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
         return Response(safetensors_save(tensors), media_type="application/octet-stream", headers=headers)
     data = []
     for i, (it, r) in enumerate(zip(items, results)):
-        entry: dict[str, Any] = {"index": i, "type": it.kind, "grid_thw": list(r.grid_thw),
-                                 "num_tokens": r.num_tokens, "shape": list(r.embeds.shape),
-                                 "embeddings": encode_array(r.embeds, opts.encoding, opts.dtype)}
+        entry: dict[str, Any] = {"index": i, "type": it.kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens}
+        if opts.embeddings:
+            entry["shape"] = list(r.embeds.shape)
+            entry["embeddings"] = encode_array(r.embeds, opts.encoding, opts.dtype)
         if it.kind == "video":
             entry["video"] = {k: it.meta[k] for k in ("frame_indices", "timestamps", "source_frames", "source_fps")}
         if opts.deepstack:

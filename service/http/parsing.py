@@ -147,6 +147,9 @@ def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_fr
                                                     f"[{settings.min_pixels_limit}, {limit}]")
     if opts.min_pixels and opts.max_pixels and opts.min_pixels > opts.max_pixels:
         raise HTTPError(422, "invalid_options", "min_pixels > max_pixels")
+    if not opts.embeddings and opts.pooling == "none" and not opts.deepstack:
+        raise HTTPError(422, "invalid_options", "embeddings=false leaves nothing to return: add pooling=mean for the "
+                                                "pooled vector alone")
     if opts.fps is not None and opts.num_frames is not None:
         raise HTTPError(422, "invalid_options", "fps and num_frames are mutually exclusive")
     if opts.num_frames is not None and opts.num_frames > max_frames:

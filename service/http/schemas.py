@@ -13,6 +13,7 @@ class EmbedOptions(BaseModel):
     deepstack: bool | None = None  # default: false for JSON, true for safetensors (the CLI's layout)
     pooling: str = Field("none", pattern="^(none|mean)$")
     normalize: bool = False
+    embeddings: bool = True  # false: no token embeddings, only what else is asked for (the pooled vector: TEI's /embed)
     min_pixels: int | None = Field(None, ge=1)  # images
     max_pixels: int | None = Field(None, ge=1)  # images
     fps: float | None = Field(None, gt=0, le=240)  # videos: frames sampled per second of video

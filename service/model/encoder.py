@@ -20,13 +20,11 @@ from .tower import TowerOptions, VisionTower
 
 @dataclass
 class EncodeResult:
-    embeds: torch.Tensor  # [n_merged, out_hidden], on the CPU
-    deepstack: torch.Tensor  # [n_deepstack, n_merged, out_hidden]
+    embeds: torch.Tensor  # [n_merged, out_hidden] on the CPU; [0, out_hidden] where the tokens were not asked for
+    deepstack: torch.Tensor  # [n_deepstack, n_merged, out_hidden], or [0, n_merged, out_hidden]
     grid_thw: tuple[int, int, int]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.embeds.shape[0]
+    pooled: torch.Tensor  # float32 [out_hidden]: the mean of the merged tokens, computed on the device
+    num_tokens: int  # merged tokens of the item
 
 
 class Encoder:
@@ -82,42 +80,46 @@ class Encoder:
         return lut
 
     @torch.inference_mode()
-    def launch(self, items: list[Preprocessed], deepstack: bool = True) -> "Pending":
-        """Dispatch one packed forward and the copies of its outputs to pinned host memory, without
-        waiting for the GPU. `finish` waits and splits the outputs per item."""
+    def launch(self, items: list[Preprocessed], deepstack: bool = True, tokens: bool = True) -> "Pending":
+        """Dispatch one packed forward, the per-item mean of its merged tokens, and the copies of the outputs asked
+        for (`tokens`: the merged tokens, `deepstack`: the DeepStack features; the pooled vectors always) to pinned
+        host memory, without waiting for the GPU. `finish` waits and splits the outputs per item."""
         merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items])
+        counts = [it.num_patches // self.config.merge_unit for it in items]
+        pooled = _segment_mean(merged, counts)
+        outputs = [merged if tokens else None, ds if deepstack else None, pooled]
         if self.device.type != "cuda":
-            return Pending(items, merged, ds if deepstack else None, None)
-        merged_host = torch.empty(merged.shape, dtype=merged.dtype, pin_memory=True)
-        merged_host.copy_(merged, non_blocking=True)
-        ds_host = None
-        if deepstack:
-            ds_host = torch.empty(ds.shape, dtype=ds.dtype, pin_memory=True)
-            ds_host.copy_(ds, non_blocking=True)
+            return Pending(items, counts, *outputs, None)
+        host = []
+        for t in outputs:
+            if t is not None:
+                copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                t = copy.copy_(t, non_blocking=True)
+            host.append(t)
         done = torch.cuda.Event()
         done.record()
-        return Pending(items, merged_host, ds_host, done)
+        return Pending(items, counts, *host, done)
 
     def finish(self, pending: "Pending") -> list[EncodeResult]:
         if pending.done is not None:
             pending.done.synchronize()  # releases the GIL while the GPU finishes
-        merged, ds = pending.merged, pending.deepstack
+        merged, ds, pooled = pending.merged, pending.deepstack, pending.pooled
+        width = pooled.shape[1]
         out, start = [], 0
-        for it in pending.items:
-            n = it.num_patches // self.config.merge_unit
+        for i, (it, n) in enumerate(zip(pending.items, pending.counts)):
             out.append(EncodeResult(
-                embeds=merged[start:start + n],
-                deepstack=ds[:, start:start + n] if ds is not None else merged.new_empty((0, n, merged.shape[1])),
-                grid_thw=it.grid_thw,
+                embeds=merged[start:start + n] if merged is not None else pooled.new_empty((0, width)),
+                deepstack=ds[:, start:start + n] if ds is not None else pooled.new_empty((0, n, width)),
+                grid_thw=it.grid_thw, pooled=pooled[i], num_tokens=n,
             ))
             start += n
         return out
 
-    def encode(self, items: list[Preprocessed], deepstack: bool = True) -> list[EncodeResult]:
+    def encode(self, items: list[Preprocessed], deepstack: bool = True, tokens: bool = True) -> list[EncodeResult]:
         """One packed forward over `items`; results in the same order, on the CPU."""
         if not items:
             return []
-        return self.finish(self.launch(items, deepstack))
+        return self.finish(self.launch(items, deepstack, tokens))
 
 
 @dataclass
@@ -126,17 +128,29 @@ class Pending:
     which they do (None on the CPU, where everything is done already)."""
 
     items: list[Preprocessed]
-    merged: torch.Tensor
+    counts: list[int]  # merged tokens per item
+    merged: torch.Tensor | None
     deepstack: torch.Tensor | None
+    pooled: torch.Tensor
     done: "torch.cuda.Event | None"
 
 
+def _segment_mean(merged: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """float32 [items, out_hidden]: the mean of each item's rows of `merged` [sum(counts), out_hidden]."""
+    if len(set(counts)) == 1:  # one size: a view, one reduction
+        return merged.view(len(counts), counts[0], -1).float().mean(1)
+    lengths = torch.tensor(counts, pin_memory=merged.is_cuda).to(merged.device, non_blocking=True)
+    return torch.segment_reduce(merged.float(), "mean", lengths=lengths, axis=0)
+
 def result_tensors(results, start: int = 0, pooled=None) -> dict[str, torch.Tensor]:
-    """The shared output layout of the CLI and the API: embeds.{i}, deepstack.{i}, grid_thw.{i}, pooled.{i}."""
+    """The shared output layout of the CLI and the API: embeds.{i}, deepstack.{i}, grid_thw.{i}, pooled.{i}; an
+    output that was not computed (no tokens or no DeepStack asked for) is left out."""
     out = {}
     for i, r in enumerate(results, start):
-        out[f"embeds.{i}"] = r.embeds.contiguous()
-        out[f"deepstack.{i}"] = r.deepstack.contiguous()
+        if r.embeds.shape[0] or not r.num_tokens:
+            out[f"embeds.{i}"] = r.embeds.contiguous()
+        if r.deepstack.shape[0]:
+            out[f"deepstack.{i}"] = r.deepstack.contiguous()
         out[f"grid_thw.{i}"] = torch.tensor(r.grid_thw, dtype=torch.int64)
         if pooled is not None:
             out[f"pooled.{i}"] = pooled[i - start].contiguous()
