@@ -16,7 +16,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     QWEN3VL_MODEL=/models/qwen3-vl \
     QWEN3VL_DEVICE=cuda \
     QWEN3VL_WARMUP=true \
-    TRITON_CACHE_DIR=/home/encoder/.triton \
+    QWEN3VL_CACHE_DIR=/cache \
     HF_HUB_OFFLINE=1
 
 WORKDIR /opt/qwen3vl-encoder
@@ -25,11 +25,13 @@ COPY service ./service
 COPY kernels ./kernels
 RUN pip install .
 
-RUN useradd --create-home --uid 10001 encoder
+RUN useradd --create-home --uid 10001 encoder && mkdir /cache && chown encoder /cache
 USER encoder
 
 # Mount a Hugging Face Qwen3-VL checkpoint directory here (read-only is fine).
 VOLUME /models
+# Compiled kernels and the kernel tuner's choices: a volume here makes every start after the first skip both.
+VOLUME /cache
 EXPOSE 8000
 
 # /health answers as soon as the process is up; /ready turns true after model load and kernel warm-up.

@@ -43,8 +43,16 @@ def _is_hopper(device_index: int) -> bool:
 
 
 def tuned_choices() -> dict[tuple, object]:
-    """The configurations chosen so far, by key (for logs and tests)."""
+    """The configurations chosen so far, by key (for logs, tests, and the service's on-disk cache)."""
     return dict(_choices)
+
+
+def restore_choices(choices: dict[tuple, object]) -> int:
+    """Adopt earlier choices (a `tuned_choices()` of a process with the same kernels, GPU and versions), so that their
+    keys launch at once instead of being timed again; keys already chosen here stay. Returns how many were new."""
+    new = {k: v for k, v in choices.items() if k not in _choices}
+    _choices.update(new)
+    return len(new)
 
 
 def choose(key: tuple, candidates, launch):

@@ -11,6 +11,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_MODEL = "random:qwen3-vl-2b"
 
 
+def default_cache_dir() -> str:
+    """The user's cache directory (XDG_CACHE_HOME, else ~/.cache), then qwen3vl-encoder."""
+    import os
+
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen3vl-encoder")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="QWEN3VL_", extra="ignore")
 
@@ -19,6 +26,10 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto (cuda when available), cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     warmup: bool = Field(True, description="compile and tune kernels before /ready turns true")
+
+    cache_dir: str = Field(default_factory=lambda: default_cache_dir(), description=(
+        "compiled Triton kernels and the kernel tuner's choices, kept across restarts (a volume in the container): a "
+        "second start skips compiling and timing; empty: no cache"))
 
     # kernels
     attention_backend: Literal["auto", "triton", "sdpa"] = Field(

@@ -41,7 +41,7 @@ def _volumes(service: str) -> dict[str, str]:
     """container path -> host path"""
     out = {}
     for v in COMPOSE["services"][service].get("volumes", []):
-        v = re.sub(r":(ro|rw)$", "", v)
+        v = re.sub(r":(ro|rw)$", "", v.split("#")[0].strip())
         host, container = v.rsplit(":", 1)  # the host side may be ${VAR:-default}
         out[container] = _default(host)
     return out
@@ -65,6 +65,14 @@ def test_environment_names_are_settings():
     docker_env = set(re.findall(r"(QWEN3VL_\w+)=", DOCKERFILE))
     assert docker_env <= fields, docker_env - fields
     assert Settings(**{k.removeprefix("QWEN3VL_").lower(): _default(v) for k, v in env.items() if _default(v)})
+
+
+def test_cache_volume_matches_cache_setting():
+    """The kernels' cache (compiled kernels, tuning choices) lives on a named volume at QWEN3VL_CACHE_DIR, writable
+    by the image's user."""
+    (cache,) = re.findall(r"QWEN3VL_CACHE_DIR=(\S+)", DOCKERFILE)
+    assert _volumes("encoder")[cache] == "encoder-cache" and "encoder-cache" in COMPOSE["volumes"]
+    assert f"VOLUME {cache}" in DOCKERFILE and f"chown encoder {cache}" in DOCKERFILE
 
 
 def test_model_volume_matches_model_setting():

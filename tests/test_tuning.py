@@ -248,3 +248,28 @@ def test_record_keeps_one_lean_launch_only(lean):
     # one lean launch whose kernel has no C launcher behind it (FakeKernel): not replayable
     assert tuning.record(lambda: tuning.launch(fn, (1,), "x", 32), roles=()) is False
     assert getattr(tuning._recording, "launches", None) is None  # recording ends with the call
+
+
+def test_tuning_cache_round_trip(tmp_path, monkeypatch, caplog):
+    """The service's on-disk cache of the tuner's choices: what one process chose, the next adopts without timing
+    (keys it already chose stay); a corrupt file is ignored with a warning; no cache off the GPU or when disabled."""
+    import torch
+
+    from kernels import tuning
+    from kernels.attention.tiles import TileConfig
+    from service.engine.build import load_tuning, save_tuning, tuning_cache
+    from service.settings import Settings
+
+    key = ("tma", 1, 1, 72, False, True, torch.bfloat16, torch.device("cuda", 0))
+    other = ("ptr", 0, 0, 64, True, True, torch.float16, torch.device("cuda", 0))
+    monkeypatch.setattr(tuning, "_choices", {key: TileConfig(128, 64, 8, 2, tma=True, gluon=True)})
+    path = tmp_path / "tuning" / "x.pkl"
+    save_tuning(path)
+    monkeypatch.setattr(tuning, "_choices", {other: TileConfig(64, 64)})
+    load_tuning(path)
+    assert tuning.tuned_choices() == {key: TileConfig(128, 64, 8, 2, tma=True, gluon=True), other: TileConfig(64, 64)}
+    path.write_bytes(b"not a pickle")
+    load_tuning(path)
+    assert "ignoring the kernel tuning cache" in caplog.text
+    assert tuning_cache(Settings(cache_dir=str(tmp_path)), torch.device("cpu")) is None
+    assert tuning_cache(Settings(cache_dir=""), torch.device("cuda", 0)) is None

@@ -4,13 +4,21 @@ process; the one place where the settings that shape the model and its kernels a
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
+import pickle
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 
+import kernels
 from kernels.attention import configure as configure_attention
+from kernels.tuning import restore_choices, tuned_choices
 
 from ..model.encoder import Encoder
 from ..model.loader import set_cublaslt_workspace
@@ -23,9 +31,50 @@ log = logging.getLogger(__name__)
 
 
 def configure_runtime(settings: Settings) -> None:
-    """Process-wide switches of the kernels and cuBLAS, before the model's first forward."""
+    """Process-wide switches of the kernels, Triton and cuBLAS, before the model's first forward: Triton compiles
+    into `cache_dir` (unless TRITON_CACHE_DIR names another place)."""
     set_cublaslt_workspace(settings.cublaslt_workspace_kib)
     configure_attention(tma_descriptors=settings.tma_descriptors, launch_plans=settings.launch_plans)
+    if settings.cache_dir:
+        os.environ.setdefault("TRITON_CACHE_DIR", str(Path(settings.cache_dir) / "triton"))
+
+
+def tuning_cache(settings: Settings, device: torch.device) -> Path | None:
+    """The file of the kernel tuner's choices for this device, kernel source and versions (None: no cache, or no
+    GPU). Any change to the kernels' code, the GPU model or the torch/Triton versions names another file."""
+    if not settings.cache_dir or device.type != "cuda":
+        return None
+    import triton
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(kernels.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    ident = "|".join([torch.cuda.get_device_name(device), torch.__version__, triton.__version__, digest.hexdigest()])
+    return Path(settings.cache_dir) / "tuning" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.pkl"
+
+
+def load_tuning(path: Path | None) -> None:
+    if path is None or not path.is_file():
+        return
+    try:
+        count = restore_choices(pickle.loads(path.read_bytes()))
+    except Exception as e:  # noqa: BLE001 - a bad cache file costs a re-tune, never the start
+        log.warning("ignoring the kernel tuning cache %s (%s)", path, e)
+        return
+    log.info("kernel tuning: %d choices from %s", count, path)
+
+
+def save_tuning(path: Path | None) -> None:
+    """Write the tuner's choices atomically (a concurrent reader sees the old file or the new one)."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+            pickle.dump(tuned_choices(), f)
+        os.replace(f.name, path)
+    except OSError as e:
+        log.warning("could not write the kernel tuning cache %s (%s); the next start tunes again", path, e)
 
 
 def load_encoder(settings: Settings) -> Encoder:
@@ -59,6 +108,8 @@ def warmup(enc: Encoder, settings: Settings):
     limits allow cover them."""
     from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
+    cache = tuning_cache(settings, enc.device)
+    load_tuning(cache)
     rng = np.random.default_rng(0)
     factor = enc.preprocessor.config.factor
     sides = [16, 32, 64, 96] if enc.device.type == "cuda" else [8]
@@ -71,4 +122,5 @@ def warmup(enc: Encoder, settings: Settings):
         full = min(settings.max_batch_patches // (side * side), settings.max_batch_items)
         for count in sorted({1, full}) if enc.device.type == "cuda" else [1]:
             enc.encode([item] * count)
+    save_tuning(cache)
     log.info("warm-up done (multiples of %d px)", factor)
