@@ -29,7 +29,8 @@ from benchmarks.common import (ATTENTION_CASES, HEAD_DIMS, HEADS, attention_flop
                                print_table, write_results)
 from kernels.qkv_rope import qkv_rope_
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
-from kernels.varlen_attention import triton_varlen_attention, tuned_choices
+from kernels.attention.launch import triton_varlen_attention
+from kernels.tuning import tuned_choices
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION}

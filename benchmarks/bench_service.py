@@ -1,220 +1,316 @@
-"""Service throughput vs the tower's own, on the same images, in one run.
+"""What the GPU's forward delivers to an HTTP user, with the server's default settings, in one run.
 
-1. Tower: the same 448px JPEGs, preprocessed once, encoded through `Encoder.encode` in packs of the
-   server's patch budget: images/s of the model path alone (H2D, patchify, forward, D2H).
-2. Service: `qwen3vl-encoder serve` in its own process; N concurrent clients (spread over several
-   load-generator processes so the clients do not share the server's GIL) POST raw JPEGs to /embed for
-   a fixed time after a warm-up. Reports sustained images/s, p50/p99 latency and the ratio.
+The same images go through two paths:
+1. Forward: the served model path in this process, `GraphedTower` over pixels already on the GPU (what
+   `bench_tower` times as "ours"), packs of the server's patch budget, each pack's graph captured before timing:
+   the ceiling the service can reach.
+2. Service: `qwen3vl-encoder serve` with nothing but the model, host and port set (every other setting its
+   default), and a fresh cache directory. 64 concurrent clients in 4 load-generator processes each POST one JPEG
+   per request to /embed (format=safetensors, deepstack=false).
 
-With `--video-every N`, every N-th input is a 4 s 448px MP4 clip instead of a JPEG (8 frames sampled
-at 2 fps: a (4, 18, 18) grid, 1296 patches against an image's 784). Both sides then run the same mix, and
-the ratio compares patches/s.
+Phases, in order, against one server:
+- start 1 (empty cache): seconds from launch to /ready (`ready_s_first`);
+- mixed photos (224-1536 px per side, fixed seed): the first 30 s after ready (cold window), then 10 s of warm-up
+  and 20 s measured (warm window), latency percentiles per size class;
+- uniform 448 px photos: 10 s warm-up, 20 s measured;
+- one client, curl, a 448 px JPEG: /v1/embeddings and /embed?embeddings=false&pooling=mean, p50 of 40 requests;
+then start 2 on the same cache (`ready_s_second`).
 
-Usage: python -m benchmarks.bench_service [--clients 64] [--seconds 20] [--model random:qwen3-vl-2b]
-       [--video-every 8]
+Ratios: uniform images/s over the forward's images/s at 32 x 448 px; mixed patches/s over the forward's patches/s
+on the same photos.
+
+Usage: python -m benchmarks.bench_service [--model random:qwen3-vl-2b] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import io
 import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
 from benchmarks.common import environment, wait_until_ready, write_results
-from service.model.video import encode_video
+
+CLIENTS, PROCS = 64, 4
+PARAMS = {"format": "safetensors", "deepstack": "false"}
+SIZE_CLASSES = (("small", 512), ("medium", 1024), ("large", 1 << 30))  # by the longer side, in pixels
 
 
-def jpegs(n: int, side: int = 448) -> list[bytes]:
+def photo_jpegs(sizes, seed=0) -> list[bytes]:
+    """Photographs (scikit-image's) resized to each (width, height), JPEG quality 90."""
+    import skimage.data as data
     from PIL import Image
 
-    try:
-        import skimage.data as data
-
-        base = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
-    except ImportError:
-        base = [np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)]
+    base = [data.astronaut(), data.coffee(), data.chelsea(), data.rocket()]
+    rng = np.random.default_rng(seed)
     out = []
-    for i in range(n):
-        img = Image.fromarray(base[i % len(base)]).resize((side, side))
+    for i, (w, h) in enumerate(sizes):
+        img = Image.fromarray(base[i % len(base)]).resize((w, h), Image.Resampling.BICUBIC)
+        img = img.rotate(int(rng.integers(0, 360)))
         buf = io.BytesIO()
-        img.rotate(i % 360).save(buf, "JPEG", quality=90)
+        img.save(buf, "JPEG", quality=90)
         out.append(buf.getvalue())
     return out
 
 
-def clip(side: int = 448, seconds: int = 4, rate: int = 24, seed: int = 0) -> bytes:
-    """An H.264 MP4 of a photograph panning across the frame."""
-    from PIL import Image
-
-    base = np.asarray(Image.open(io.BytesIO(jpegs(1, side)[0])).convert("RGB"))
-    return encode_video((np.roll(base, 4 * i + seed, axis=1) for i in range(seconds * rate)), rate)
+def mixed_sizes(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    rng = np.random.default_rng(seed)
+    return [(int(w), int(h)) for w, h in rng.integers(224, 1537, size=(n, 2))]
 
 
-def tower_throughput(model, images, budget, seconds, device="cuda", dtype="bfloat16"):
+def size_class(w: int, h: int) -> str:
+    return next(name for name, limit in SIZE_CLASSES if max(w, h) <= limit)
+
+
+# -- the forward -----------------------------------------------------------------------------------------------------
+
+
+def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_cap: int, seconds: float = 5.0):
+    """Per image set: images/s and patches/s of the graphed forward over packs of the server's budget, plus the
+    forward time of one 448 px image (ms)."""
     import torch
 
+    from benchmarks.common import bench
+    from service.engine.build import configure_runtime
     from service.model.encoder import Encoder, pack_by_budget
+    from service.model.graphs import GraphedTower
+    from service.settings import Settings
 
-    enc = Encoder.load(model, device, dtype)
-    items = [enc.preprocess(b) for b in images]
-    packs = pack_by_budget([it.num_patches for it in items], budget, 64)
-    for pack in packs[:2]:
-        enc.encode([items[i] for i in pack], deepstack=False)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    n, patches, start = 0, 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for pack in packs:
-            enc.encode([items[i] for i in pack], deepstack=False)
-            n += len(pack)
-            patches += sum(items[i].num_patches for i in pack)
-    elapsed = time.perf_counter() - start
-    sizes = [it.num_patches for it in items]
-    del enc
+    configure_runtime(Settings(model=model))
+    enc = Encoder.load(model, "cuda", "bfloat16", cuda_graphs=0)
+    out = {}
+    with torch.inference_mode():
+        for name, images in sets.items():
+            items = [enc.preprocess(b) for b in images]
+            packs = pack_by_budget([it.num_patches for it in items], budget, items_cap)
+            graphed = GraphedTower(enc.tower, max_graphs=len(packs), capture_after=1)
+            inputs = [(enc.pixels([items[i] for i in p]), [items[i].grid_thw for i in p]) for p in packs]
+            for px, grids in inputs:  # capture every pack's graph before timing
+                graphed(px, grids)
+
+            def run_all():
+                for px, grids in inputs:
+                    graphed(px, grids)
+            ms = bench(run_all, warmup_ms=500, rep_ms=seconds * 1000)
+            patches = sum(it.num_patches for it in items)
+            out[name] = {"images_per_s": len(items) * 1000 / ms, "patches_per_s": patches * 1000 / ms,
+                         "packs": len(packs), "images": len(items), "patches": patches,
+                         "pack_ms": ms / len(packs)}
+            print(f"forward {name}: {out[name]}", flush=True)
+            del graphed, inputs
+            torch.cuda.empty_cache()
+        one = enc.preprocess(sets["uniform"][0])
+        graphed = GraphedTower(enc.tower, max_graphs=1, capture_after=1)
+        px = enc.pixels([one])
+        out["single_image_forward_ms"] = bench(lambda: graphed(px, [one.grid_thw]), warmup_ms=200, rep_ms=1000)
+    del enc, graphed
     torch.cuda.empty_cache()
-    return {"images_per_s": n / elapsed, "patches_per_s": patches / elapsed, "pack_images": len(packs[0]),
-            "patches": sizes}
+    return out
 
 
-def _client_proc(url, images, sizes, clients, warmup_s, seconds, params, conn):
-    import httpx
+# -- load ------------------------------------------------------------------------------------------------------------
+
+
+def _client_proc(url, bodies, tags, clients, phases, conn):
+    """Closed-loop clients; `phases` is [(name, seconds)] run back to back. Sends back, per phase, the (tag,
+    latency) of every 200 completed inside it and the count of every other status."""
+    import aiohttp
 
     async def run():
-        lat, errors, done, patches, videos, video_lat = [], {}, 0, 0, 0, []
-        t_start = time.perf_counter()
-        t_measure, t_end = t_start + warmup_s, t_start + warmup_s + seconds
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients)) as c:
+        records = {name: {"ok": [], "errors": {}} for name, _ in phases}
+        bounds, t = [], time.perf_counter()
+        for name, seconds in phases:
+            bounds.append((name, t, t + seconds))
+            t += seconds
+        end = bounds[-1][2]
+        connector = aiohttp.TCPConnector(limit=clients)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as s:
             async def loop(k):
-                nonlocal done, patches, videos
                 i = k
-                while time.perf_counter() < t_end:
+                while time.perf_counter() < end:
                     t0 = time.perf_counter()
-                    body = images[i % len(images)]
-                    is_video = body[4:8] == b"ftyp"
-                    r = await c.post(f"{url}/embed", params=params, content=body,
-                                     headers={"content-type": "video/mp4" if is_video else "image/jpeg"})
+                    try:
+                        async with s.post(f"{url}/embed", params=PARAMS, data=bodies[i % len(bodies)],
+                                          headers={"content-type": "image/jpeg"}) as r:
+                            await r.read()
+                            status = r.status
+                    except aiohttp.ClientError as e:
+                        status = type(e).__name__
                     t1 = time.perf_counter()
-                    if t0 >= t_measure and t1 <= t_end:
-                        if r.status_code == 200:
-                            (video_lat if is_video else lat).append(t1 - t0)
-                            done += 1
-                            videos += is_video
-                            patches += sizes[i % len(images)]
-                        else:
-                            errors[r.status_code] = errors.get(r.status_code, 0) + 1
+                    for name, start, stop in bounds:
+                        if start <= t0 and t1 <= stop:
+                            rec = records[name]
+                            if status == 200:
+                                rec["ok"].append((tags[i % len(bodies)], t1 - t0))
+                            else:
+                                rec["errors"][str(status)] = rec["errors"].get(str(status), 0) + 1
                     i += clients
             await asyncio.gather(*(loop(k) for k in range(clients)))
-        return {"latencies": lat, "video_latencies": video_lat, "done": done, "videos": videos, "patches": patches,
-                "errors": errors}
+        return records
 
     conn.send(asyncio.run(run()))
 
 
-def service_throughput(model, images, sizes, clients, procs, warmup_s, seconds, params, env_extra, device="cuda",
-                       dtype="bfloat16"):
-    import httpx
+def load(url, bodies, tags, patches, phases) -> dict:
+    """`CLIENTS` closed-loop clients over `PROCS` processes through `phases`; per measured phase images/s, patches/s,
+    p50/p99 overall and per tag, errors."""
+    ctx = mp.get_context("spawn")
+    pipes, workers = [], []
+    for p in range(PROCS):
+        a, b = ctx.Pipe()
+        w = ctx.Process(target=_client_proc, args=(url, bodies[p::PROCS], tags[p::PROCS], CLIENTS // PROCS, phases,
+                                                   b))
+        w.start()
+        pipes.append(a)
+        workers.append(w)
+    outs = [a.recv() for a in pipes]
+    for w in workers:
+        w.join()
+    size = dict(zip(tags, patches)) if len(set(tags)) == len(tags) else None
+    result = {}
+    for name, seconds in phases:
+        if name.startswith("_"):
+            continue
+        ok = [x for o in outs for x in o[name]["ok"]]
+        errors: dict[str, int] = {}
+        for o in outs:
+            for k, v in o[name]["errors"].items():
+                errors[k] = errors.get(k, 0) + v
+        lat = np.array([t for _, t in ok]) * 1000
+        row = {"seconds": seconds, "requests": len(ok), "images_per_s": len(ok) / seconds, "errors": errors,
+               "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))}
+        if size is not None:
+            row["patches_per_s"] = sum(size[tag] for tag, _ in ok) / seconds
+            by_class: dict[str, list[float]] = {}
+            for tag, t in ok:
+                by_class.setdefault(tag.split(":")[0], []).append(t * 1000)
+            row["by_size"] = {c: {"requests": len(v), "p50_ms": float(np.percentile(v, 50)),
+                                  "p99_ms": float(np.percentile(v, 99))} for c, v in sorted(by_class.items())}
+        result[name] = row
+        print(f"{name}: {json.dumps(row)}", flush=True)
+    return result
 
-    port = 18777
+
+def curl_p50(url: str, path: str, body_file: str, ctype: str, n: int = 40) -> dict:
+    times = []
+    for i in range(n + 5):
+        out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code} %{time_total}", "-X", "POST",
+                              "-H", f"content-type: {ctype}", "--data-binary", f"@{body_file}", f"{url}{path}"],
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert out[0] == "200", out
+        if i >= 5:
+            times.append(float(out[1]) * 1000)
+    return {"p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99)), "requests": n}
+
+
+def start_server(model: str, port: int, cache_dir: str):
     env = {**os.environ, "QWEN3VL_MODEL": model, "QWEN3VL_PORT": str(port), "QWEN3VL_HOST": "127.0.0.1",
-           "QWEN3VL_DEVICE": device, "QWEN3VL_DTYPE": dtype, **env_extra}
+           "QWEN3VL_CACHE_DIR": cache_dir}
+    env = {k: v for k, v in env.items() if not k.startswith("TRITON_CACHE")}
+    t0 = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env)
     url = f"http://127.0.0.1:{port}"
+    if not wait_until_ready(url, server, timeout_s=600, interval_s=0.2):
+        server.kill()
+        raise RuntimeError("server did not become ready")
+    return server, url, time.perf_counter() - t0
+
+
+def stop_server(server):
+    server.terminate()
     try:
-        if not wait_until_ready(url, server, timeout_s=300):
-            raise RuntimeError("server did not become ready")
-        ctx = mp.get_context("spawn")
-        pipes, workers = [], []
-        for p in range(procs):
-            a, b = ctx.Pipe()
-            w = ctx.Process(target=_client_proc, args=(url, images[p::procs], sizes[p::procs], clients // procs,
-                                                       warmup_s, seconds, params, b))
-            w.start()
-            pipes.append(a)
-            workers.append(w)
-        profiler = None
-        if os.environ.get("PROFILE_SERVER"):
-            time.sleep(warmup_s + 2)
-            profiler = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-d", "8", "-r", "250", "-f", "raw",
-                                         "--threads", "--subprocesses", "--nonblocking", "-o", os.environ["PROFILE_SERVER"]],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        outs = [a.recv() for a in pipes]
-        if profiler is not None:
-            profiler.wait(60)
-        for w in workers:
-            w.join()
-        info = httpx.get(f"{url}/info").json()
-    finally:
-        server.terminate()
-        server.wait(60)
-    lat = np.array(sum((o["latencies"] for o in outs), []))
-    errors: dict = {}
-    for o in outs:
-        for k, v in o["errors"].items():
-            errors[k] = errors.get(k, 0) + v
-    done = sum(o["done"] for o in outs)
-    videos = sum(o["videos"] for o in outs)
-    out = {"images_per_s": done / seconds, "requests": done, "errors": errors,
-           "patches_per_s": sum(o["patches"] for o in outs) / seconds,
-           "p50_ms": float(np.percentile(lat, 50) * 1000), "p99_ms": float(np.percentile(lat, 99) * 1000),
-           "mean_ms": float(lat.mean() * 1000), "forwards": info.get("engine", {}).get("forwards"),
-           "attention_backend": info.get("attention_backend")}
-    if videos:
-        vlat = np.array(sum((o["video_latencies"] for o in outs), []))
-        out.update({"videos_per_s": videos / seconds, "video_p50_ms": float(np.percentile(vlat, 50) * 1000),
-                    "video_p99_ms": float(np.percentile(vlat, 99) * 1000)})
-    return out
+        server.wait(90)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen3-vl-2b")
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--procs", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=20)
-    ap.add_argument("--warmup", type=float, default=5)
     ap.add_argument("--images", type=int, default=256)
-    ap.add_argument("--format", default="safetensors")
-    ap.add_argument("--budget", type=int, default=32768)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--server-env", nargs="*", default=[], help="extra KEY=VALUE settings for the server")
-    ap.add_argument("--video-every", type=int, default=0, help="every N-th input is an MP4 clip (0: images only)")
-    ap.add_argument("--name", default="service", help="results file name (without .json)")
+    ap.add_argument("--cold-s", type=float, default=30)
+    ap.add_argument("--warmup-s", type=float, default=10)
+    ap.add_argument("--measure-s", type=float, default=20)
+    ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under the uniform load")
+    ap.add_argument("--py-spy", default="py-spy", help="the py-spy binary")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
-    images = jpegs(args.images)
-    if args.video_every:
-        images = [clip(seed=i) if i % args.video_every == args.video_every - 1 else b for i, b in enumerate(images)]
-    tower = tower_throughput(args.model, images, args.budget, min(args.seconds, 10), args.device, dtype)
-    sizes = tower.pop("patches")
-    print(f"tower: {tower['images_per_s']:.1f} inputs/s, {tower['patches_per_s']:.0f} patches/s", flush=True)
-    params = {"format": args.format, "deepstack": "false"}
-    env_extra = {"QWEN3VL_MAX_BATCH_PATCHES": str(args.budget), "QWEN3VL_MAX_QUEUE_ITEMS": "4096",
-                 "QWEN3VL_PREPROCESS_WORKERS": str(max(4, (os.cpu_count() or 8) - args.procs - 2)),
-                 "QWEN3VL_MAX_WAIT_MS": "5", **dict(kv.split("=", 1) for kv in args.server_env)}
-    svc = service_throughput(args.model, images, sizes, args.clients, args.procs, args.warmup, args.seconds, params,
-                             env_extra, args.device, dtype)
-    ratio = svc["patches_per_s"] / tower["patches_per_s"]
-    print(f"service: {svc['images_per_s']:.1f} images/s ({ratio:.1%} of the tower), p50 {svc['p50_ms']:.1f} ms, "
-          f"p99 {svc['p99_ms']:.1f} ms, errors {svc['errors']}, forwards {svc['forwards']}")
-    if svc.get("videos_per_s"):
-        print(f"videos: {svc['videos_per_s']:.1f}/s, p50 {svc['video_p50_ms']:.1f} ms, p99 {svc['video_p99_ms']:.1f} ms")
-    payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": args.clients,
-               "image": "448x448 JPEG", "video_every": args.video_every,
-               "video": "4 s 448px H.264 MP4, 8 frames sampled" if args.video_every else None, "params": params, "server_env": env_extra, "tower": tower, "service": svc,
-               "ratio": ratio}
-    write_results(args.name, payload, args.out)
-    print(json.dumps({"benchmark": "service", "tower_images_per_s": round(tower["images_per_s"], 1),
-                      "service_images_per_s": round(svc["images_per_s"], 1), "ratio": round(ratio, 3),
-                      "p50_ms": round(svc["p50_ms"], 1), "p99_ms": round(svc["p99_ms"], 1)}))
+    from service.settings import Settings
+
+    defaults = Settings()
+    uniform = photo_jpegs([(448, 448)] * args.images)
+    sizes = mixed_sizes(args.images, seed=1)
+    mixed = photo_jpegs(sizes, seed=1)
+    fwd = forward_rates(args.model, {"uniform": uniform, "mixed": mixed}, defaults.max_batch_patches,
+                        defaults.max_batch_items)
+    from service.model.preprocess import PreprocessConfig, Preprocessor
+
+    pre = Preprocessor(PreprocessConfig())
+    mixed_patches = [pre(b).num_patches for b in mixed]
+    mixed_tags = [f"{size_class(w, h)}:{i}" for i, (w, h) in enumerate(sizes)]
+
+    cache_dir = tempfile.mkdtemp(prefix="qwen3vl-cache-")
+    port = 18777
+    server, url, ready_first = start_server(args.model, port, cache_dir)
+    print(f"ready after {ready_first:.1f} s (empty cache)", flush=True)
+    try:
+        mixed_res = load(url, mixed, mixed_tags, mixed_patches,
+                         [("cold", args.cold_s), ("_warmup", args.warmup_s), ("warm", args.measure_s)])
+        profiler = None
+        if args.profile and shutil.which(args.py_spy):
+            profiler = subprocess.Popen([args.py_spy, "record", "-p", str(server.pid), "-d", "10", "-r", "200", "-f",
+                                         "raw", "--subprocesses", "--nonblocking", "-o", args.profile],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        uniform_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))], [784] * len(uniform),
+                           [("_warmup", args.warmup_s), ("warm", args.measure_s)])
+        if profiler is not None:
+            profiler.wait(120)
+        with tempfile.NamedTemporaryFile(suffix=".jpg") as jpg, tempfile.NamedTemporaryFile(suffix=".json") as js:
+            jpg.write(uniform[0])
+            jpg.flush()
+            js.write(json.dumps({"input": "data:image/jpeg;base64," + base64.b64encode(uniform[0]).decode()}).encode())
+            js.flush()
+            single = {"v1_embeddings": curl_p50(url, "/v1/embeddings", js.name, "application/json"),
+                      "embed_pooled": curl_p50(url, "/embed?embeddings=false&pooling=mean", jpg.name, "image/jpeg")}
+        print(f"single image: {single}", flush=True)
+        import httpx
+
+        info = httpx.get(f"{url}/info").json()
+    finally:
+        stop_server(server)
+    server, url, ready_second = start_server(args.model, port, cache_dir)
+    stop_server(server)
+    print(f"ready after {ready_second:.1f} s (second start, same cache)", flush=True)
+
+    summary = {
+        "settings": "defaults",
+        "uniform_ratio_to_forward": uniform_res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
+        "mixed_ratio_to_forward": mixed_res["warm"]["patches_per_s"] / fwd["mixed"]["patches_per_s"],
+        "warm_p99_over_p50": uniform_res["warm"]["p99_ms"] / uniform_res["warm"]["p50_ms"],
+        "mixed_warm_p99_over_p50": mixed_res["warm"]["p99_ms"] / mixed_res["warm"]["p50_ms"],
+        "cold_p99_over_warm_p99": mixed_res["cold"]["p99_ms"] / mixed_res["warm"]["p99_ms"],
+        "single_image_p50_ms": max(single["v1_embeddings"]["p50_ms"], single["embed_pooled"]["p50_ms"]),
+        "single_image_forward_ms": fwd["single_image_forward_ms"],
+        "ready_s_first": ready_first,
+        "ready_s_second": ready_second,
+    }
+    payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": CLIENTS,
+               "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd,
+               "uniform": uniform_res, "mixed": mixed_res, "single_image": single,
+               "server": {k: info.get(k) for k in ("http_workers", "cuda_graphs", "attention_backend", "limits")}}
+    write_results("service", payload, args.out)
+    print(json.dumps({"benchmark": "service", **{k: round(v, 3) if isinstance(v, float) else v
+                                                 for k, v in summary.items()}}))
 
 
 if __name__ == "__main__":

@@ -105,22 +105,29 @@ def warmup(enc: Encoder, settings: Settings):
     """Run representative packs once so kernels compile and tune before traffic. The kernels' tuning keys are
     coarse classes (`kernels.attention.tiles.seq_bucket` and `load_class`, the QKV projection's token classes), so
     per attention length class (<=256, <=1024, <=4096, longer) one image alone and one pack as full as the batch
-    limits allow cover them."""
+    limits allow cover them; each also runs as a pack of unequal sizes, whose kernels are compiled apart from those
+    of equal ones (the Gluon kernel specialises on a pack of one length)."""
     from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
     cache = tuning_cache(settings, enc.device)
     load_tuning(cache)
     rng = np.random.default_rng(0)
-    factor = enc.preprocessor.config.factor
-    sides = [16, 32, 64, 96] if enc.device.type == "cuda" else [8]
-    for side in sides:
+    patch = enc.preprocessor.config.patch_size
+    cuda = enc.device.type == "cuda"
+
+    def image(side: int):
+        px = side * patch
+        img = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
+        return enc.preprocess(img, min_pixels=px * px, max_pixels=px * px)
+
+    for side in [16, 32, 64, 96] if cuda else [8]:
         if side * side > settings.max_batch_patches:
             break
-        px = side * enc.preprocessor.config.patch_size
-        img = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
-        item = enc.preprocess(img, min_pixels=px * px, max_pixels=px * px)
-        full = min(settings.max_batch_patches // (side * side), settings.max_batch_items)
-        for count in sorted({1, full}) if enc.device.type == "cuda" else [1]:
-            enc.encode([item] * count)
+        item, smaller = image(side), image(side - 2)
+        full = max(1, min(settings.max_batch_patches // (side * side), settings.max_batch_items))
+        packs = [[item], [item] * full, [item, smaller], [item, smaller] * (full // 2)] if cuda else [[item]]
+        for pack in packs:
+            if pack:
+                enc.encode(pack)
     save_tuning(cache)
-    log.info("warm-up done (multiples of %d px)", factor)
+    log.info("warm-up done (multiples of %d px)", enc.preprocessor.config.factor)
