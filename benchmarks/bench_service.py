@@ -14,7 +14,10 @@ Phases, in order, against one server:
   and 20 s measured (warm window), latency percentiles per size class;
 - uniform 448 px photos: 10 s warm-up, 20 s measured;
 - one client, curl, a 448 px JPEG: /v1/embeddings and /embed?embeddings=false&pooling=mean, p50 of 40 requests;
-then start 2 on the same cache (`ready_s_second`).
+then start 2 on the same cache (`ready_s_second`), and on it, twice: SIGKILL of the engine process, then seconds
+until /ready answers 200 again and an image is served (`recovery_s`, the front-ends up throughout).
+
+`--startup-only` runs the starts and recoveries alone (results in `service_startup.json`).
 
 Ratios: uniform images/s over the forward's images/s at 32 x 448 px; mixed patches/s over the forward's patches/s
 on the same photos.
@@ -32,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -226,6 +230,43 @@ def start_server(model: str, port: int, cache_dir: str):
     return server, url, time.perf_counter() - t0
 
 
+def recovery_s(url: str, body: bytes, kills: int = 2) -> list[float]:
+    """SIGKILL the engine process `kills` times; each time, seconds until /ready is 200 and `body` is served."""
+    import httpx
+
+    times = []
+    for _ in range(kills):
+        pid = httpx.get(f"{url}/info").json()["engine"]["pid"]
+        t0 = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200 and httpx.post(
+                        f"{url}/embed", content=body, headers={"content-type": "image/jpeg"},
+                        params={"embeddings": "false", "pooling": "mean"}, timeout=30).status_code == 200:
+                    break
+            except httpx.TransportError as e:
+                raise RuntimeError(f"the front-end went away during the engine's restart: {e}") from e
+            time.sleep(0.05)
+        times.append(time.perf_counter() - t0)
+        print(f"recovered in {times[-1]:.1f} s after SIGKILL of engine {pid}", flush=True)
+    return times
+
+
+def startup(model: str, port: int, body: bytes) -> dict:
+    cache_dir = tempfile.mkdtemp(prefix="qwen3vl-cache-")
+    server, url, first = start_server(model, port, cache_dir)
+    print(f"ready after {first:.1f} s (empty cache)", flush=True)
+    stop_server(server)
+    server, url, second = start_server(model, port, cache_dir)
+    print(f"ready after {second:.1f} s (second start, same cache)", flush=True)
+    try:
+        recoveries = recovery_s(url, body)
+    finally:
+        stop_server(server)
+    return {"ready_s_first": first, "ready_s_second": second, "recovery_s": recoveries}
+
+
 def stop_server(server):
     server.terminate()
     try:
@@ -244,10 +285,18 @@ def main():
     ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under the uniform load")
     ap.add_argument("--py-spy", default="py-spy", help="the py-spy binary")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--startup-only", action="store_true", help="only the starts and the engine recoveries")
     args = ap.parse_args()
     from service.settings import Settings
 
     defaults = Settings()
+    port = 18777
+    if args.startup_only:
+        result = startup(args.model, port, photo_jpegs([(448, 448)])[0])
+        payload = {"benchmark": "service_startup", "env": environment(), "model": args.model, **result}
+        write_results("service_startup", payload, args.out)
+        print(json.dumps(payload))
+        return
     uniform = photo_jpegs([(448, 448)] * args.images)
     sizes = mixed_sizes(args.images, seed=1)
     mixed = photo_jpegs(sizes, seed=1)
@@ -260,7 +309,6 @@ def main():
     mixed_tags = [f"{size_class(w, h)}:{i}" for i, (w, h) in enumerate(sizes)]
 
     cache_dir = tempfile.mkdtemp(prefix="qwen3vl-cache-")
-    port = 18777
     server, url, ready_first = start_server(args.model, port, cache_dir)
     print(f"ready after {ready_first:.1f} s (empty cache)", flush=True)
     try:
@@ -289,8 +337,11 @@ def main():
     finally:
         stop_server(server)
     server, url, ready_second = start_server(args.model, port, cache_dir)
-    stop_server(server)
     print(f"ready after {ready_second:.1f} s (second start, same cache)", flush=True)
+    try:
+        recoveries = recovery_s(url, uniform[0])
+    finally:
+        stop_server(server)
 
     summary = {
         "settings": "defaults",
@@ -303,6 +354,7 @@ def main():
         "single_image_forward_ms": fwd["single_image_forward_ms"],
         "ready_s_first": ready_first,
         "ready_s_second": ready_second,
+        "recovery_s": max(recoveries),
     }
     payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": CLIENTS,
                "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd,

@@ -1,4 +1,4 @@
-"""Typed errors. Only the API layer maps them to HTTP status codes (service/api.py)."""
+"""Typed errors. Only the API layer maps them to HTTP status codes (service/http/status.py)."""
 
 from __future__ import annotations
 
@@ -69,9 +69,35 @@ class Overloaded(EncoderError):
         self.retry_after = retry_after
 
 
-class DeadlineExceeded(EncoderError):
+class Unavailable(EncoderError):
+    """The request cannot be served now but may be later (HTTP 503 with Retry-After)."""
+
+    reason = "unavailable"
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DeadlineExceeded(Unavailable):
     reason = "deadline_exceeded"
 
 
-class ShuttingDown(EncoderError):
+class ShuttingDown(Unavailable):
     reason = "shutting_down"
+
+
+class EngineUnavailable(Unavailable):
+    """The engine process is down or restarting; requests it held when it died get this too."""
+
+    reason = "engine_unavailable"
+
+
+class InferenceFailed(Unavailable):
+    """A forward failed for this item alone (after its pack was split), out of device memory included."""
+
+    reason = "inference_failed"

@@ -37,6 +37,20 @@ def _server_class():
     return Server
 
 
+def _frontends_class():
+    from uvicorn.supervisors import Multiprocess
+
+    class Frontends(Multiprocess):
+        def terminate_all(self) -> None:
+            # Close this process's copy of the listening socket first: once the front-ends close theirs, the
+            # kernel refuses new connections instead of queueing them to be reset when this process exits.
+            for sock in self.sockets:
+                sock.close()
+            super().terminate_all()
+
+    return Frontends
+
+
 def settings_from_args(args) -> Settings:
     overrides = {k: v for k, v in vars(args).items()
                  if k in ("model", "host", "port", "device", "dtype") and v is not None}
@@ -45,8 +59,6 @@ def settings_from_args(args) -> Settings:
 
 def run(args) -> int:
     import uvicorn
-
-    from .http.app import create_app
 
     try:
         settings = settings_from_args(args)
@@ -60,6 +72,8 @@ def run(args) -> int:
     # The forward thread dispatches hundreds of CUDA ops per batch; with the default 5 ms switch
     # interval it queues behind the event loop for the GIL at every hand-off.
     sys.setswitchinterval(0.0005)
+    from .http.app import create_app  # not before run_with_engine_process: it sets up multiprocess metrics first
+
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.graceful_shutdown_s, access_log=False)
@@ -73,21 +87,17 @@ def run(args) -> int:
 
 
 def run_with_engine_process(settings: Settings) -> int:
-    """`http_workers` >= 1: spawn the engine process, wait until its model is loaded and warm, then run
-    the uvicorn supervisor over `http_workers` front-end processes (service.engine.process). SIGTERM/SIGINT: the
-    supervisor drains and stops the front-ends, then the engine finishes its queue and exits; 0 when
-    all of that went cleanly. If the engine dies, the front-ends are stopped and the exit code is 1."""
-    import contextlib
-    import multiprocessing
+    """`http_workers` >= 1: the uvicorn supervisor over `http_workers` front-end processes, serving at once (/health
+    200, /ready 503 until the model is warm), and an `EngineSupervisor` that runs the engine process and restarts it
+    if it dies (service.engine.supervisor). SIGTERM/SIGINT: the front-ends drain, then the engine finishes its queue
+    and exits; 0 when all of that went cleanly. 2: the model could not be loaded; 3: the engine crash-looped."""
     import os
     import tempfile
-    import threading
 
     import uvicorn
-    from uvicorn.supervisors import Multiprocess
 
-    from .engine.process import engine_process_main
     from .engine.protocol import settings_env
+    from .engine.supervisor import EngineSupervisor
 
     workdir = tempfile.mkdtemp(prefix="qwen3vl-")
     metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -104,48 +114,19 @@ def run_with_engine_process(settings: Settings) -> int:
     env = {**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     os.environ.update(env)  # the spawned front-ends rebuild their Settings from it
 
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    engine = ctx.Process(target=engine_process_main, args=(child_conn, env), name="qwen3vl-engine")
-    engine.start()
-    child_conn.close()
-    try:
-        status, message = conn.recv()
-    except EOFError:  # the engine exited before reporting
-        engine.join()
-        status, message = "error", f"the engine process exited with code {engine.exitcode}"
-    if status != "ready":
-        log.error("%s", message)
-        engine.join(10)
-        return 2
+    # after PROMETHEUS_MULTIPROC_DIR is set: the counter is written where the front-ends' /metrics reads
+    from prometheus_client import CollectorRegistry, Counter
 
+    restarts = Counter("qwen3vl_engine_restarts", "engine processes started after one died",
+                       registry=CollectorRegistry())
     config = uvicorn.Config("service.http.app:frontend_app", factory=True, host=settings.host, port=settings.port,
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
-    supervisor = Multiprocess(config, sockets=[config.bind_socket()])
-    engine_died = threading.Event()
-    engine_exited = threading.Event()
-    stopping = threading.Event()
-
-    def watch_engine():
-        # The only thread that joins the engine: two threads reaping one child race in waitpid, and
-        # the loser sees a live process that has in fact exited.
-        engine.join()
-        if not stopping.is_set():
-            engine_died.set()
-            log.error("the engine process exited (code %s); stopping the front-ends", engine.exitcode)
-            supervisor.should_exit.set()
-        engine_exited.set()
-
-    threading.Thread(target=watch_engine, name="engine-watch", daemon=True).start()
-    supervisor.run()  # returns once every front-end has drained and exited
-    stopping.set()
-    if not engine_died.is_set():
-        with contextlib.suppress(OSError):
-            conn.send("stop")
-        if not engine_exited.wait(settings.graceful_shutdown_s + 30):
-            log.error("the engine process did not stop in time; killing it")
-            engine.kill()
-            engine_exited.wait()
-            return 1
-    return 1 if engine_died.is_set() else (0 if engine.exitcode == 0 else 1)
+    frontends = _frontends_class()(config, sockets=[config.bind_socket()])
+    engine = EngineSupervisor(env, backoff_s=settings.engine_restart_backoff_s,
+                              max_restarts=settings.engine_max_restarts, window_s=settings.engine_restart_window_s,
+                              on_restart=restarts.inc, on_give_up=lambda code: frontends.should_exit.set())
+    engine.start()
+    frontends.run()  # returns on SIGTERM/SIGINT, or when the engine supervisor gives up, once the front-ends drained
+    code = engine.stop(settings.graceful_shutdown_s + 30)
+    return engine.exit_code or code

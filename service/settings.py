@@ -63,17 +63,30 @@ class Settings(BaseSettings):
     max_video_frames: int = Field(9000, ge=2, description="frames in one video file beyond which it is refused "
                                   "(413) before decoding; decoding is sequential, so this bounds its CPU time")
 
+    video_sandbox: bool = Field(True, description="decode each video in a child process with the CPU and memory "
+                                "limits below, so a decoder crash costs that input a 422 and nothing else")
+    video_decode_cpu_s: float = Field(60.0, gt=0, description="CPU seconds one video's decoding may use")
+    video_decode_memory_mib: int = Field(4096, ge=256, description="memory one video's decoding may allocate")
+
     # batching
     max_batch_patches: int = Field(32768, ge=64, description="patch budget of one forward")
     max_batch_items: int = Field(64, ge=1)
     max_wait_ms: float = Field(5.0, ge=0, description="how long a forward waits to fill up")
     cuda_graphs: int | None = Field(None, ge=0, description="pack signatures kept as CUDA graphs (0: off); a signature "
                                     "is captured the third time it is seen. Default: 16 on CUDA with HTTP "
-                                    "front-end processes, else 0 (measured, docs/PERFORMANCE.md)")
+                                    "front-end processes, else 0")
+    cuda_graph_max_tokens: int = Field(8192, ge=1, description="only packs of at most this many patches are graphed: "
+                                       "larger ones keep the GPU busy longer than their launches take to issue, so a "
+                                       "graph gains ~1% there and each capture would stall traffic")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding one engine process that owns the model; 0: one process does "
                                      "everything (service.engine.process). Default: 4 on CUDA (fewer on small hosts), 0 on CPU")
+    engine_restart_backoff_s: float = Field(0.5, ge=0, description="wait before restarting a dead engine process; "
+                                            "doubles with each death inside the crash window")
+    engine_max_restarts: int = Field(5, ge=0, description="engine deaths within engine_restart_window_s beyond "
+                                     "which the server gives up and exits with code 3 (a crash loop)")
+    engine_restart_window_s: float = Field(600.0, gt=0)
     engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
     preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "

@@ -16,7 +16,7 @@ from conftest import encode_bytes, rel_err
 from servers import serve
 from service.model.encoder import Encoder
 from service.engine.batching import Engine
-from service.errors import DeadlineExceeded, EncoderError, Overloaded
+from service.errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded
 
 
 class RecordingEncoder:
@@ -123,11 +123,13 @@ def test_abandoned_items_are_dropped_before_compute(tiny):
 
 
 def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny):
-    items = [tiny.preprocess(img) for img in _images(6, seed=3)]
-    poison = items[4]
+    """A pack that runs out of device memory is split down until its parts fit; an item that fails alone gets a
+    503-class `InferenceFailed` (out of memory even alone, or any other exception) and nothing else is affected."""
+    items = [tiny.preprocess(img) for img in _images(7, seed=3)]
+    poison, hog = items[4], items[6]
 
     def fail(batch):
-        if len(batch) > 2:
+        if len(batch) > 2 or any(it is hog for it in batch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         if any(it is poison for it in batch):
             raise RuntimeError("kernel exploded")
@@ -144,11 +146,39 @@ def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny):
     outs = asyncio.run(go())
     for it, out in zip(items, outs):
         if it is poison:
-            assert isinstance(out, EncoderError) and "kernel exploded" in str(out)
+            assert isinstance(out, InferenceFailed) and "kernel exploded" in str(out)
+        elif it is hog:
+            assert isinstance(out, InferenceFailed) and "out of device memory" in str(out) and out.retry_after
         else:
             results, _ = out
             assert rel_err(results[0].embeds, tiny.encode([it])[0].embeds) <= 1e-5
-    assert max(enc.batches) == 6 and 1 in enc.batches  # tried whole, then split down
+    assert max(enc.batches) == 7 and 1 in enc.batches  # tried whole, then split down
+
+
+def test_device_fault_fails_the_pack_and_queue_and_reports_once(tiny):
+    """A CUDA error other than out-of-memory poisons the context: no split and retry; the pack and everything
+    queued fail with `EngineUnavailable` (503), later submits too, and `on_fault` fires once (the engine process
+    exits there and is restarted)."""
+    items = [tiny.preprocess(img) for img in _images(6, seed=8)]
+
+    def fail(batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    faults = []
+    enc = RecordingEncoder(tiny, fail=fail, delay_s=0.05)
+
+    async def go():
+        eng = _engine(enc, max_batch_items=2, max_wait_ms=0)
+        eng.on_fault = faults.append
+        await eng.start()
+        outs = await asyncio.gather(*(eng.submit([it], timeout_s=10) for it in items), return_exceptions=True)
+        later = await asyncio.gather(eng.submit(items[:1], timeout_s=10), return_exceptions=True)
+        await eng.stop()
+        return outs + later
+
+    outs = asyncio.run(go())
+    assert all(isinstance(o, EngineUnavailable) for o in outs), outs
+    assert len(faults) == 1 and enc.batches == [2]
 
 
 def test_engine_overload_and_deadline(tiny):

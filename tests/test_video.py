@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import make_video
-from service.errors import InvalidInput, UnsupportedVideo, VideoTooLong
+from service.errors import ImageTooLarge, InvalidInput, UnsupportedVideo, VideoTooLong
 from service.model.preprocess import PreprocessConfig, Preprocessor
 from service.model.video import VideoConfig, is_video, sample_indices
 
@@ -178,7 +178,7 @@ def test_frame_limit():
 
 def test_frame_pixel_limit():
     small = Preprocessor(PreprocessConfig(max_image_pixels=1000))
-    with pytest.raises(VideoTooLong, match="64x32 = 2048 pixels exceed the limit of 1000"):
+    with pytest.raises(ImageTooLarge, match="64x32 = 2048 pixels exceed the limit of 1000"):
         small(make_video(4, 64, 32))
 
 

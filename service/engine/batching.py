@@ -8,7 +8,9 @@
   (`max_wait_ms`). The queue is bounded in items: past it, `Overloaded` (the API answers 429).
 - Items whose request is abandoned (client gone, deadline passed) are dropped before compute.
 - A forward that fails is split in halves and retried, so an out-of-memory batch still serves what
-  fits and a failing item fails alone.
+  fits and a failing item fails alone (`InferenceFailed`, a 503). A device fault (a CUDA error other than
+  out-of-memory) leaves the CUDA context unusable: the pack fails with `EngineUnavailable` and `on_fault` is
+  called (the engine process exits there, and its supervisor starts a new one).
 - `stop()` refuses new work, finishes everything queued or running, then returns.
 """
 
@@ -25,11 +27,22 @@ from typing import Callable
 
 import torch
 
-from ..errors import DeadlineExceeded, EncoderError, Overloaded, ShuttingDown
+from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
 from ..model.encoder import EncodeResult, Encoder
-from ..model.preprocess import Preprocessed, decode_in_worker, init_worker
+from ..model.preprocess import Preprocessed, decode_in_worker, decode_in_worker_config, init_worker
+from ..model.video import is_video
+from .sandbox import DecodeSandbox
 
 log = logging.getLogger(__name__)
+
+
+def is_device_fault(e: BaseException) -> bool:
+    """A CUDA error that poisons the context (an illegal address, a launch failure), as opposed to an
+    out-of-memory error or a Python exception, after which the process can go on."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(e, accelerator_error) or (isinstance(e, RuntimeError) and "CUDA error" in str(e))
 
 
 @dataclass
@@ -61,13 +74,19 @@ class Engine:
 
     def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
                  max_queue_items: int, preprocess_workers: int = 4, preprocess_processes: bool = False,
-                 on_batch: Callable[[BatchStats], None] | None = None):
+                 on_batch: Callable[[BatchStats], None] | None = None,
+                 on_fault: Callable[[BaseException], None] | None = None, sandbox: DecodeSandbox | None = None):
+        """`on_batch`: called with each forward's stats; `on_fault`: called once on a device fault; `sandbox`:
+        where videos are decoded (None: with the images)."""
+        self.sandbox = sandbox
         self.encoder = encoder
         self.max_batch_patches = max_batch_patches
         self.max_batch_items = max_batch_items
         self.max_wait = max_wait_ms / 1000
         self.max_queue_items = max_queue_items
         self.on_batch = on_batch
+        self.on_fault = on_fault
+        self.faulted: BaseException | None = None
         self._queue: collections.deque[_Work] = collections.deque()
         self._queued_patch_count = 0  # patches of the items in _queue
         self._wakeup: asyncio.Event | None = None
@@ -107,6 +126,8 @@ class Engine:
         self._gpu.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
         self._pre_pool.shutdown(wait=True)
+        if self.sandbox is not None:
+            self.sandbox.close()
 
     @property
     def queue_depth(self) -> int:
@@ -122,6 +143,10 @@ class Engine:
         """Decode and resize one image or video in the pool (`fps`/`num_frames`: video frame sampling)."""
         loop = asyncio.get_running_loop()
         args = (data, min_pixels, max_pixels, fps, num_frames)
+        if self.sandbox is not None and is_video(data):
+            pre = self.encoder.preprocessor
+            frames, grid, meta = await self.sandbox.run(decode_in_worker_config, pre.config, *args)
+            return pre.item(frames, grid, meta)
         if not self._processes:
             return await loop.run_in_executor(self._pre_pool, self.encoder.preprocessor, *args)
         frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, *args)
@@ -147,6 +172,8 @@ class Engine:
         if isinstance(abandoned, asyncio.Event):
             abandoned = abandoned.is_set
         abandoned = abandoned or (lambda: False)
+        if self.faulted is not None:
+            raise EngineUnavailable(f"the engine hit a device fault and is restarting ({self.faulted})")
         if not self._accepting:
             raise ShuttingDown("the service is shutting down")
         if len(self._queue) + len(items) > self.max_queue_items:
@@ -236,6 +263,9 @@ class Engine:
             return start, pending
         except Exception as e:  # noqa: BLE001 - one bad pack must not take the service down
             self._report(batch, start, False)
+            if is_device_fault(e):
+                self._fault(batch, e)
+                return None
             if len(batch) > 1:
                 if isinstance(e, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
@@ -246,7 +276,13 @@ class Engine:
                     if launched is not None:
                         await self._finish(loop, part, launched, count=False)
                 return None
-            err = e if isinstance(e, EncoderError) else EncoderError(f"inference failed: {type(e).__name__}: {e}")
+            if isinstance(e, EncoderError):
+                err = e
+            elif isinstance(e, torch.OutOfMemoryError):
+                err = InferenceFailed(f"out of device memory for one item of {batch[0].item.num_patches} patches "
+                                      "while other work held memory; retry", retry_after=1.0)
+            else:
+                err = InferenceFailed(f"inference failed: {type(e).__name__}: {e}")
             if not batch[0].future.done():
                 batch[0].future.set_exception(err)
             return None
@@ -256,7 +292,10 @@ class Engine:
         try:
             results = await loop.run_in_executor(self._finisher, self.encoder.finish, pending)
         except Exception as e:  # noqa: BLE001
-            err = EncoderError(f"inference failed: {type(e).__name__}: {e}")
+            if is_device_fault(e):
+                self._fault(batch, e)
+                return
+            err = InferenceFailed(f"inference failed: {type(e).__name__}: {e}")
             for w in batch:
                 if not w.future.done():
                     w.future.set_exception(err)
@@ -269,6 +308,20 @@ class Engine:
         for w, r in zip(batch, results):
             if not w.future.done():
                 w.future.set_result((r, start - w.enqueued, end - start))
+
+    def _fault(self, batch: list[_Work], e: BaseException) -> None:
+        first = self.faulted is None
+        if first:
+            self.faulted = e
+            log.critical("device fault in a forward: %s: %s", type(e).__name__, e)
+        err = EngineUnavailable(f"the engine hit a device fault and is restarting ({type(e).__name__})")
+        for w in batch + list(self._queue):
+            if not w.future.done():
+                w.future.set_exception(err)
+        self._queue.clear()
+        self._queued_patch_count = 0
+        if first and self.on_fault is not None:
+            self.on_fault(e)
 
     def _report(self, batch, start, ok):
         self.forwards += 1

@@ -26,6 +26,7 @@ from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
 from ..settings import Settings
 from .batching import BatchStats, Engine
+from .sandbox import DecodeSandbox
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ def load_encoder(settings: Settings) -> Encoder:
         log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
                     "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
     return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(),
-                        settings.resolved_cuda_graphs(), TowerOptions(attention_backend=settings.attention_backend))
+                        settings.resolved_cuda_graphs(), TowerOptions(attention_backend=settings.attention_backend),
+                        settings.cuda_graph_max_tokens)
 
 
 async def build_engine(settings: Settings, encoder: Encoder | None = None,
@@ -97,8 +99,16 @@ async def build_engine(settings: Settings, encoder: Encoder | None = None,
     engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
                     max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
                     preprocess_workers=settings.preprocess_workers, preprocess_processes=settings.preprocess_processes,
-                    on_batch=on_batch)
+                    on_batch=on_batch, sandbox=video_sandbox(settings))
     return enc, engine
+
+
+def video_sandbox(settings: Settings) -> DecodeSandbox | None:
+    """Where videos are decoded: a sandbox process per video (`Settings.video_sandbox`), else None (threads)."""
+    if not settings.video_sandbox:
+        return None
+    return DecodeSandbox(settings.preprocess_workers, cpu_s=settings.video_decode_cpu_s,
+                         memory_bytes=settings.video_decode_memory_mib << 20)
 
 
 def warmup(enc: Encoder, settings: Settings):

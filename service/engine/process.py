@@ -6,9 +6,10 @@ HTTP handling and CUDA dispatch then stop sharing one interpreter lock, and the 
 every front-end into one forward. The engine process holds no metrics registry: the stats of each forward ride
 back to a front-end on its next reply, and the front-ends read queue depth and device memory with `stats`.
 
-Lifecycle (service.server): the main process spawns this process, waits until it has loaded and warmed up the
-model, then runs the uvicorn supervisor. On SIGTERM the front-ends drain their requests first; then the engine is
-told to stop, finishes whatever is still queued, and exits. The engine ignores SIGINT/SIGTERM itself, so a Ctrl-C
+Lifecycle (`supervisor.EngineSupervisor`, in the main process): the main process spawns this process, which loads
+and warms up the model, then listens; the front-ends connect whenever it does. If it dies it is started again. On
+SIGTERM the front-ends drain their requests first; then the engine is told to stop, finishes whatever is still
+queued, and exits. The engine ignores SIGINT/SIGTERM itself, so a Ctrl-C
 that reaches the whole process group cannot stop it under the front-ends' in-flight requests.
 """
 
@@ -112,10 +113,13 @@ class EngineServer:
             await writer.drain()
 
 
-def engine_process_main(conn, settings_env: dict[str, str]) -> int:
-    """Entry point of the engine process (spawned by service.server): load and warm the model, serve
+FAULT_EXIT_CODE = 70  # the exit code after a device fault (the supervisor restarts the process)
+
+
+def engine_process_main(conn, settings_env: dict[str, str], restarts: int = 0) -> int:
+    """Entry point of the engine process (spawned by `supervisor.EngineSupervisor`): load and warm the model, serve
     the socket, report ("ready", None) or ("error", message) on `conn`, stop when `conn` says so or
-    closes (the parent is gone)."""
+    closes (the parent is gone). `restarts`: how many engine processes died before this one (for /info)."""
     os.environ.update(settings_env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -124,7 +128,7 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
 
     settings = Settings()
     try:
-        return asyncio.run(_serve(conn, settings))
+        return asyncio.run(_serve(conn, settings, restarts))
     except errors.EncoderError as e:
         conn.send(("error", str(e)))
         return 2
@@ -134,20 +138,28 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         return 1
 
 
-async def _serve(conn, settings) -> int:
+async def _serve(conn, settings, restarts: int) -> int:
     enc, engine = await build_engine(settings)
     if settings.warmup:
         await asyncio.to_thread(warmup, enc, settings)
     info = {"config": enc.config, "preprocess": enc.preprocessor.config, "device": str(enc.device),
-            "dtype": str(enc.dtype).removeprefix("torch."), "backend": enc.backend}
+            "dtype": str(enc.dtype).removeprefix("torch."), "backend": enc.backend, "pid": os.getpid(),
+            "restarts": restarts}
     server = EngineServer(engine, info)
     engine.on_batch = server.on_batch
+    loop = asyncio.get_running_loop()
+
+    def on_fault(e: BaseException):
+        # the CUDA context is unusable: answer what can be answered, then exit for the supervisor to restart us
+        log.critical("exiting after a device fault (%s); the server starts a new engine process", e)
+        loop.call_later(0.2, os._exit, FAULT_EXIT_CODE)
+
+    engine.on_fault = on_fault
     await engine.start()
     listener = await server.serve(settings.engine_socket)
     log.info("engine ready: %s on %s (%s), attention backend %s; socket %s", settings.model, enc.device, enc.dtype,
              enc.backend, settings.engine_socket)
     conn.send(("ready", None))
-    loop = asyncio.get_running_loop()
     with contextlib.suppress(EOFError, OSError):
         await loop.run_in_executor(None, conn.recv)  # "stop", or EOF when the parent is gone
     log.info("engine stopping: finishing queued work")

@@ -25,7 +25,8 @@ _PREFIX = struct.Struct("<IQ")
 warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable")
 _ERRORS = {cls.__name__: cls for cls in (errors.EncoderError, errors.InvalidInput, errors.UnsupportedImage,
                                          errors.ImageTooLarge, errors.UnsupportedVideo, errors.VideoTooLong,
-                                         errors.Overloaded, errors.DeadlineExceeded, errors.ShuttingDown,
+                                         errors.Overloaded, errors.Unavailable, errors.DeadlineExceeded,
+                                         errors.ShuttingDown, errors.EngineUnavailable, errors.InferenceFailed,
                                          errors.CheckpointError)}
 
 
@@ -61,7 +62,7 @@ def tensor_at(payload: bytes, offset: int, shape, dtype: torch.dtype) -> tuple[t
 
 def error_header(rid: int, e: Exception) -> dict:
     if not isinstance(e, errors.EncoderError):
-        e = errors.EncoderError(f"inference failed: {type(e).__name__}: {e}")
+        e = errors.InferenceFailed(f"inference failed: {type(e).__name__}: {e}")
     return {"op": "error", "id": rid, "type": type(e).__name__, "message": getattr(e, "message", str(e)),
             "index": getattr(e, "index", None), "retry_after": getattr(e, "retry_after", None)}
 
@@ -70,7 +71,7 @@ def rebuild_error(header: dict) -> errors.EncoderError:
     cls = _ERRORS.get(header["type"], errors.EncoderError)
     if issubclass(cls, errors.InvalidInput):
         return cls(header["message"], header["index"])
-    if issubclass(cls, errors.Overloaded):
+    if issubclass(cls, (errors.Overloaded, errors.Unavailable)):
         return cls(header["message"], retry_after=header["retry_after"] or 1.0)
     return cls(header["message"])
 

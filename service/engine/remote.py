@@ -1,6 +1,6 @@
 """The engine as the HTTP front-end processes see it: `RemoteEngine`, a client of the engine process's socket
 with the interface of the local `Engine` (`preprocess`, `submit`, `stats`). Decoding and resizing run here, in
-threads; only the uint8 frames cross to the engine process (`protocol.py`)."""
+threads (videos in a sandbox process); only the uint8 frames cross to the engine process (`protocol.py`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import torch
 
 from .. import errors
 from ..model.encoder import EncodeResult
-from ..model.preprocess import Preprocessed, Preprocessor
+from ..model.preprocess import Preprocessed, Preprocessor, decode_in_worker_config
+from ..model.video import is_video
 from .batching import BatchStats, Timing
 from .protocol import read_message, rebuild_error, tensor_at, write_message
+from .sandbox import DecodeSandbox
 
 
 class RemoteEncoder:
@@ -34,123 +36,123 @@ class RemoteEncoder:
 
 class RemoteEngine:
     """The `Engine` interface the API uses (`preprocess`, `submit`, `stats`), backed by the engine process.
-    Decoding and resizing run here, in threads; only the uint8 frames cross to the engine."""
+    Decoding and resizing run here, in threads (videos in a sandbox process, `sandbox.py`); only the uint8 frames
+    cross to the engine.
+
+    The engine process may die and be restarted by the server's supervisor: `connect()` opens a new connection,
+    `disconnected()` waits for it to close. Requests the engine held when its connection closed fail with
+    `EngineUnavailable` (503): they are not retried, since the front-end cannot tell whether its own input was
+    what killed the engine."""
 
     local = False
 
     def __init__(self, path: str, preprocess_workers: int = 4,
-                 on_batch: Callable[[BatchStats], None] | None = None):
+                 on_batch: Callable[[BatchStats], None] | None = None, sandbox: DecodeSandbox | None = None):
         """`on_batch`: called with the stats of each forward the engine reports back (to this front-end's metrics;
-        each forward is reported to one front-end only)."""
+        each forward is reported to one front-end only); `sandbox`: where videos are decoded (None: in threads)."""
         self.path = path
         self.on_batch = on_batch
+        self.sandbox = sandbox
         self._pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
         self._ids = itertools.count()
-        self._pending: dict[int, asyncio.Future] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task | None = None
-        self._broken: str | None = None
+        self._link: _Link | None = None
         self.encoder: RemoteEncoder | None = None
+        self.info: dict = {}
 
-    async def start(self, timeout_s: float = 5.0):
-        """Connect and fetch the model's description. The engine listens before any front-end starts, so a
-        socket that stays refused means the engine is gone: fail the start-up (uvicorn then stops)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while True:
-            try:
-                reader, self._writer = await asyncio.open_unix_connection(self.path, limit=2**22)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if asyncio.get_running_loop().time() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
-        self._reader_task = asyncio.create_task(self._read_loop(reader), name="engine-reader")
-        header, _ = await self._request({"op": "hello"})
-        self.encoder = RemoteEncoder(header["info"])
+    async def connect(self, timeout_s: float = 5.0):
+        """Connect and fetch the model's description; `OSError` or `EngineUnavailable` if the engine does not
+        answer within `timeout_s`."""
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=2**22), timeout_s)
+        link = _Link(writer, self.on_batch)
+        link.reader_task = asyncio.create_task(link.read_loop(reader), name="engine-reader")
+        try:
+            header, _ = await asyncio.wait_for(self._request({"op": "hello"}, link), timeout_s)
+        except BaseException:
+            link.close()
+            raise
+        self.info = header["info"]
+        self.encoder = RemoteEncoder(self.info)
+        self._link = link
+
+    async def disconnected(self) -> str:
+        """Wait until the current connection closes; why it closed."""
+        link = self._link
+        if link is None:
+            return "never connected"
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(link.reader_task)
+        return link.broken or "closed"
 
     async def stop(self):
-        if self._writer is not None:
-            self._writer.close()
+        if self._link is not None:
+            self._link.close()
             with contextlib.suppress(Exception):
-                await self._writer.wait_closed()
-        if self._reader_task is not None:
-            self._reader_task.cancel()
+                await self._link.writer.wait_closed()
         self._pool.shutdown(wait=True)
+        if self.sandbox is not None:
+            self.sandbox.close()
 
     @property
     def alive(self) -> bool:
-        return self._broken is None
+        return self._link is not None and self._link.broken is None
 
-    async def _read_loop(self, reader):
+    def _live_link(self) -> "_Link":
+        link = self._link
+        if link is None or link.broken is not None:
+            raise errors.EngineUnavailable("the engine process is restarting" if link is not None else
+                                           "the engine process is not running yet", retry_after=2.0)
+        return link
+
+    async def _request(self, header: dict, link: "_Link | None" = None) -> tuple[dict, bytes]:
+        link = link or self._live_link()
+        rid = next(self._ids)
+        fut = link.send({**header, "id": rid})
         try:
-            while True:
-                header, payload = await read_message(reader)
-                if self.on_batch is not None:
-                    for stats in header.get("batches", ()):
-                        self.on_batch(BatchStats(*stats))
-                fut = self._pending.pop(header["id"], None)
-                if fut is not None and not fut.done():
-                    fut.set_result((header, payload))
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            self._broken = f"the engine process closed the connection ({type(e).__name__})"
+            await link.drain()
+            return await fut
         finally:
-            if self._broken is None:
-                self._broken = "the engine connection was closed"
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(errors.ShuttingDown(f"engine unavailable: {self._broken}"))
-            self._pending.clear()
-
-    def _send(self, header: dict, buffers=()) -> asyncio.Future:
-        if self._broken is not None:
-            raise errors.ShuttingDown(f"engine unavailable: {self._broken}")
-        fut = asyncio.get_running_loop().create_future()
-        self._pending[header["id"]] = fut
-        write_message(self._writer, header, buffers)
-        return fut
-
-    async def _request(self, header: dict) -> tuple[dict, bytes]:
-        header = {**header, "id": next(self._ids)}
-        fut = self._send(header)
-        await self._writer.drain()
-        return await fut
+            link.forget(rid, fut)
 
     async def stats(self) -> dict:
         header, _ = await self._request({"op": "stats"})
         return header["stats"]
 
     async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
+        pre = self.encoder.preprocessor
+        if self.sandbox is not None and is_video(data):
+            frames, grid, meta = await self.sandbox.run(decode_in_worker_config, pre.config, data, min_pixels,
+                                                        max_pixels, fps, num_frames)
+            return pre.item(frames, grid, meta)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.encoder.preprocessor, data, min_pixels, max_pixels, fps,
-                                          num_frames)
+        return await loop.run_in_executor(self._pool, pre, data, min_pixels, max_pixels, fps, num_frames)
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
                      deepstack: bool = True, tokens: bool = True) -> tuple[list[EncodeResult], Timing]:
         """Same contract as `Engine.submit`; the engine enforces the deadline, `abandoned` (set when the
         client disconnects) cancels the request there."""
+        link = self._live_link()
         rid = next(self._ids)
         frames = [np.ascontiguousarray(it.frames) for it in items]
         header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack, "tokens": tokens,
                   "items": [(f.shape, it.grid_thw, it.meta) for f, it in zip(frames, items)]}
-        fut = self._send(header, frames)
+        fut = link.send(header, frames)
         waiter = asyncio.ensure_future(abandoned.wait()) if abandoned is not None else None
         try:
-            await self._writer.drain()
+            await link.drain()
             done, _ = await asyncio.wait([fut] + ([waiter] if waiter else []), timeout=timeout_s + 10,
                                          return_when=asyncio.FIRST_COMPLETED)
             if fut not in done:
                 raise errors.DeadlineExceeded(f"request not served within {timeout_s:.1f} s") if not (
                     waiter and waiter in done) else asyncio.CancelledError()
+            reply, payload = fut.result()
         except BaseException:
-            self._pending.pop(rid, None)
-            if self._broken is None:
-                with contextlib.suppress(Exception):
-                    write_message(self._writer, {"op": "cancel", "id": rid})
+            if not fut.done():
+                link.cancel(rid)
             raise
         finally:
+            link.forget(rid, fut)
             if waiter is not None:
                 waiter.cancel()
-        reply, payload = fut.result()
         if reply["op"] == "error":
             raise rebuild_error(reply)
         results, offset = [], 0
@@ -162,3 +164,67 @@ class RemoteEngine:
             results.append(EncodeResult(embeds=embeds, deepstack=ds, grid_thw=tuple(grid), pooled=pooled,
                                         num_tokens=num_tokens))
         return results, Timing(*reply["timing"])
+
+
+class _Link:
+    """One connection to the engine process: its writer, its reader task, and the replies it awaits. When it
+    closes, every awaited reply fails with `EngineUnavailable`."""
+
+    def __init__(self, writer: asyncio.StreamWriter, on_batch):
+        self.writer = writer
+        self.on_batch = on_batch
+        self.pending: dict[int, asyncio.Future] = {}
+        self.broken: str | None = None
+        self.reader_task: asyncio.Task | None = None
+
+    async def read_loop(self, reader):
+        try:
+            while True:
+                header, payload = await read_message(reader)
+                if self.on_batch is not None:
+                    for stats in header.get("batches", ()):
+                        self.on_batch(BatchStats(*stats))
+                fut = self.pending.pop(header["id"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result((header, payload))
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            self.broken = f"the engine process closed the connection ({type(e).__name__})"
+        finally:
+            self.broken = self.broken or "the engine connection was closed"
+            err = errors.EngineUnavailable(f"the engine process went away with this request: {self.broken}",
+                                           retry_after=2.0)
+            for fut in self.pending.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            self.pending.clear()
+
+    def send(self, header: dict, buffers=()) -> asyncio.Future:
+        if self.broken is not None:
+            raise errors.EngineUnavailable(f"engine unavailable: {self.broken}", retry_after=2.0)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[header["id"]] = fut
+        write_message(self.writer, header, buffers)
+        return fut
+
+    async def drain(self):
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError) as e:
+            self.broken = self.broken or f"the engine connection failed ({type(e).__name__})"
+            raise errors.EngineUnavailable(f"engine unavailable: {self.broken}", retry_after=2.0) from None
+
+    def cancel(self, rid: int) -> None:
+        if self.broken is None:
+            with contextlib.suppress(Exception):
+                write_message(self.writer, {"op": "cancel", "id": rid})
+
+    def forget(self, rid: int, fut: asyncio.Future) -> None:
+        """Drop a reply no longer awaited; an error it already holds counts as retrieved."""
+        self.pending.pop(rid, None)
+        if fut.done() and not fut.cancelled():
+            fut.exception()
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.reader_task is not None:
+            self.reader_task.cancel()

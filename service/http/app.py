@@ -19,9 +19,9 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 
-from .. import __version__
+from .. import __version__, errors
 from ..engine.batching import Engine
-from ..engine.build import build_engine, warmup
+from ..engine.build import build_engine, video_sandbox, warmup
 from ..engine.remote import RemoteEngine
 from ..errors import InvalidInput
 from ..model.encoder import Encoder
@@ -45,28 +45,51 @@ class Service:
         self.encoder = encoder  # the local Encoder, or the engine process's description (RemoteEncoder)
         self.engine: Engine | RemoteEngine | None = None
         self.ready = False
+        self._link_task: asyncio.Task | None = None
 
     async def start(self):
+        """Single process: load and warm the model, then serve. Front-end process: serve at once (/health answers,
+        /ready is 503) and connect to the engine process in the background, again whenever it restarts."""
         settings, metrics = self.settings, self.metrics
         if settings.engine_socket:  # a front-end process: the model lives in the engine process
-            engine = RemoteEngine(settings.engine_socket, settings.preprocess_workers, on_batch=metrics.observe_batch)
-            await engine.start()
-            self.encoder = engine.encoder  # its preprocessor carries the engine's (server's) limits
-        else:
-            self.encoder, engine = await build_engine(settings, self.encoder, on_batch=metrics.observe_batch)
-            if settings.warmup:
-                await asyncio.to_thread(warmup, self.encoder, settings)
-            await engine.start()
+            self.engine = RemoteEngine(settings.engine_socket, settings.preprocess_workers,
+                                       on_batch=metrics.observe_batch, sandbox=video_sandbox(settings))
+            self._link_task = asyncio.create_task(self._follow_engine(self.engine), name="engine-link")
+            return
+        self.encoder, engine = await build_engine(settings, self.encoder, on_batch=metrics.observe_batch)
+        if settings.warmup:
+            await asyncio.to_thread(warmup, self.encoder, settings)
+        await engine.start()
         self.engine = engine
-        enc = self.encoder
-        metrics.model_info.labels(settings.model, str(enc.dtype).removeprefix("torch."), str(enc.device), enc.backend,
-                                  str(settings.model.startswith("random:")).lower()).set(1)
+        self._set_ready()
+
+    def _set_ready(self):
+        settings, enc = self.settings, self.encoder
+        self.metrics.model_info.labels(settings.model, str(enc.dtype).removeprefix("torch."), str(enc.device),
+                                       enc.backend, str(settings.model.startswith("random:")).lower()).set(1)
         self.ready = True
         log.info("ready: %s on %s (%s), attention backend %s%s", settings.model, enc.device, enc.dtype, enc.backend,
-                 "" if engine.local else f", engine process at {settings.engine_socket}")
+                 "" if self.engine.local else f", engine process {self.engine.info.get('pid')}")
+
+    async def _follow_engine(self, engine: RemoteEngine):
+        """Connect to the engine process whenever it listens; while it is away, /ready and the encoding routes
+        answer 503 (the supervisor in the main process restarts it)."""
+        while True:
+            try:
+                await engine.connect()
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, errors.EncoderError):
+                await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
+                continue
+            self.encoder = engine.encoder  # its preprocessor carries the engine's (server's) limits
+            self._set_ready()
+            why = await engine.disconnected()
+            self.ready = False
+            log.warning("lost the engine process (%s); answering 503 until it is back", why)
 
     async def stop(self):
         self.ready = False
+        if self._link_task is not None:
+            self._link_task.cancel()
         if self.engine is not None:
             await self.engine.stop()
             if not self.engine.local and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -83,10 +106,13 @@ class Service:
                             headers={"WWW-Authenticate": "Bearer"})
 
     def serving_engine(self) -> Engine | RemoteEngine:
-        if not self.ready:
-            raise HTTPError(503, "not_ready", "the model is still loading or warming up")
         if not self.engine_alive:
-            raise HTTPError(503, "engine_unavailable", "the engine process is not running")
+            if self.engine is not None and not self.engine.local and self.encoder is not None:
+                raise HTTPError(503, "engine_unavailable", "the engine process is restarting",
+                                headers={"Retry-After": "2"})
+            raise HTTPError(503, "not_ready", "the model is still loading or warming up", headers={"Retry-After": "5"})
+        if not self.ready:
+            raise HTTPError(503, "not_ready", "the model is still loading or warming up", headers={"Retry-After": "5"})
         return self.engine
 
     async def encode(self, request: Request, inputs: list[bytes], opts: EmbedOptions):
@@ -143,8 +169,13 @@ class Service:
         body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
             enc.preprocessor.config.max_pixels if enc else None)
         if eng is not None:
-            body["engine"] = await eng.stats() if self.engine_alive else {"error": "engine process not running"}
+            body["engine"] = {"state": "up" if self.engine_alive else ("restarting" if enc else "starting")}
+            if self.engine_alive:
+                with contextlib.suppress(errors.EngineUnavailable):
+                    body["engine"].update(await eng.stats())
             body["engine"]["process"] = "this" if eng.local else "separate"
+            if not eng.local:
+                body["engine"]["restarts"] = eng.info.get("restarts", 0)
         body["http_workers"] = settings.resolved_http_workers()
         body["cuda_graphs"] = settings.resolved_cuda_graphs()
         return body

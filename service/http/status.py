@@ -1,4 +1,5 @@
-"""Errors -> HTTP status codes, in one place. Every error body is `{"error": {"type", "message", "index"?}}`."""
+"""Errors -> HTTP status codes, in one place. Every error body is `{"error": {"type", "message", "index"?}}`; every
+429 and 503 carries Retry-After. A 500 means a bug or a broken checkpoint, never input or load."""
 
 from __future__ import annotations
 
@@ -7,16 +8,17 @@ import math
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import (CheckpointError, DeadlineExceeded, EncoderError, ImageTooLarge, InvalidInput, Overloaded,
-                      ShuttingDown, UnsupportedImage)
+from ..errors import (CheckpointError, EncoderError, ImageTooLarge, InferenceFailed, InvalidInput, Overloaded,
+                      Unavailable, UnsupportedImage)
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 STATUS = {
     ImageTooLarge: 413, UnsupportedImage: 422, InvalidInput: 422, Overloaded: 429,
-    DeadlineExceeded: 503, ShuttingDown: 503, CheckpointError: 500,
+    Unavailable: 503, CheckpointError: 500,
 }
 
 
@@ -36,6 +38,13 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
             err["index"] = index
         return JSONResponse({"error": err}, status_code=status, headers=headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing_error(request: Request, e: StarletteHTTPException):
+        # no route (404), a route without this method (405): the same error body as everything else
+        reason = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return respond(e.status_code, reason, f"{request.method} {request.url.path}: {e.detail}",
+                       headers=getattr(e, "headers", None))
+
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
         return respond(e.status, e.reason, e.message, e.index, e.headers)
@@ -43,7 +52,8 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(EncoderError)
     async def _encoder_error(request: Request, e: EncoderError):
         status = next((s for cls, s in STATUS.items() if isinstance(e, cls)), 500)
-        headers = {"Retry-After": str(math.ceil(e.retry_after))} if isinstance(e, Overloaded) else None
-        if status >= 500 and not isinstance(e, (DeadlineExceeded, ShuttingDown)):
+        retry_after = getattr(e, "retry_after", None)
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+        if status == 500 or isinstance(e, InferenceFailed):
             log.error("request failed: %s", e)
         return respond(status, e.reason, getattr(e, "message", str(e)), getattr(e, "index", None), headers)

@@ -28,10 +28,12 @@ class EncodeResult:
 
 
 class Encoder:
-    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, cuda_graphs: int = 8):
-        """`cuda_graphs`: how many pack signatures to keep as CUDA graphs (0: always eager)."""
+    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, cuda_graphs: int = 8,
+                 graph_max_tokens: int | None = None):
+        """`cuda_graphs`: how many pack signatures to keep as CUDA graphs (0: always eager); `graph_max_tokens`: only
+        packs of at most this many patches are graphed (None: any)."""
         self.tower = tower
-        self.forward = GraphedTower(tower, max_graphs=cuda_graphs)
+        self.forward = GraphedTower(tower, max_graphs=cuda_graphs, max_tokens=graph_max_tokens)
         self.preprocessor = preprocessor
         p = next(tower.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -40,9 +42,9 @@ class Encoder:
 
     @classmethod
     def load(cls, model: str, device="cpu", dtype="float32", cuda_graphs: int = 8,
-             options: TowerOptions = TowerOptions()) -> "Encoder":
+             options: TowerOptions = TowerOptions(), graph_max_tokens: int | None = None) -> "Encoder":
         tower, pre_cfg = load_tower(model, device, dtype, options)
-        return cls(tower, Preprocessor(pre_cfg), cuda_graphs=cuda_graphs)
+        return cls(tower, Preprocessor(pre_cfg), cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens)
 
     @property
     def backend(self) -> str:

@@ -10,6 +10,8 @@ batches of same-sized images -- is captured once and replayed:
   holds aliases graph memory;
 - every graph shares one memory pool: replays run one at a time on one stream and each replay's
   outputs are cloned before the next is queued, so intermediates may overlap between graphs;
+- only packs of at most `max_tokens` patches are captured: a larger pack keeps the GPU busier than its launches
+  take to issue, so a graph gains little there, and its capture would hold up live traffic;
 - a signature is captured the `capture_after`-th time it is seen (a one-off pack runs eagerly);
   once `max_graphs` are held no more are captured and none is evicted: a capture costs an eager
   forward plus the recording, and under varied traffic an LRU cache recaptures without end
@@ -72,19 +74,19 @@ class GraphedTower:
     """`(pixel_values, grids) -> (merged, deepstack)`, replaying captured graphs where it can."""
 
     # Replays per backend when choosing: interleaved rounds, the median of each backend's times. Rounds are
-    # added up to `choice_budget_ms` of replays in all (one round at least): an 8B forward of 32 images
-    # takes ~53 ms.
+    # added up to `choice_budget_ms` of replays in all (one round at least): the choice runs in front of traffic.
     choice_rounds = 5
-    choice_budget_ms = 600.0
+    choice_budget_ms = 100.0
     # A burst of replays runs before the GPU settles at its power cap, where a tower spends most of its time
     # under load; our attention draws less power than cuDNN's and keeps a higher clock there (measured on H100:
     # a tie in the burst became a 2-3% Triton lead in sustained runs). So Triton is kept unless SDPA's burst
     # is faster by more than this fraction.
     triton_margin = 0.01
 
-    def __init__(self, tower: VisionTower, max_graphs: int = 8, capture_after: int = 3):
+    def __init__(self, tower: VisionTower, max_graphs: int = 8, capture_after: int = 3, max_tokens: int | None = None):
         self.tower = tower
         self.max_graphs = max_graphs
+        self.max_tokens = max_tokens
         self.capture_after = max(1, capture_after)
         self.enabled = max_graphs > 0 and tower.pos_embed.weight.is_cuda
         self._graphs: dict[Signature, _Captured] = {}
@@ -99,6 +101,7 @@ class GraphedTower:
         captured = self._graphs.get(key)
         if captured is None:
             if (not self.enabled or key in self._failed or len(self._graphs) >= self.max_graphs
+                    or (self.max_tokens is not None and pixel_values.shape[0] > self.max_tokens)
                     or self._count(key) < self.capture_after or not self._capturable(key)):
                 return self.tower(pixel_values, self.tower.plan(key))
             captured = self._capture(key, pixel_values)

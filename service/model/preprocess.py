@@ -266,3 +266,10 @@ def decode_in_worker(data: bytes, min_pixels: int | None, max_pixels: int | None
                      num_frames: int | None = None):
     item = _WORKER(data, min_pixels, max_pixels, fps, num_frames)
     return item.frames, item.grid_thw, item.meta
+
+
+def decode_in_worker_config(config: PreprocessConfig, data: bytes, min_pixels: int | None, max_pixels: int | None,
+                            fps: float | None = None, num_frames: int | None = None):
+    """`decode_in_worker` for a process that has no preprocessor yet (a sandbox process, one input each)."""
+    item = Preprocessor(config)(data, min_pixels, max_pixels, fps, num_frames)
+    return item.frames, item.grid_thw, item.meta

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InvalidInput, UnsupportedVideo, VideoTooLong
+from ..errors import ImageTooLarge, InvalidInput, UnsupportedVideo, VideoTooLong
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def decode(data: bytes, config: VideoConfig, max_frame_pixels: int, temporal_pat
         if not width or not height:
             raise UnsupportedVideo(f"video stream has no frame size ({width}x{height})")
         if width * height > max_frame_pixels:
-            raise VideoTooLong(f"video frames of {width}x{height} = {width * height} pixels exceed the limit of "
+            raise ImageTooLarge(f"video frames of {width}x{height} = {width * height} pixels exceed the limit of "
                                f"{max_frame_pixels}")
         try:
             total = stream.frames or _count_frames(container, stream, config.max_source_frames)

@@ -1,0 +1,101 @@
+"""Decoding where a crash costs one input: each call runs in a child process with CPU-time and memory limits.
+
+FFmpeg (through PyAV) decodes untrusted video containers in native code; a segfault, a runaway loop or a huge
+allocation there would otherwise take down the process serving every other request. The children fork from a
+forkserver that has already imported the decoders and torch, so a call costs a fork (milliseconds) next to a
+video decode (tens to hundreds of milliseconds). What the child returns is pickled back through a pipe.
+
+Outcomes, each a typed `InvalidInput` naming the problem (the API answers 422 or 413):
+- the child is killed by a signal (SIGSEGV, SIGABRT, the kernel's OOM killer): `UnsupportedVideo`;
+- it used more CPU time than `cpu_s` (SIGXCPU from RLIMIT_CPU) or ran past `wall_s`: `UnsupportedVideo`;
+- it asked for more memory than `memory_bytes` (RLIMIT_DATA; MemoryError in Python): `ImageTooLarge`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import multiprocessing.connection
+import resource
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from ..errors import ImageTooLarge, InvalidInput, UnsupportedVideo
+
+PRELOAD = ["numpy", "PIL.Image", "av", "torch", "service.model.preprocess"]
+
+
+def _child(conn, fn: Callable, args: tuple, cpu_s: float, memory_bytes: int) -> None:
+    cpu = max(1, int(cpu_s))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
+    resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
+    try:
+        result: tuple[bool, Any] = (True, fn(*args))
+    except MemoryError:
+        result = (False, ImageTooLarge(f"decoding needs more than {memory_bytes >> 20} MiB of memory"))
+    except InvalidInput as e:
+        result = (False, e)
+    except Exception as e:  # noqa: BLE001 - any decoder failure is this input's problem
+        result = (False, UnsupportedVideo(f"could not decode: {type(e).__name__}: {e}"))
+    conn.send(result)
+    conn.close()
+
+
+class DecodeSandbox:
+    """`await run(fn, *args)`: `fn(*args)` in a fresh child process, at most `concurrency` at a time. `fn` must be
+    importable by reference (a module-level function)."""
+
+    def __init__(self, concurrency: int = 4, cpu_s: float = 60.0, memory_bytes: int = 4 << 30,
+                 wall_s: float | None = None):
+        self.cpu_s, self.memory_bytes = cpu_s, memory_bytes
+        self.wall_s = wall_s if wall_s is not None else 2 * cpu_s + 10
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)
+        self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="sandbox")
+
+    async def run(self, fn: Callable, *args):
+        ok, value = await asyncio.get_running_loop().run_in_executor(self._threads, self._call, fn, args)
+        if ok:
+            return value
+        raise value
+
+    def _call(self, fn: Callable, args: tuple) -> tuple[bool, Any]:
+        recv, send = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=_child, args=(send, fn, args, self.cpu_s, self.memory_bytes), daemon=True)
+        proc.start()
+        send.close()
+        try:
+            ready = multiprocessing.connection.wait([recv, proc.sentinel], self.wall_s)
+            if recv in ready:
+                try:
+                    return recv.recv()
+                except EOFError:  # died before answering
+                    pass
+            if not ready:
+                proc.kill()
+                proc.join()
+                return False, UnsupportedVideo(f"decoding took more than {self.wall_s:g} s")
+            proc.join()
+            return False, self._death(proc.exitcode)
+        finally:
+            recv.close()
+            if proc.is_alive():
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def _death(self, code: int | None) -> InvalidInput:
+        if code is not None and code < 0:
+            sig = signal.Signals(-code)
+            if sig == signal.SIGXCPU:
+                return UnsupportedVideo(f"decoding used more than {self.cpu_s:g} s of CPU time")
+            if sig == signal.SIGKILL:
+                return ImageTooLarge("the decoder was killed (out of memory, or past its limits)")
+            return UnsupportedVideo(f"the decoder crashed on this input ({sig.name})")
+        return UnsupportedVideo(f"the decoder exited with code {code}")
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+

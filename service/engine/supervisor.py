@@ -1,0 +1,154 @@
+"""`EngineSupervisor`: runs the engine process (`process.engine_process_main`) and starts a new one when it dies.
+
+It runs in the server's main process, beside uvicorn's supervisor of the HTTP front-ends, which keep serving
+throughout: while no engine listens they answer /ready and the encoding routes with 503 and Retry-After, and they
+reconnect by themselves when a new engine listens.
+
+Policy:
+- an engine that dies (a signal, the OOM killer, a device fault's exit) is restarted after a backoff that starts at
+  `backoff_s` and doubles with each death still inside the crash window, up to `max_backoff_s`;
+- more than `max_restarts` deaths within `window_s` is a crash loop: the supervisor gives up (exit code 3) so the
+  orchestrator sees a failed container rather than a server that never serves;
+- an engine that reports a load error before it ever became ready (a bad checkpoint, a bad setting) is not retried:
+  exit code 2, the same as the single-process server's;
+- `stop()` tells a ready engine to finish its queue and exit; one still starting is killed (it holds no requests).
+
+Only the supervisor's thread waits on the engine process (two threads reaping one child race in waitpid).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import threading
+import time
+from typing import Callable
+
+from .process import engine_process_main
+
+log = logging.getLogger(__name__)
+
+LOAD_ERROR_EXIT = 2
+CRASH_LOOP_EXIT = 3
+
+
+class EngineSupervisor:
+    def __init__(self, env: dict[str, str], *, backoff_s: float = 0.5, max_backoff_s: float = 15.0,
+                 max_restarts: int = 5, window_s: float = 600.0, on_restart: Callable[[], None] | None = None,
+                 on_give_up: Callable[[int], None] | None = None):
+        """`env`: the engine's settings as QWEN3VL_* variables; `on_restart()`: called at each restart (a metric);
+        `on_give_up(exit_code)`: called once if the supervisor gives up (the server then stops)."""
+        self.env = env
+        self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
+        self.max_restarts, self.window_s = max_restarts, window_s
+        self.on_restart, self.on_give_up = on_restart, on_give_up
+        self.ready = threading.Event()  # an engine is up and listening
+        self.exit_code: int | None = None  # set when the supervisor gave up
+        self.restarts = 0
+        self._ctx = multiprocessing.get_context("spawn")
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()  # guards _proc/_conn between the thread and stop()
+        self._proc = None
+        self._conn = None
+        self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
+    def stop(self, timeout_s: float) -> int:
+        """Stop the engine: a ready one finishes its queue first. 0 if it exited cleanly in time, else 1."""
+        self._stopping.set()
+        with self._lock:
+            proc, conn, ready = self._proc, self._conn, self.ready.is_set()
+            if proc is not None:
+                if ready:
+                    try:
+                        conn.send("stop")
+                    except OSError:
+                        pass
+                else:
+                    proc.kill()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("the engine process did not stop within %.0f s; killing it", timeout_s)
+            if proc is not None:
+                proc.kill()
+            self._thread.join()
+            return 1
+        if proc is None or not ready:  # none, or one still starting: it held no request
+            return 0
+        return 0 if proc.exitcode == 0 else 1
+
+    def _run(self) -> None:
+        deaths: collections.deque[float] = collections.deque()
+        ever_ready = False
+        while not self._stopping.is_set():
+            conn, child = self._ctx.Pipe()
+            proc = self._ctx.Process(target=engine_process_main, args=(child, self.env, self.restarts),
+                                     name="qwen3vl-engine", daemon=False)
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                proc.start()
+                self._proc, self._conn = proc, conn
+            child.close()
+            status, message = self._await_ready(proc, conn)
+            if status == "ready":
+                ever_ready = True
+                self.ready.set()
+                log.info("engine process %d ready%s", proc.pid, f" (restart {self.restarts})" if self.restarts else "")
+                multiprocessing.connection.wait([proc.sentinel])
+            proc.join()
+            self.ready.clear()
+            if self._stopping.is_set():
+                return
+            if status == "error" and not ever_ready:
+                log.error("the engine could not start: %s", message)
+                return self._give_up(LOAD_ERROR_EXIT)
+            now = time.monotonic()
+            deaths.append(now)
+            while deaths and deaths[0] < now - self.window_s:
+                deaths.popleft()
+            how = message if status == "error" else _exit_description(proc.exitcode)
+            if len(deaths) > self.max_restarts:
+                log.error("the engine process died %d times within %.0f s (last: %s); giving up", len(deaths),
+                          self.window_s, how)
+                return self._give_up(CRASH_LOOP_EXIT)
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (len(deaths) - 1))
+            self.restarts += 1
+            log.error("the engine process %d died (%s); starting a new one in %.1f s (restart %d)", proc.pid, how,
+                      delay, self.restarts)
+            if self.on_restart is not None:
+                self.on_restart()
+            self._stopping.wait(delay)
+
+    def _await_ready(self, proc, conn) -> tuple[str, str | None]:
+        """("ready", None), ("error", message) as the engine reported it, or ("died", None)."""
+        try:
+            while not multiprocessing.connection.wait([conn, proc.sentinel], 0.5):
+                if self._stopping.is_set():
+                    return "died", None
+            if conn.poll():
+                return conn.recv()
+        except (EOFError, OSError):
+            pass
+        return "died", None
+
+    def _give_up(self, code: int) -> None:
+        self.exit_code = code
+        if self.on_give_up is not None:
+            self.on_give_up(code)
+
+
+def _exit_description(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
