@@ -125,6 +125,7 @@ def run_with_engine_process(settings: Settings) -> int:
     frontends = _frontends_class()(config, sockets=[config.bind_socket()])
     engine = EngineSupervisor(env, backoff_s=settings.engine_restart_backoff_s,
                               max_restarts=settings.engine_max_restarts, window_s=settings.engine_restart_window_s,
+                              standby=settings.engine_standby,
                               on_restart=restarts.inc, on_give_up=lambda code: frontends.should_exit.set())
     engine.start()
     frontends.run()  # returns on SIGTERM/SIGINT, or when the engine supervisor gives up, once the front-ends drained

@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     engine_max_restarts: int = Field(5, ge=0, description="engine deaths within engine_restart_window_s beyond "
                                      "which the server gives up and exits with code 3 (a crash loop)")
     engine_restart_window_s: float = Field(600.0, gt=0)
+    engine_standby: bool = Field(True, description="keep the next engine process spawned, its modules imported and "
+                                 "the GPU untouched, so a restart only loads and warms the model (one idle process's "
+                                 "host memory)")
     engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
     preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "

@@ -24,16 +24,10 @@ DEADLINE_S = 10.0
 CLIENTS = 8
 
 
-def _frontend_rss(server_pid: int, engine_pid: int) -> dict[int, int]:
-    """RSS of the uvicorn front-end processes: the spawned children of the server other than the engine."""
-    rss = {}
-    for child in psutil.Process(server_pid).children():
-        try:
-            if child.pid != engine_pid and "spawn_main" in " ".join(child.cmdline()):
-                rss[child.pid] = child.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return rss
+def _frontend_rss(output: list[str]) -> dict[int, int]:
+    """RSS of the uvicorn front-end processes (their pids from uvicorn's "Started server process" lines)."""
+    pids = [int(line.rsplit("[", 1)[1].split("]")[0]) for line in output if "Started server process" in line]
+    return {pid: psutil.Process(pid).memory_info().rss for pid in pids if psutil.pid_exists(pid)}
 
 
 async def _engine_up(c: httpx.AsyncClient, url: str, not_pid: int | None, timeout_s: float = 90) -> int:
@@ -84,12 +78,12 @@ def test_engine_kills_and_sigterm_under_load():
                 tasks = [asyncio.create_task(client(i, c, stop)) for i in range(CLIENTS)]
                 pid = await _engine_up(control, url, None)
                 await asyncio.sleep(3)
-                rss_start = _frontend_rss(proc.pid, pid)
+                rss_start = _frontend_rss(proc.output)
                 for _ in range(2):
                     os.kill(pid, signal.SIGKILL)
                     pid = await _engine_up(control, url, pid)
                     await asyncio.sleep(3)
-                rss_end = _frontend_rss(proc.pid, pid)
+                rss_end = _frontend_rss(proc.output)
                 sigterm_at = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
                 code = await asyncio.to_thread(proc.wait, 120)

@@ -15,6 +15,7 @@ import time
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 import torch
 from PIL import Image
@@ -222,7 +223,11 @@ def test_engine_death_is_survived(tiny):
         assert 503 in seen and _metric(url, "qwen3vl_engine_restarts_total") == 1
         assert rel_err(torch.tensor(r.json()["data"][0]["embeddings"]), ref.embeds) <= 1e-5
         assert proc.poll() is None
+        children = psutil.Process(proc.pid).children(recursive=True)  # front-ends, engine, standby engine
+        assert len(children) >= 4
     assert proc.returncode == 0, "".join(proc.output)[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, alive  # the standby engine too
 
 
 def test_crash_loop_gives_up_with_exit_code_3():

@@ -116,16 +116,24 @@ class EngineServer:
 FAULT_EXIT_CODE = 70  # the exit code after a device fault (the supervisor restarts the process)
 
 
-def engine_process_main(conn, settings_env: dict[str, str], restarts: int = 0) -> int:
-    """Entry point of the engine process (spawned by `supervisor.EngineSupervisor`): load and warm the model, serve
-    the socket, report ("ready", None) or ("error", message) on `conn`, stop when `conn` says so or
-    closes (the parent is gone). `restarts`: how many engine processes died before this one (for /info)."""
+def engine_process_main(conn, settings_env: dict[str, str]) -> int:
+    """Entry point of the engine process (spawned by `supervisor.EngineSupervisor`). It starts as a standby, with
+    its modules imported, until `conn` says ("go", restarts); then it loads and warms the model, serves the socket,
+    reports ("ready", None) or ("error", message) on `conn`, and stops when `conn` says so or closes (the parent is
+    gone). `restarts`: how many engine processes died before this one (for /info)."""
     os.environ.update(settings_env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the main process decides when the engine stops
     from ..settings import Settings
 
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        return 0
+    if not (isinstance(message, tuple) and message[0] == "go"):
+        return 0
+    restarts = message[1]
     settings = Settings()
     try:
         return asyncio.run(_serve(conn, settings, restarts))

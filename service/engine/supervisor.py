@@ -13,6 +13,10 @@ Policy:
   exit code 2, the same as the single-process server's;
 - `stop()` tells a ready engine to finish its queue and exit; one still starting is killed (it holds no requests).
 
+With `standby`, the next engine process is spawned as soon as the current one is ready and waits with its modules
+imported (torch, Triton, the kernels: most of a start's CPU time before the model loads), without touching the GPU;
+a restart then only loads and warms the model. It costs one idle process's host memory.
+
 Only the supervisor's thread waits on the engine process (two threads reaping one child race in waitpid).
 """
 
@@ -37,13 +41,14 @@ CRASH_LOOP_EXIT = 3
 
 class EngineSupervisor:
     def __init__(self, env: dict[str, str], *, backoff_s: float = 0.5, max_backoff_s: float = 15.0,
-                 max_restarts: int = 5, window_s: float = 600.0, on_restart: Callable[[], None] | None = None,
-                 on_give_up: Callable[[int], None] | None = None):
+                 max_restarts: int = 5, window_s: float = 600.0, standby: bool = True,
+                 on_restart: Callable[[], None] | None = None, on_give_up: Callable[[int], None] | None = None):
         """`env`: the engine's settings as QWEN3VL_* variables; `on_restart()`: called at each restart (a metric);
         `on_give_up(exit_code)`: called once if the supervisor gives up (the server then stops)."""
         self.env = env
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_restarts, self.window_s = max_restarts, window_s
+        self.standby = standby
         self.on_restart, self.on_give_up = on_restart, on_give_up
         self.ready = threading.Event()  # an engine is up and listening
         self.exit_code: int | None = None  # set when the supervisor gave up
@@ -53,6 +58,7 @@ class EngineSupervisor:
         self._lock = threading.Lock()  # guards _proc/_conn between the thread and stop()
         self._proc = None
         self._conn = None
+        self._spare: tuple | None = None  # (process, conn) of the standby engine
         self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -68,6 +74,8 @@ class EngineSupervisor:
         self._stopping.set()
         with self._lock:
             proc, conn, ready = self._proc, self._conn, self.ready.is_set()
+            if self._spare is not None:
+                self._spare[1].close()  # the standby reads EOF and exits
             if proc is not None:
                 if ready:
                     try:
@@ -87,24 +95,49 @@ class EngineSupervisor:
             return 0
         return 0 if proc.exitcode == 0 else 1
 
+    def _spawn(self):
+        conn, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=engine_process_main, args=(child, self.env), name="qwen3vl-engine")
+        proc.start()
+        child.close()
+        return proc, conn
+
     def _run(self) -> None:
+        try:
+            self._supervise()
+        finally:
+            with self._lock:
+                spare, self._spare = self._spare, None
+            if spare is not None:
+                spare[1].close()
+                spare[0].join(10)
+                if spare[0].is_alive():
+                    spare[0].kill()
+                    spare[0].join()
+
+    def _supervise(self) -> None:
         deaths: collections.deque[float] = collections.deque()
         ever_ready = False
         while not self._stopping.is_set():
-            conn, child = self._ctx.Pipe()
-            proc = self._ctx.Process(target=engine_process_main, args=(child, self.env, self.restarts),
-                                     name="qwen3vl-engine", daemon=False)
             with self._lock:
                 if self._stopping.is_set():
                     return
-                proc.start()
+                proc, conn = self._spare or self._spawn()
+                self._spare = None
                 self._proc, self._conn = proc, conn
-            child.close()
+            try:
+                conn.send(("go", self.restarts))
+            except OSError:
+                pass  # a standby that died: counted below
             status, message = self._await_ready(proc, conn)
             if status == "ready":
                 ever_ready = True
                 self.ready.set()
                 log.info("engine process %d ready%s", proc.pid, f" (restart {self.restarts})" if self.restarts else "")
+                if self.standby:
+                    with self._lock:
+                        if not self._stopping.is_set():
+                            self._spare = self._spawn()
                 multiprocessing.connection.wait([proc.sentinel])
             proc.join()
             self.ready.clear()

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from kernels.attention import check_backend
 from kernels import resolve_backend, triton_supported, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
@@ -193,12 +192,23 @@ class Attention(nn.Module):
         return _project(self.proj, out.view(tokens, -1), residual)
 
 
+def activation(name: str) -> nn.Module:
+    """The checkpoint's `hidden_act`: the common ones directly (transformers' ACT2FN computes the same functions,
+    and importing it costs seconds of every engine start), any other through ACT2FN."""
+    common = {"gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"), "gelu": nn.GELU, "silu": nn.SiLU}
+    if name in common:
+        return common[name]()
+    from transformers.activations import ACT2FN  # noqa: PLC0415
+
+    return ACT2FN[name]
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: TowerConfig):
         super().__init__()
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
-        self.act_fn = ACT2FN[cfg.hidden_act]
+        self.act_fn = activation(cfg.hidden_act)
         self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x, residual: torch.Tensor | None = None):
