@@ -230,12 +230,14 @@ def start_server(model: str, port: int, cache_dir: str):
     return server, url, time.perf_counter() - t0
 
 
-def recovery_s(url: str, body: bytes, kills: int = 2) -> list[float]:
-    """SIGKILL the engine process `kills` times; each time, seconds until /ready is 200 and `body` is served."""
+def recovery_s(url: str, body: bytes, kills: int = 2, settle_s: float = 10.0) -> list[float]:
+    """SIGKILL the engine process `kills` times, each `settle_s` after it became ready (a death in steady state,
+    not a crash loop); each time, seconds until /ready is 200 and `body` is served."""
     import httpx
 
     times = []
     for _ in range(kills):
+        time.sleep(settle_s)
         pid = httpx.get(f"{url}/info").json()["engine"]["pid"]
         t0 = time.perf_counter()
         os.kill(pid, signal.SIGKILL)

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -147,9 +148,12 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
 
 
 async def _serve(conn, settings, restarts: int) -> int:
+    start = time.perf_counter()
     enc, engine = await build_engine(settings)
+    loaded = time.perf_counter()
     if settings.warmup:
         await asyncio.to_thread(warmup, enc, settings)
+    log.info("model loaded in %.1f s, warmed up in %.1f s", loaded - start, time.perf_counter() - loaded)
     info = {"config": enc.config, "preprocess": enc.preprocessor.config, "device": str(enc.device),
             "dtype": str(enc.dtype).removeprefix("torch."), "backend": enc.backend, "pid": os.getpid(),
             "restarts": restarts}
