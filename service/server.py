@@ -88,9 +88,10 @@ def run(args) -> int:
 
 def run_with_engine_process(settings: Settings) -> int:
     """`http_workers` >= 1: the uvicorn supervisor over `http_workers` front-end processes, serving at once (/health
-    200, /ready 503 until the model is warm), and an `EngineSupervisor` that runs the engine process and restarts it
-    if it dies (service.engine.supervisor). SIGTERM/SIGINT: the front-ends drain, then the engine finishes its queue
-    and exits; 0 when all of that went cleanly. 2: the model could not be loaded; 3: the engine crash-looped."""
+    200, /ready 503 until a model is warm), and one `EngineSupervisor` per device, each running an engine process and
+    restarting it if it dies (service.engine.supervisor). SIGTERM/SIGINT: the front-ends drain, then the engines
+    finish their queues and exit; 0 when all of that went cleanly. When every engine has given up: 2 if the model
+    could not be loaded, 3 if the engines crash-looped."""
     import os
     import tempfile
 
@@ -108,7 +109,9 @@ def run_with_engine_process(settings: Settings) -> int:
     else:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(workdir, "metrics")
         os.makedirs(metrics_dir)
-    settings = settings.model_copy(update={"engine_socket": os.path.join(workdir, "engine.sock"),
+    devices = settings.resolved_devices()
+    sockets = [os.path.join(workdir, f"engine-{i}.sock") for i in range(len(devices))]
+    settings = settings.model_copy(update={"engine_socket": ",".join(sockets), "devices": ",".join(devices),
                                            "http_workers": settings.resolved_http_workers(),
                                            "cuda_graphs": settings.resolved_cuda_graphs()})
     env = {**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
@@ -117,17 +120,31 @@ def run_with_engine_process(settings: Settings) -> int:
     # after PROMETHEUS_MULTIPROC_DIR is set: the counter is written where the front-ends' /metrics reads
     from prometheus_client import CollectorRegistry, Counter
 
-    restarts = Counter("qwen3vl_engine_restarts", "engine processes started after one died",
+    restarts = Counter("qwen3vl_engine_restarts", "engine processes started after one died", ["device"],
                        registry=CollectorRegistry())
     config = uvicorn.Config("service.http.app:frontend_app", factory=True, host=settings.host, port=settings.port,
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
     frontends = _frontends_class()(config, sockets=[config.bind_socket()])
-    engine = EngineSupervisor(env, backoff_s=settings.engine_restart_backoff_s,
-                              max_restarts=settings.engine_max_restarts, window_s=settings.engine_restart_window_s,
-                              standby=settings.engine_standby,
-                              on_restart=restarts.inc, on_give_up=lambda code: frontends.should_exit.set())
-    engine.start()
-    frontends.run()  # returns on SIGTERM/SIGINT, or when the engine supervisor gives up, once the front-ends drained
-    code = engine.stop(settings.graceful_shutdown_s + 30)
-    return engine.exit_code or code
+    engines: list[EngineSupervisor] = []
+
+    def gave_up(code: int) -> None:
+        # one device's engine crash-looping leaves the others serving; the server stops when none is left
+        if all(e.exit_code is not None for e in engines):
+            frontends.should_exit.set()
+
+    for device, sock in zip(devices, sockets):
+        engines.append(EngineSupervisor(
+            {**env, "QWEN3VL_DEVICE": device, "QWEN3VL_ENGINE_SOCKET": sock},
+            backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
+            window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
+            on_restart=restarts.labels(device).inc, on_give_up=gave_up, name=device))
+    log.info("engine processes on %s", ", ".join(devices))
+    for engine in engines:
+        engine.start()
+    frontends.run()  # returns on SIGTERM/SIGINT, or when every engine supervisor gave up, once the front-ends drained
+    codes = [engine.stop(settings.graceful_shutdown_s + 30) for engine in engines]
+    given_up = [e.exit_code for e in engines if e.exit_code is not None]
+    if len(given_up) == len(engines):
+        return max(given_up)
+    return max(codes)

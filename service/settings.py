@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     # model
     model: str = Field(DEFAULT_MODEL, description="checkpoint directory or random:<preset>")
     device: str = Field("auto", description="auto (cuda when available), cpu, cuda, cuda:N")
+    devices: str | None = Field(None, description="with HTTP front-end processes: one engine process per device. "
+                                "'all' (every visible GPU), GPU indices such as '0,1,3', or device names such as "
+                                "'cuda:0,cuda:2' or 'cpu,cpu'. Default: every visible GPU, else one engine on `device`")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     warmup: bool = Field(True, description="compile and tune kernels before /ready turns true")
 
@@ -102,6 +105,16 @@ class Settings(BaseSettings):
             raise ValueError(f"device {v!r}: use auto, cpu, cuda or cuda:N")
         return v
 
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, v: str | None) -> str | None:
+        if v is None or v.strip() == "all":
+            return v
+        for d in (part.strip() for part in v.split(",")):
+            if not (d.isdigit() or d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit())):
+                raise ValueError(f"devices {v!r}: {d!r} is not a GPU index, cuda:N or cpu")
+        return v
+
     @model_validator(mode="after")
     def _limits(self):
         if self.max_pixels_limit is not None and self.max_pixels_limit < self.min_pixels_limit:
@@ -115,11 +128,22 @@ class Settings(BaseSettings):
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    def resolved_devices(self) -> list[str]:
+        """The engine processes' devices, one engine each."""
+        spec = (self.devices or "").strip()
+        if spec and spec != "all":
+            return [f"cuda:{d}" if d.isdigit() else d for d in (part.strip() for part in spec.split(",")) if d]
+        import torch
+
+        if (spec == "all" or self.device in ("auto", "cuda")) and torch.cuda.is_available():
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        return [self.resolved_device()]
+
     def resolved_http_workers(self) -> int:
         if self.http_workers is not None:
             return self.http_workers
         if not self.resolved_device().startswith("cuda"):
-            return 0
+            return 1 if self.devices and len(self.resolved_devices()) > 1 else 0
         import os
 
         return max(1, min(4, (os.cpu_count() or 4) // 4))

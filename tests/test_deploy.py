@@ -29,6 +29,10 @@ DATASOURCES = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/pr
 DASH_PROVIDERS = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/dashboards.yml").read_text())
 DASHBOARD_FILE = ROOT / "deploy/grafana/dashboards/qwen3vl-encoder.json"
 DASHBOARD = json.loads(DASHBOARD_FILE.read_text())
+K8S = ROOT / "deploy/kubernetes"
+K8S_DOCS = {(d["kind"], d["metadata"]["name"]): d for f in sorted(K8S.glob("*.yaml")) if f.name != "kustomization.yaml"
+            for d in yaml.safe_load_all(f.read_text()) if d}
+KUBERNETES_VERSION = "1.31.0"  # the oldest release whose schema knows the preStop sleep action (1.30+)
 
 
 def _default(value: str) -> str:
@@ -131,10 +135,72 @@ def test_dashboard_is_generated_from_make_dashboard():
     assert mod.build() == DASHBOARD, "run: python deploy/make_dashboard.py"
 
 
+# --- Kubernetes --------------------------------------------------------------------------------
+
+def test_kubernetes_manifests_validate_against_the_schemas():
+    """Every built-in resource against the Kubernetes OpenAPI schemas (offline, strict: unknown fields fail);
+    the two custom resources (PodMonitor, ScaledObject) have their wiring checked below."""
+    import kubernetes_validate
+
+    custom = {"PodMonitor", "ScaledObject"}
+    checked = 0
+    for (kind, name), doc in K8S_DOCS.items():
+        if kind not in custom:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+            checked += 1
+    assert checked >= 5 and custom <= {kind for kind, _ in K8S_DOCS}
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    assert listed == {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def test_kubernetes_wiring():
+    from service.http.app import create_app
+
+    dep = K8S_DOCS[("Deployment", "qwen3vl-encoder")]
+    pod = dep["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == Settings().port and dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    routes = set(create_app(Settings(model="random:tiny", device="cpu")).openapi()["paths"])
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == container["startupProbe"]["httpGet"]["path"] == "/health"
+    assert {"/ready", "/health"} <= routes
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert {k.removeprefix("QWEN3VL_").lower() for k in env} <= set(Settings.model_fields)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts[env["QWEN3VL_CACHE_DIR"]] == "cache" and mounts[env["QWEN3VL_MODEL"]] == "model"
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    assert claims == {name for kind, name in K8S_DOCS if kind == "PersistentVolumeClaim"}
+    # the drain fits in the grace period: preStop, then the server's graceful shutdown
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + float(env["QWEN3VL_GRACEFUL_SHUTDOWN_S"])
+    svc = K8S_DOCS[("Service", "qwen3vl-encoder")]
+    assert svc["spec"]["selector"].items() <= labels.items() and svc["spec"]["ports"][0]["targetPort"] in ports
+    pdb = K8S_DOCS[("PodDisruptionBudget", "qwen3vl-encoder")]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    monitor = K8S_DOCS[("PodMonitor", "qwen3vl-encoder")]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports.keys()
+    assert {e["path"] for e in monitor["spec"]["podMetricsEndpoints"]} <= routes
+    scaled = K8S_DOCS[("ScaledObject", "qwen3vl-encoder")]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["spec"]["scaleTargetRef"]["name"] == "qwen3vl-encoder"
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and float(trigger["metadata"]["threshold"]) > 0
+
+
+def _autoscaler_exprs():
+    return [t["metadata"]["query"] for (kind, _), d in K8S_DOCS.items() if kind == "ScaledObject"
+            for t in d["spec"]["triggers"]]
+
+
 # --- a real Prometheus against a real server ------------------------------------------------------
 
 def _exprs():
-    return [t["expr"] for p in DASHBOARD["panels"] for t in p["targets"]]
+    """The dashboard's queries and the autoscaler's."""
+    return [t["expr"] for p in DASHBOARD["panels"] for t in p["targets"]] + _autoscaler_exprs()
 
 
 def _metric_names(expr: str) -> set[str]:
@@ -157,6 +223,8 @@ def test_every_dashboard_query_returns_data(prometheus_binary, tmp_path):
         config = json.loads(json.dumps(PROM))
         config["global"]["scrape_interval"] = "1s"
         config["scrape_configs"][0]["static_configs"][0]["targets"] = [host]
+        # the label the Prometheus operator puts on a pod's series, which the autoscaler's query selects on
+        config["scrape_configs"][0]["static_configs"][0]["labels"] = {"namespace": "qwen3vl"}
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
         prom_port = free_port()
         prom = subprocess.Popen([prometheus_binary, f"--config.file={tmp_path / 'prometheus.yml'}",

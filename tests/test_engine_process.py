@@ -28,7 +28,7 @@ from service.model.encoder import Encoder
 
 
 @contextlib.contextmanager
-def server(workers: int = 2, **env):
+def server(workers: int = 2, engines: int = 1, **env):
     port = free_port()
     full_env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICE": "cpu", "QWEN3VL_PORT": str(port),
                 "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_HTTP_WORKERS": str(workers), **env}
@@ -38,10 +38,12 @@ def server(workers: int = 2, **env):
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
     try:
-        # ready once every front-end has started (one answering /ready is not enough for the tests below)
+        # ready once every front-end has connected to every engine (one answering /ready is not enough for the tests
+        # below); in one process, once it has started
         deadline = time.time() + 120
+        connected = "Application startup complete" if workers == 0 else "connected (process"
         while not (wait_until_ready(url, proc, timeout_s=1, interval_s=0.1)
-                   and sum("Application startup complete" in line for line in lines) >= max(1, workers)):
+                   and sum(connected in line for line in lines) >= max(1, workers * engines)):
             if time.time() > deadline or proc.poll() is not None:
                 proc.kill()
                 raise RuntimeError("server did not become ready:\n" + "".join(lines)[-3000:])
@@ -141,8 +143,9 @@ def test_metrics_merge_every_process(two_workers):
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line and not line.startswith("#")}
     assert samples['qwen3vl_requests_total{route="/embed",status="200"}'] >= n
-    assert samples["qwen3vl_forward_seconds_count"] >= 1
-    assert samples["qwen3vl_batch_items_sum"] >= n
+    assert samples['qwen3vl_forward_seconds_count{device="cpu"}'] >= 1
+    assert samples['qwen3vl_batch_items_sum{device="cpu"}'] >= n
+    assert samples['qwen3vl_engine_up{device="cpu"}'] == 1
     assert any(k.startswith("qwen3vl_model_info{") and v == 1 for k, v in samples.items())
 
 
@@ -220,7 +223,7 @@ def test_engine_death_is_survived(tiny):
             time.sleep(0.05)
         info = _wait_for_engine(url, pid)
         assert info["engine"]["restarts"] == 1
-        assert 503 in seen and _metric(url, "qwen3vl_engine_restarts_total") == 1
+        assert 503 in seen and _metric(url, 'qwen3vl_engine_restarts_total{device="cpu"}') == 1
         assert rel_err(torch.tensor(r.json()["data"][0]["embeddings"]), ref.embeds) <= 1e-5
         assert proc.poll() is None
         children = psutil.Process(proc.pid).children(recursive=True)  # front-ends, engine, standby engine

@@ -137,6 +137,10 @@ class Engine:
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def queued_patches(self) -> int:
+        return self._queued_patch_count
+
     # -- API -----------------------------------------------------------------------------------------
 
     async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
@@ -154,8 +158,8 @@ class Engine:
 
     async def stats(self) -> dict:
         """Queue depth, items in flight, forwards run, and the device's memory (read in the process that owns it)."""
-        stats = {"queue_depth": self.queue_depth, "in_flight": self.in_flight, "forwards": self.forwards,
-                 "gpu_allocated_bytes": 0, "gpu_reserved_bytes": 0}
+        stats = {"queue_depth": self.queue_depth, "queued_patches": self.queued_patches, "in_flight": self.in_flight,
+                 "forwards": self.forwards, "gpu_allocated_bytes": 0, "gpu_reserved_bytes": 0}
         device = self.encoder.device
         if device.type == "cuda":
             stats["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)

@@ -50,6 +50,7 @@ class EngineServer:
         return await asyncio.start_unix_server(self._connection, path=path, limit=2**22)
 
     def _reply(self, writer, header: dict, buffers=()) -> None:
+        header["queued_patches"] = self.engine.queued_patches  # for the front-ends' choice between engines
         if self._batches:
             header["batches"], self._batches = self._batches, []
         write_message(writer, header, buffers)
@@ -136,6 +137,11 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         return 0
     restarts = message[1]
     settings = Settings()
+    device = settings.resolved_device()
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(device)  # before anything touches CUDA: kernels launch on the current device
     try:
         return asyncio.run(_serve(conn, settings, restarts))
     except errors.EncoderError as e:

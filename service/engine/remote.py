@@ -46,24 +46,32 @@ class RemoteEngine:
 
     local = False
 
-    def __init__(self, path: str, preprocess_workers: int = 4,
-                 on_batch: Callable[[BatchStats], None] | None = None, sandbox: DecodeSandbox | None = None):
+    def __init__(self, path: str, preprocess_workers: int | ThreadPoolExecutor = 4,
+                 on_batch: Callable[[BatchStats], None] | None = None, sandbox: DecodeSandbox | None = None,
+                 device: str = ""):
         """`on_batch`: called with the stats of each forward the engine reports back (to this front-end's metrics;
-        each forward is reported to one front-end only); `sandbox`: where videos are decoded (None: in threads)."""
+        each forward is reported to one front-end only); `preprocess_workers`: decoding threads, or a pool shared
+        with other engines; `sandbox`: where videos are decoded (None: in threads); `device`: the engine's device,
+        for metrics and /info."""
         self.path = path
+        self.device = device
         self.on_batch = on_batch
         self.sandbox = sandbox
-        self._pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
+        self._own_pool = not isinstance(preprocess_workers, ThreadPoolExecutor)
+        self._pool = (ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess") if self._own_pool
+                      else preprocess_workers)
         self._ids = itertools.count()
         self._link: _Link | None = None
         self.encoder: RemoteEncoder | None = None
         self.info: dict = {}
+        self.sent_patches = 0  # patches this front-end has submitted and not had answered
+        self.reported_patches = 0  # patches queued in the engine, as its last reply said
 
     async def connect(self, timeout_s: float = 5.0):
         """Connect and fetch the model's description; `OSError` or `EngineUnavailable` if the engine does not
         answer within `timeout_s`."""
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=2**22), timeout_s)
-        link = _Link(writer, self.on_batch)
+        link = _Link(writer, self.on_batch, self)
         link.reader_task = asyncio.create_task(link.read_loop(reader), name="engine-reader")
         try:
             header, _ = await asyncio.wait_for(self._request({"op": "hello"}, link), timeout_s)
@@ -88,9 +96,15 @@ class RemoteEngine:
             self._link.close()
             with contextlib.suppress(Exception):
                 await self._link.writer.wait_closed()
-        self._pool.shutdown(wait=True)
-        if self.sandbox is not None:
-            self.sandbox.close()
+        if self._own_pool:
+            self._pool.shutdown(wait=True)
+            if self.sandbox is not None:
+                self.sandbox.close()
+
+    @property
+    def load(self) -> int:
+        """Patches ahead of a new request on this engine, as far as this front-end can tell."""
+        return self.sent_patches + self.reported_patches
 
     @property
     def alive(self) -> bool:
@@ -136,6 +150,8 @@ class RemoteEngine:
         header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack, "tokens": tokens,
                   "items": [(f.shape, it.grid_thw, it.meta) for f, it in zip(frames, items)]}
         fut = link.send(header, frames)
+        patches = sum(it.num_patches for it in items)
+        self.sent_patches += patches
         waiter = asyncio.ensure_future(abandoned.wait()) if abandoned is not None else None
         try:
             await link.drain()
@@ -150,6 +166,7 @@ class RemoteEngine:
                 link.cancel(rid)
             raise
         finally:
+            self.sent_patches -= patches
             link.forget(rid, fut)
             if waiter is not None:
                 waiter.cancel()
@@ -170,9 +187,10 @@ class _Link:
     """One connection to the engine process: its writer, its reader task, and the replies it awaits. When it
     closes, every awaited reply fails with `EngineUnavailable`."""
 
-    def __init__(self, writer: asyncio.StreamWriter, on_batch):
+    def __init__(self, writer: asyncio.StreamWriter, on_batch, engine: RemoteEngine):
         self.writer = writer
         self.on_batch = on_batch
+        self.engine = engine
         self.pending: dict[int, asyncio.Future] = {}
         self.broken: str | None = None
         self.reader_task: asyncio.Task | None = None
@@ -181,6 +199,7 @@ class _Link:
         try:
             while True:
                 header, payload = await read_message(reader)
+                self.engine.reported_patches = header.get("queued_patches", 0)
                 if self.on_batch is not None:
                     for stats in header.get("batches", ()):
                         self.on_batch(BatchStats(*stats))
@@ -228,3 +247,50 @@ class _Link:
         self.writer.close()
         if self.reader_task is not None:
             self.reader_task.cancel()
+
+
+class EnginePool:
+    """Several engine processes (one per GPU) behind the `Engine` interface: each request goes, whole, to the live
+    engine with the fewest patches ahead of it (`RemoteEngine.load`); decoding is shared."""
+
+    local = False
+
+    def __init__(self, engines: list[RemoteEngine]):
+        self.engines = engines
+
+    @property
+    def alive(self) -> bool:
+        return any(e.alive for e in self.engines)
+
+    @property
+    def encoder(self) -> RemoteEncoder | None:
+        return next((e.encoder for e in self.engines if e.encoder is not None), None)
+
+    def _live(self) -> list[RemoteEngine]:
+        live = [e for e in self.engines if e.alive]
+        if not live:
+            raise errors.EngineUnavailable("no engine process is running (restarting)", retry_after=2.0)
+        return live
+
+    async def preprocess(self, *args, **kwargs) -> Preprocessed:
+        return await self._live()[0].preprocess(*args, **kwargs)
+
+    async def submit(self, items: list[Preprocessed], **kwargs) -> tuple[list[EncodeResult], Timing]:
+        engine = min(self._live(), key=lambda e: e.load)
+        return await engine.submit(items, **kwargs)
+
+    async def stats(self) -> dict:
+        """Totals over the live engines, and each engine's own stats under `engines`."""
+        per = []
+        for e in self.engines:
+            entry = {"device": e.device, "state": "up" if e.alive else "down", "restarts": e.info.get("restarts", 0)}
+            if e.alive:
+                with contextlib.suppress(errors.EngineUnavailable):
+                    entry.update(await e.stats())
+            per.append(entry)
+        totals = {k: sum(p.get(k, 0) for p in per) for k in ("queue_depth", "queued_patches", "in_flight", "forwards")}
+        return {**totals, "engines": per}
+
+    async def stop(self):
+        for e in self.engines:
+            await e.stop()

@@ -42,10 +42,12 @@ CRASH_LOOP_EXIT = 3
 class EngineSupervisor:
     def __init__(self, env: dict[str, str], *, backoff_s: float = 0.5, max_backoff_s: float = 15.0,
                  max_restarts: int = 5, window_s: float = 600.0, standby: bool = True,
-                 on_restart: Callable[[], None] | None = None, on_give_up: Callable[[int], None] | None = None):
+                 on_restart: Callable[[], None] | None = None, on_give_up: Callable[[int], None] | None = None,
+                 name: str = "engine"):
         """`env`: the engine's settings as QWEN3VL_* variables; `on_restart()`: called at each restart (a metric);
         `on_give_up(exit_code)`: called once if the supervisor gives up (the server then stops)."""
         self.env = env
+        self.name = name  # its device, in logs
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_restarts, self.window_s = max_restarts, window_s
         self.standby = standby
@@ -133,7 +135,7 @@ class EngineSupervisor:
             if status == "ready":
                 ever_ready = True
                 self.ready.set()
-                log.info("engine process %d ready%s", proc.pid, f" (restart {self.restarts})" if self.restarts else "")
+                log.info("engine process %d on %s ready%s", proc.pid, self.name, f" (restart {self.restarts})" if self.restarts else "")
                 if self.standby:
                     with self._lock:
                         if not self._stopping.is_set():
@@ -144,7 +146,7 @@ class EngineSupervisor:
             if self._stopping.is_set():
                 return
             if status == "error" and not ever_ready:
-                log.error("the engine could not start: %s", message)
+                log.error("the engine on %s could not start: %s", self.name, message)
                 return self._give_up(LOAD_ERROR_EXIT)
             now = time.monotonic()
             deaths.append(now)
@@ -152,13 +154,13 @@ class EngineSupervisor:
                 deaths.popleft()
             how = message if status == "error" else _exit_description(proc.exitcode)
             if len(deaths) > self.max_restarts:
-                log.error("the engine process died %d times within %.0f s (last: %s); giving up", len(deaths),
-                          self.window_s, how)
+                log.error("the engine process on %s died %d times within %.0f s (last: %s); giving up", self.name,
+                          len(deaths), self.window_s, how)
                 return self._give_up(CRASH_LOOP_EXIT)
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (len(deaths) - 1))
             self.restarts += 1
-            log.error("the engine process %d died (%s); starting a new one in %.1f s (restart %d)", proc.pid, how,
-                      delay, self.restarts)
+            log.error("the engine process %d on %s died (%s); starting a new one in %.1f s (restart %d)", proc.pid,
+                      self.name, how, delay, self.restarts)
             if self.on_restart is not None:
                 self.on_restart()
             self._stopping.wait(delay)

@@ -1,17 +1,19 @@
 """The FastAPI app: routes, the service state they share, and its lifespan.
 
 Routes: POST /embed, POST /v1/embeddings (OpenAI-compatible), GET /health, /ready, /info, /metrics. The engine is
-the local `Engine` (`http_workers=0`: this process loads the model) or a `RemoteEngine` (a front-end process of the
-engine process, `settings.engine_socket` set); both have one interface. Errors map to status codes in `status.py`.
+the local `Engine` (`http_workers=0`: this process loads the model) or an `EnginePool` of engine processes, one per
+device (a front-end process, `settings.engine_socket` set); both have one interface. Errors map to status codes in `status.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -22,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 from .. import __version__, errors
 from ..engine.batching import Engine
 from ..engine.build import build_engine, video_sandbox, warmup
-from ..engine.remote import RemoteEngine
+from ..engine.remote import EnginePool, RemoteEngine
 from ..errors import InvalidInput
 from ..model.encoder import Encoder
 from ..settings import Settings
@@ -43,20 +45,28 @@ class Service:
         self.settings = settings
         self.metrics = metrics
         self.encoder = encoder  # the local Encoder, or the engine process's description (RemoteEncoder)
-        self.engine: Engine | RemoteEngine | None = None
+        self.engine: Engine | EnginePool | None = None
         self.ready = False
-        self._link_task: asyncio.Task | None = None
+        self._link_tasks: list[asyncio.Task] = []
+        self._pool: ThreadPoolExecutor | None = None
 
     async def start(self):
         """Single process: load and warm the model, then serve. Front-end process: serve at once (/health answers,
-        /ready is 503) and connect to the engine process in the background, again whenever it restarts."""
+        /ready is 503) and connect to each engine process in the background, again whenever one restarts."""
         settings, metrics = self.settings, self.metrics
-        if settings.engine_socket:  # a front-end process: the model lives in the engine process
-            self.engine = RemoteEngine(settings.engine_socket, settings.preprocess_workers,
-                                       on_batch=metrics.observe_batch, sandbox=video_sandbox(settings))
-            self._link_task = asyncio.create_task(self._follow_engine(self.engine), name="engine-link")
+        if settings.engine_socket:  # a front-end process: the model lives in the engine processes
+            self._pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="preprocess")
+            sandbox = video_sandbox(settings)
+            engines = [RemoteEngine(path, self._pool, on_batch=functools.partial(metrics.observe_batch, device),
+                                    sandbox=sandbox, device=device)
+                       for path, device in zip(settings.engine_socket.split(","), settings.resolved_devices())]
+            self.engine = EnginePool(engines)
+            self._link_tasks = [asyncio.create_task(self._follow_engine(e), name=f"engine-link-{e.device}")
+                                for e in engines]
             return
-        self.encoder, engine = await build_engine(settings, self.encoder, on_batch=metrics.observe_batch)
+        device = settings.resolved_device()
+        self.encoder, engine = await build_engine(settings, self.encoder,
+                                                  on_batch=functools.partial(metrics.observe_batch, device))
         if settings.warmup:
             await asyncio.to_thread(warmup, self.encoder, settings)
         await engine.start()
@@ -68,30 +78,39 @@ class Service:
         self.metrics.model_info.labels(settings.model, str(enc.dtype).removeprefix("torch."), str(enc.device),
                                        enc.backend, str(settings.model.startswith("random:")).lower()).set(1)
         self.ready = True
-        log.info("ready: %s on %s (%s), attention backend %s%s", settings.model, enc.device, enc.dtype, enc.backend,
-                 "" if self.engine.local else f", engine process {self.engine.info.get('pid')}")
+        log.info("ready: %s (%s), attention backend %s", settings.model, enc.dtype, enc.backend)
 
     async def _follow_engine(self, engine: RemoteEngine):
-        """Connect to the engine process whenever it listens; while it is away, /ready and the encoding routes
-        answer 503 (the supervisor in the main process restarts it)."""
+        """Connect to an engine process whenever it listens. While none is connected, /ready and the encoding routes
+        answer 503; while some are, requests go to those (the supervisors in the main process restart the rest)."""
+        up = self.metrics.engine_up.labels(engine.device)
         while True:
             try:
                 await engine.connect()
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, errors.EncoderError):
                 await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
                 continue
-            self.encoder = engine.encoder  # its preprocessor carries the engine's (server's) limits
-            self._set_ready()
+            if self.encoder is None:
+                self.encoder = engine.encoder  # its preprocessor carries the engine's (server's) limits
+            up.set(1)
+            log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))
+            if not self.ready:
+                self._set_ready()
             why = await engine.disconnected()
-            self.ready = False
-            log.warning("lost the engine process (%s); answering 503 until it is back", why)
+            up.set(0)
+            self.ready = self.engine.alive
+            log.warning("lost the engine process on %s (%s); %s", engine.device, why,
+                        "the other engines serve" if self.ready else "answering 503 until it is back")
 
     async def stop(self):
         self.ready = False
-        if self._link_task is not None:
-            self._link_task.cancel()
+        for task in self._link_tasks:
+            task.cancel()
         if self.engine is not None:
             await self.engine.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.engine is not None:
             if not self.engine.local and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
                 multiprocess.mark_process_dead(os.getpid())
 
@@ -105,7 +124,7 @@ class Service:
             raise HTTPError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
 
-    def serving_engine(self) -> Engine | RemoteEngine:
+    def serving_engine(self) -> Engine | EnginePool:
         if not self.engine_alive:
             if self.engine is not None and not self.engine.local and self.encoder is not None:
                 raise HTTPError(503, "engine_unavailable", "the engine process is restarting",
@@ -127,13 +146,13 @@ class Service:
         try:
             remaining = self.settings.request_timeout_s - (time.perf_counter() - arrival)
             if eng.local:
-                self.metrics.queue_depth.set(eng.queue_depth + len(items))
+                self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth + len(items))
             results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
                                                deepstack=wants_deepstack(opts), tokens=opts.embeddings)
         finally:
             watcher.cancel()
             if eng.local:
-                self.metrics.queue_depth.set(eng.queue_depth)
+                self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth)
         self.metrics.observe_request(items, results, timing.queue_s)
         headers = {"X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
                    "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
@@ -175,7 +194,13 @@ class Service:
                     body["engine"].update(await eng.stats())
             body["engine"]["process"] = "this" if eng.local else "separate"
             if not eng.local:
-                body["engine"]["restarts"] = eng.info.get("restarts", 0)
+                engines = body["engine"].setdefault("engines", [])
+                if not engines:  # none alive: what the pool knows of each
+                    engines.extend({"device": e.device, "state": "down", "restarts": e.info.get("restarts", 0)}
+                                   for e in eng.engines)
+                body["engine"]["restarts"] = sum(e["restarts"] for e in engines)
+                if len(engines) == 1 and "pid" in engines[0]:
+                    body["engine"]["pid"] = engines[0]["pid"]
         body["http_workers"] = settings.resolved_http_workers()
         body["cuda_graphs"] = settings.resolved_cuda_graphs()
         return body
@@ -243,7 +268,10 @@ async def prometheus(request: Request):
     svc = _service(request)
     if svc.engine_alive:
         with contextlib.suppress(Exception):  # a scrape never fails for want of the engine's gauges
-            svc.metrics.sample_engine(await svc.engine.stats())
+            stats = await svc.engine.stats()
+            for engine in stats.get("engines") or [{"device": str(svc.encoder.device), "state": "up", **stats}]:
+                if engine["state"] == "up":
+                    svc.metrics.sample_engine(engine["device"], engine)
     return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -29,16 +29,22 @@ class Metrics:
                                     buckets=TIME_BUCKETS, registry=r)
         self.preprocess_time = Histogram(f"{PREFIX}_preprocess_seconds", "decode+resize+patchify time per image",
                                          buckets=TIME_BUCKETS, registry=r)
-        self.forward_time = Histogram(f"{PREFIX}_forward_seconds", "time of one packed forward pass",
+        # per engine: `device` is its device (cuda:0, ..., or cpu)
+        self.forward_time = Histogram(f"{PREFIX}_forward_seconds", "time of one packed forward pass", ["device"],
                                       buckets=TIME_BUCKETS, registry=r)
-        self.batch_items = Histogram(f"{PREFIX}_batch_items", "images (or videos) per forward",
+        self.batch_items = Histogram(f"{PREFIX}_batch_items", "images (or videos) per forward", ["device"],
                                      buckets=ITEM_BUCKETS, registry=r)
-        self.batch_patches = Histogram(f"{PREFIX}_batch_patches", "patches per forward", buckets=PATCH_BUCKETS,
-                                       registry=r)
+        self.batch_patches = Histogram(f"{PREFIX}_batch_patches", "patches per forward", ["device"],
+                                       buckets=PATCH_BUCKETS, registry=r)
         self.batch_fill = Histogram(f"{PREFIX}_batch_fill_ratio", "patches per forward / max_batch_patches",
-                                    buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
-        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "images waiting for a forward", registry=r,
+                                    ["device"], buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.queue_depth = Gauge(f"{PREFIX}_queue_depth", "images waiting for a forward", ["device"], registry=r,
                                  multiprocess_mode="livemostrecent")
+        self.queued_patches = Gauge(f"{PREFIX}_queued_patches", "patches waiting for a forward (what requests are "
+                                    "balanced on across engines)", ["device"], registry=r,
+                                    multiprocess_mode="livemostrecent")
+        self.engine_up = Gauge(f"{PREFIX}_engine_up", "1 while the engine is connected and serving", ["device"],
+                               registry=r, multiprocess_mode="livemax")
         self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "HTTP requests being served", registry=r,
                                multiprocess_mode="livesum")
         self.images = Counter(f"{PREFIX}_images", "images encoded", registry=r)
@@ -50,23 +56,24 @@ class Metrics:
                                 ["model", "dtype", "device", "attention_backend", "random_weights"], registry=r,
                                 multiprocess_mode="max")
         self.gpu_allocated = Gauge(f"{PREFIX}_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated",
-                                   registry=r, multiprocess_mode="livemostrecent")
+                                   ["device"], registry=r, multiprocess_mode="livemostrecent")
         self.gpu_reserved = Gauge(f"{PREFIX}_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
-                                  registry=r, multiprocess_mode="livemostrecent")
+                                  ["device"], registry=r, multiprocess_mode="livemostrecent")
         self._max_batch_patches = max_batch_patches
 
-    def sample_engine(self, stats: dict) -> None:
-        """Queue depth and device memory from the engine's `stats()` (read where the engine runs)."""
-        self.queue_depth.set(stats["queue_depth"])
-        self.gpu_allocated.set(stats.get("gpu_allocated_bytes", 0))
-        self.gpu_reserved.set(stats.get("gpu_reserved_bytes", 0))
+    def sample_engine(self, device: str, stats: dict) -> None:
+        """Queue depth and device memory from an engine's `stats()` (read where the engine runs)."""
+        self.queue_depth.labels(device).set(stats["queue_depth"])
+        self.queued_patches.labels(device).set(stats.get("queued_patches", 0))
+        self.gpu_allocated.labels(device).set(stats.get("gpu_allocated_bytes", 0))
+        self.gpu_reserved.labels(device).set(stats.get("gpu_reserved_bytes", 0))
 
-    def observe_batch(self, stats) -> None:
-        """One forward's `BatchStats`."""
-        self.forward_time.observe(stats.forward_s)
-        self.batch_items.observe(stats.items)
-        self.batch_patches.observe(stats.patches)
-        self.batch_fill.observe(min(1.0, stats.patches / self._max_batch_patches))
+    def observe_batch(self, device: str, stats) -> None:
+        """One forward's `BatchStats`, on the engine of `device`."""
+        self.forward_time.labels(device).observe(stats.forward_s)
+        self.batch_items.labels(device).observe(stats.items)
+        self.batch_patches.labels(device).observe(stats.patches)
+        self.batch_fill.labels(device).observe(min(1.0, stats.patches / self._max_batch_patches))
 
     def observe_request(self, items, results, queue_s: float) -> None:
         """One served request: its queue time, and the images, video frames and tokens it returned."""
