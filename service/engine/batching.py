@@ -29,7 +29,7 @@ import torch
 
 from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
 from ..model.encoder import EncodeResult, Encoder
-from ..model.preprocess import Preprocessed, decode_in_worker, decode_in_worker_config, init_worker
+from ..model.preprocess import Preprocessed, decode_in_worker, init_worker
 from ..model.video import is_video
 from .sandbox import DecodeSandbox
 
@@ -148,9 +148,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         args = (data, min_pixels, max_pixels, fps, num_frames)
         if self.sandbox is not None and is_video(data):
-            pre = self.encoder.preprocessor
-            frames, grid, meta = await self.sandbox.run(decode_in_worker_config, pre.config, *args)
-            return pre.item(frames, grid, meta)
+            return await self.sandbox.preprocess(self.encoder.preprocessor, *args)
         if not self._processes:
             return await loop.run_in_executor(self._pre_pool, self.encoder.preprocessor, *args)
         frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, *args)

@@ -1,6 +1,7 @@
-"""The engine as the HTTP front-end processes see it: `RemoteEngine`, a client of the engine process's socket
-with the interface of the local `Engine` (`preprocess`, `submit`, `stats`). Decoding and resizing run here, in
-threads (videos in a sandbox process); only the uint8 frames cross to the engine process (`protocol.py`)."""
+"""The engines as the HTTP front-end processes see them: `RemoteEngine`, a client of one engine process's socket,
+and `EnginePool`, which gives the engine processes the interface of the local `Engine` (`preprocess`, `submit`,
+`stats`). Decoding and resizing run here, in threads (videos in a sandbox process); only the uint8 frames cross to
+an engine process (`protocol.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from .. import errors
 from ..model.encoder import EncodeResult
-from ..model.preprocess import Preprocessed, Preprocessor, decode_in_worker_config
+from ..model.preprocess import Preprocessed, Preprocessor
 from ..model.video import is_video
 from .batching import BatchStats, Timing
 from .protocol import read_message, rebuild_error, tensor_at, write_message
@@ -35,9 +36,8 @@ class RemoteEncoder:
 
 
 class RemoteEngine:
-    """The `Engine` interface the API uses (`preprocess`, `submit`, `stats`), backed by the engine process.
-    Decoding and resizing run here, in threads (videos in a sandbox process, `sandbox.py`); only the uint8 frames
-    cross to the engine.
+    """One engine process as a front-end sees it (`submit`, `stats`), over its Unix socket; `EnginePool` puts
+    several behind the `Engine` interface and decodes for them.
 
     The engine process may die and be restarted by the server's supervisor: `connect()` opens a new connection,
     `disconnected()` waits for it to close. Requests the engine held when its connection closed fail with
@@ -46,20 +46,12 @@ class RemoteEngine:
 
     local = False
 
-    def __init__(self, path: str, preprocess_workers: int | ThreadPoolExecutor = 4,
-                 on_batch: Callable[[BatchStats], None] | None = None, sandbox: DecodeSandbox | None = None,
-                 device: str = ""):
+    def __init__(self, path: str, on_batch: Callable[[BatchStats], None] | None = None, device: str = ""):
         """`on_batch`: called with the stats of each forward the engine reports back (to this front-end's metrics;
-        each forward is reported to one front-end only); `preprocess_workers`: decoding threads, or a pool shared
-        with other engines; `sandbox`: where videos are decoded (None: in threads); `device`: the engine's device,
-        for metrics and /info."""
+        each forward is reported to one front-end only); `device`: the engine's device, for metrics and /info."""
         self.path = path
         self.device = device
         self.on_batch = on_batch
-        self.sandbox = sandbox
-        self._own_pool = not isinstance(preprocess_workers, ThreadPoolExecutor)
-        self._pool = (ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess") if self._own_pool
-                      else preprocess_workers)
         self._ids = itertools.count()
         self._link: _Link | None = None
         self.encoder: RemoteEncoder | None = None
@@ -96,10 +88,6 @@ class RemoteEngine:
             self._link.close()
             with contextlib.suppress(Exception):
                 await self._link.writer.wait_closed()
-        if self._own_pool:
-            self._pool.shutdown(wait=True)
-            if self.sandbox is not None:
-                self.sandbox.close()
 
     @property
     def load(self) -> int:
@@ -130,15 +118,6 @@ class RemoteEngine:
     async def stats(self) -> dict:
         header, _ = await self._request({"op": "stats"})
         return header["stats"]
-
-    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
-        pre = self.encoder.preprocessor
-        if self.sandbox is not None and is_video(data):
-            frames, grid, meta = await self.sandbox.run(decode_in_worker_config, pre.config, data, min_pixels,
-                                                        max_pixels, fps, num_frames)
-            return pre.item(frames, grid, meta)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, pre, data, min_pixels, max_pixels, fps, num_frames)
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
                      deepstack: bool = True, tokens: bool = True) -> tuple[list[EncodeResult], Timing]:
@@ -250,13 +229,16 @@ class _Link:
 
 
 class EnginePool:
-    """Several engine processes (one per GPU) behind the `Engine` interface: each request goes, whole, to the live
-    engine with the fewest patches ahead of it (`RemoteEngine.load`); decoding is shared."""
+    """The engine processes (one per device) behind the `Engine` interface, as a front-end sees them. Decoding and
+    resizing run here, in threads (videos in a sandbox process); each request then goes, whole, to the live engine
+    with the fewest patches ahead of it (`RemoteEngine.load`)."""
 
     local = False
 
-    def __init__(self, engines: list[RemoteEngine]):
+    def __init__(self, engines: list[RemoteEngine], preprocess_workers: int = 4, sandbox: DecodeSandbox | None = None):
         self.engines = engines
+        self.sandbox = sandbox
+        self._pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
 
     @property
     def alive(self) -> bool:
@@ -272,8 +254,12 @@ class EnginePool:
             raise errors.EngineUnavailable("no engine process is running (restarting)", retry_after=2.0)
         return live
 
-    async def preprocess(self, *args, **kwargs) -> Preprocessed:
-        return await self._live()[0].preprocess(*args, **kwargs)
+    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
+        pre = self.encoder.preprocessor  # the engines' description carries the server's limits
+        args = (data, min_pixels, max_pixels, fps, num_frames)
+        if self.sandbox is not None and is_video(data):
+            return await self.sandbox.preprocess(pre, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, pre, *args)
 
     async def submit(self, items: list[Preprocessed], **kwargs) -> tuple[list[EncodeResult], Timing]:
         engine = min(self._live(), key=lambda e: e.load)
@@ -294,3 +280,6 @@ class EnginePool:
     async def stop(self):
         for e in self.engines:
             await e.stop()
+        self._pool.shutdown(wait=True)
+        if self.sandbox is not None:
+            self.sandbox.close()

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..errors import ImageTooLarge, InvalidInput, UnsupportedVideo
+from ..model.preprocess import Preprocessed, Preprocessor, decode_in_worker_config
 
 PRELOAD = ["numpy", "PIL.Image", "av", "torch", "service.model.preprocess"]
 
@@ -53,6 +54,11 @@ class DecodeSandbox:
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="sandbox")
+
+    async def preprocess(self, preprocessor: Preprocessor, data: bytes, *args) -> Preprocessed:
+        """`preprocessor(data, *args)` in a child process: only its uint8 frames, grid and metadata come back."""
+        frames, grid, meta = await self.run(decode_in_worker_config, preprocessor.config, data, *args)
+        return preprocessor.item(frames, grid, meta)
 
     async def run(self, fn: Callable, *args):
         ok, value = await asyncio.get_running_loop().run_in_executor(self._threads, self._call, fn, args)

@@ -66,11 +66,6 @@ class EngineSupervisor:
     def start(self) -> None:
         self._thread.start()
 
-    @property
-    def pid(self) -> int | None:
-        proc = self._proc
-        return proc.pid if proc is not None else None
-
     def stop(self, timeout_s: float) -> int:
         """Stop the engine: a ready one finishes its queue first. 0 if it exited cleanly in time, else 1."""
         self._stopping.set()

@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -48,19 +47,15 @@ class Service:
         self.engine: Engine | EnginePool | None = None
         self.ready = False
         self._link_tasks: list[asyncio.Task] = []
-        self._pool: ThreadPoolExecutor | None = None
 
     async def start(self):
         """Single process: load and warm the model, then serve. Front-end process: serve at once (/health answers,
         /ready is 503) and connect to each engine process in the background, again whenever one restarts."""
         settings, metrics = self.settings, self.metrics
         if settings.engine_socket:  # a front-end process: the model lives in the engine processes
-            self._pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="preprocess")
-            sandbox = video_sandbox(settings)
-            engines = [RemoteEngine(path, self._pool, on_batch=functools.partial(metrics.observe_batch, device),
-                                    sandbox=sandbox, device=device)
+            engines = [RemoteEngine(path, on_batch=functools.partial(metrics.observe_batch, device), device=device)
                        for path, device in zip(settings.engine_socket.split(","), settings.resolved_devices())]
-            self.engine = EnginePool(engines)
+            self.engine = EnginePool(engines, settings.preprocess_workers, video_sandbox(settings))
             self._link_tasks = [asyncio.create_task(self._follow_engine(e), name=f"engine-link-{e.device}")
                                 for e in engines]
             return
@@ -108,9 +103,6 @@ class Service:
             task.cancel()
         if self.engine is not None:
             await self.engine.stop()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        if self.engine is not None:
             if not self.engine.local and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
                 multiprocess.mark_process_dead(os.getpid())
 
@@ -189,15 +181,11 @@ class Service:
             enc.preprocessor.config.max_pixels if enc else None)
         if eng is not None:
             body["engine"] = {"state": "up" if self.engine_alive else ("restarting" if enc else "starting")}
-            if self.engine_alive:
-                with contextlib.suppress(errors.EngineUnavailable):
-                    body["engine"].update(await eng.stats())
+            if self.engine_alive or not eng.local:  # the pool reports its engines, up or down
+                body["engine"].update(await eng.stats())
             body["engine"]["process"] = "this" if eng.local else "separate"
             if not eng.local:
-                engines = body["engine"].setdefault("engines", [])
-                if not engines:  # none alive: what the pool knows of each
-                    engines.extend({"device": e.device, "state": "down", "restarts": e.info.get("restarts", 0)}
-                                   for e in eng.engines)
+                engines = body["engine"]["engines"]
                 body["engine"]["restarts"] = sum(e["restarts"] for e in engines)
                 if len(engines) == 1 and "pid" in engines[0]:
                     body["engine"]["pid"] = engines[0]["pid"]
