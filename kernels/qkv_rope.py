@@ -210,19 +210,29 @@ def _sm_count(device) -> int:
 
 
 def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, heads: int, *, tile: tuple | None = None) -> torch.Tensor:
+                    sin: torch.Tensor, heads: int, *, tile: tuple | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """`(T, 3, H, D)` = x `(T, hidden)` @ weight `(3 * hidden, hidden)`^T + bias, Q and K rotated with
     float32 `(T, D/2)` tables. One kernel where `fused_qkv_rope_supported`, else the projection and
-    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests, benchmarks)."""
+    the in-place pass. `tile` pins (block_m, block_n, block_k, warps, stages, persistent) (tests, benchmarks);
+    `out`: a contiguous `(T, 3, H, D)` tensor to write into (a CUDA graph's static buffer)."""
     tokens, k_dim = x.shape
     n = weight.shape[0]
     head_dim = n // 3 // heads
     _check_tables(cos, sin, tokens, head_dim // 2)
     hidden = n // 3
+    if out is not None and (out.shape != (tokens, 3, heads, head_dim) or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {(tokens, 3, heads, head_dim)} tensor; got {tuple(out.shape)}")
     if not fused_qkv_rope_supported(x, weight, heads) or (
             tile is None and not interpreting() and not gemm_candidates(hidden, head_dim)):
-        return qkv_rope_(F.linear(x, weight, bias).view(tokens, 3, heads, head_dim), cos, sin)
-    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device)
+        if out is None:
+            qkv = F.linear(x, weight, bias)
+        elif bias is None:
+            qkv = torch.mm(x, weight.t(), out=out.view(tokens, n))
+        else:
+            qkv = torch.addmm(bias, x, weight.t(), out=out.view(tokens, n))
+        return qkv_rope_(qkv.view(tokens, 3, heads, head_dim), cos, sin)
+    out = torch.empty((tokens, n), dtype=x.dtype, device=x.device) if out is None else out.view(tokens, n)
 
     def run(c):
         bm, bn, bk, warps, stages, persistent = c

@@ -22,7 +22,7 @@ def encode_main(args) -> int:
     from .engine.build import load_encoder
     from .model.encoder import pack_by_budget, result_tensors
 
-    settings = Settings(model=args.model, device=args.device, dtype=args.dtype, cuda_graphs=8)
+    settings = Settings(model=args.model, device=args.device, dtype=args.dtype, cuda_graphs=False)
     encoder = load_encoder(settings)
     items = []
     for path in tqdm(args.files, desc="preprocess", unit="img", disable=args.quiet):

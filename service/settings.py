@@ -9,6 +9,16 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "random:qwen3-vl-2b"
+# token counts of the CUDA graph buckets: each about 1.25x the last
+DEFAULT_GRAPH_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 5120, 6400, 8192)
+
+
+def parse_buckets(spec: str) -> tuple[int, ...]:
+    """'256,512,1024' -> (256, 512, 1024): ascending token counts, each a multiple of 4 (the merge unit)."""
+    buckets = sorted({int(part) for part in spec.split(",") if part.strip()})
+    if not buckets or buckets[0] < 4 or any(b % 4 for b in buckets):
+        raise ValueError(f"graph buckets {spec!r}: positive multiples of 4 expected")
+    return tuple(buckets)
 
 
 def default_cache_dir() -> str:
@@ -74,13 +84,15 @@ class Settings(BaseSettings):
     # batching
     max_batch_patches: int = Field(32768, ge=64, description="patch budget of one forward")
     max_batch_items: int = Field(64, ge=1)
-    max_wait_ms: float = Field(5.0, ge=0, description="how long a forward waits to fill up")
-    cuda_graphs: int | None = Field(None, ge=0, description="pack signatures kept as CUDA graphs (0: off); a signature "
-                                    "is captured the third time it is seen. Default: 16 on CUDA with HTTP "
-                                    "front-end processes, else 0")
-    cuda_graph_max_tokens: int = Field(8192, ge=1, description="only packs of at most this many patches are graphed: "
-                                       "larger ones keep the GPU busy longer than their launches take to issue, so a "
-                                       "graph gains ~1% there and each capture would stall traffic")
+    max_wait_ms: float = Field(0.0, ge=0, description="how long a pack waits to fill up when the GPU is idle (0: it "
+                               "goes at once; while the GPU is busy a pack fills until just before it frees up)")
+    cuda_graphs: bool | None = Field(None, description="run packs of up to the largest graph bucket as CUDA graphs, "
+                                     "captured at start-up for every bucket (nothing is captured once traffic "
+                                     "flows). Default: on with CUDA and HTTP front-end processes")
+    cuda_graph_buckets: str = Field(",".join(map(str, DEFAULT_GRAPH_BUCKETS)), description="token counts (patches) of the "
+                                    "graph buckets: a pack is padded to the smallest that holds it (each about 1.25x "
+                                    "the last: at most 22% of a padded forward is padding); larger "
+                                    "packs run eagerly, where the GPU is busier than their launches take to issue")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding one engine process that owns the model; 0: one process does "
@@ -103,6 +115,12 @@ class Settings(BaseSettings):
     def _device(cls, v: str) -> str:
         if v != "auto" and not (v == "cpu" or v == "cuda" or v.startswith("cuda:")):
             raise ValueError(f"device {v!r}: use auto, cpu, cuda or cuda:N")
+        return v
+
+    @field_validator("cuda_graph_buckets")
+    @classmethod
+    def _buckets(cls, v: str) -> str:
+        parse_buckets(v)
         return v
 
     @field_validator("devices")
@@ -148,13 +166,12 @@ class Settings(BaseSettings):
 
         return max(1, min(4, (os.cpu_count() or 4) // 4))
 
-    def resolved_cuda_graphs(self) -> int:
-        """Graphs pay off once the engine's host work is not shared with HTTP handling (measured on H100:
-        97% of the tower's throughput with front-end processes and graphs, 84% without graphs; in one
+    def resolved_cuda_graphs(self) -> bool:
+        """Graphs pay off once the engine's host work is not shared with HTTP handling (measured on H100: in one
         process graphs were slower)."""
         if self.cuda_graphs is not None:
             return self.cuda_graphs
-        return 16 if self.resolved_device().startswith("cuda") and self.resolved_http_workers() else 0
+        return self.resolved_device().startswith("cuda") and bool(self.resolved_http_workers())
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

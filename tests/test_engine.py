@@ -16,7 +16,7 @@ from conftest import encode_bytes, rel_err
 from servers import serve
 from service.model.encoder import Encoder
 from service.engine.batching import Engine
-from service.errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded
+from service.errors import DeadlineExceeded, EngineUnavailable, InferenceFailed, Overloaded
 
 
 class RecordingEncoder:
@@ -103,6 +103,58 @@ def _engine(enc, **kw):
     args = dict(max_batch_patches=4096, max_batch_items=64, max_wait_ms=20, max_queue_items=64)
     args.update(kw)
     return Engine(enc, **args)
+
+
+class SimulatedDevice:
+    """A real encoder's results on a simulated device: `launch` returns at once, each pack computes for `seconds`
+    after the previous one ends, and `finish` waits until it has."""
+
+    def __init__(self, inner: Encoder, seconds: float):
+        self.inner, self.seconds = inner, seconds
+        self.packs: list[int] = []
+        self.free_at = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def launch(self, items, deepstack=True, tokens=True):
+        self.packs.append(len(items))
+        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+        return self.inner.encode(items, deepstack, tokens), self.free_at
+
+    def finish(self, pending):
+        results, done = pending
+        time.sleep(max(0.0, done - time.perf_counter()))
+        return results
+
+
+def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_time(tiny):
+    """With the GPU idle, a request is dispatched at once (no waiting to fill); the requests that arrive while its
+    forward runs go, all of them, into the next pack, formed just before that forward ends."""
+    img = Image.fromarray(np.random.default_rng(5).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    item = tiny.preprocess(img)
+    device = SimulatedDevice(tiny, seconds=0.3)
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0)
+        await eng.start()
+        await eng.submit([item], timeout_s=10)  # the engine learns how long a forward takes
+        t0 = time.perf_counter()
+        first = asyncio.create_task(eng.submit([item], timeout_s=10))
+        await asyncio.sleep(0.05)
+        rest = []
+        for _ in range(4):  # arrive while the first forward runs
+            rest.append(asyncio.create_task(eng.submit([item], timeout_s=10)))
+            await asyncio.sleep(0.03)
+        await first
+        first_s = time.perf_counter() - t0
+        await asyncio.gather(*rest)
+        await eng.stop()
+        return first_s
+
+    first_s = asyncio.run(go())
+    assert device.packs == [1, 1, 4]
+    assert first_s < 0.3 + 0.15  # dispatched at once: its own forward, nothing waited before it
 
 
 def test_abandoned_items_are_dropped_before_compute(tiny):

@@ -4,8 +4,13 @@
   thread that dispatches GPU work), overlapping the GPU; normalising and patchifying happen on the
   device inside the forward.
 - `submit(items)` queues a request's items and awaits their results. Items of many requests are
-  packed into one forward by a patch budget (`max_batch_patches`), an item cap and a maximum wait
-  (`max_wait_ms`). The queue is bounded in items: past it, `Overloaded` (the API answers 429).
+  packed into one forward by a patch budget (`max_batch_patches`) and an item cap. The queue is bounded in
+  items: past it, `Overloaded` (the API answers 429).
+- When a pack is formed: an idle GPU gets one at once (after `max_wait_ms`, 0 by default: waiting on an idle
+  GPU only adds latency). While a forward runs, the next pack fills until just before the GPU is expected to
+  free up (its launch time ahead), so it holds everything that arrived in the meantime; with two forwards in
+  flight the batcher waits for one to finish before forming the next. A request then waits for at most the
+  forward in progress and its own.
 - Items whose request is abandoned (client gone, deadline passed) are dropped before compute.
 - A forward that fails is split in halves and retried, so an out-of-memory batch still serves what
   fits and a failing item fails alone (`InferenceFailed`, a 503). A device fault (a CUDA error other than
@@ -102,6 +107,11 @@ class Engine:
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish")  # waits for outputs
         self._accepting = False
         self._in_flight = 0  # items handed to the GPU worker and not yet answered
+        # when launched work will be done: moving averages of GPU seconds per patch and of a launch's host time
+        self._s_per_patch = 0.0
+        self._launch_s = 0.0
+        self._gpu_free_at = 0.0  # time.perf_counter() at which the forwards launched so far should be done
+        self._last_done = 0.0
         self.forwards = 0  # forward passes run, for tests and /info
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -222,9 +232,27 @@ class Engine:
             patches += n
         return batch
 
+    def _pack_full(self) -> bool:
+        return len(self._queue) >= self.max_batch_items or self._queued_patch_count >= self.max_batch_patches
+
+    async def _fill(self, busy: list[asyncio.Task]) -> None:
+        """Let the next pack fill: for `max_wait` after its oldest item arrived and, while forwards are still running
+        (`busy`), until shortly before the GPU is expected to free up, or at once if it already has."""
+        base = self._queue[0].enqueued + self.max_wait
+        target = base
+        if busy:
+            # dispatch one launch's host time (plus a margin) before the running forwards end, so the GPU never waits
+            target = max(base, self._gpu_free_at - 1.5 * self._launch_s - 0.001)
+        while self._accepting and self._queue and not self._pack_full():
+            now = time.perf_counter()
+            if now >= target or (now >= base and busy and all(t.done() for t in busy)):
+                return
+            await asyncio.sleep(min(0.001, target - now))
+
     async def _batcher(self):
-        """Forms packs and keeps up to two forwards in flight: while pack k's outputs are still being
-        computed and copied back, pack k+1 is already dispatched, so Python dispatch overlaps GPU work."""
+        """Forms packs and keeps up to two forwards in flight: while pack k computes, pack k+1 is dispatched, so
+        Python dispatch overlaps GPU work. A free slot comes first, then the pack fills (`_fill`), so a pack holds
+        everything that arrived while the GPU was busy rather than what was queued when the previous one left."""
         loop = asyncio.get_running_loop()
         finishing: collections.deque[asyncio.Task] = collections.deque()
         try:
@@ -233,18 +261,14 @@ class Engine:
                 self._wakeup.clear()
                 if not self._queue:
                     continue
-                # let a forward fill up: until the budget is met or the oldest item has waited max_wait
-                deadline = self._queue[0].enqueued + self.max_wait
-                while (self._accepting and len(self._queue) < self.max_batch_items
-                       and self._queued_patch_count < self.max_batch_patches and time.perf_counter() < deadline):
-                    await asyncio.sleep(min(0.001, max(0.0, deadline - time.perf_counter())))
+                while len(finishing) >= 2 or (finishing and finishing[0].done()):
+                    await finishing.popleft()
+                await self._fill(list(finishing))
                 batch = self._take_batch()
                 if self._queue:
                     self._wakeup.set()
                 if not batch:
                     continue
-                while len(finishing) >= 2:
-                    await finishing.popleft()
                 self._in_flight += len(batch)
                 launched = await self._launch(loop, batch)
                 if launched is None:
@@ -262,7 +286,6 @@ class Engine:
         try:
             pending = await loop.run_in_executor(self._gpu, self.encoder.launch, [w.item for w in batch],
                                                  any(w.deepstack for w in batch), any(w.tokens for w in batch))
-            return start, pending
         except Exception as e:  # noqa: BLE001 - one bad pack must not take the service down
             self._report(batch, start, False)
             if is_device_fault(e):
@@ -288,11 +311,16 @@ class Engine:
             if not batch[0].future.done():
                 batch[0].future.set_exception(err)
             return None
+        now = time.perf_counter()
+        self._launch_s = _ema(self._launch_s, now - start)
+        patches = sum(w.item.num_patches for w in batch)
+        self._gpu_free_at = max(now, self._gpu_free_at) + self._s_per_patch * patches
+        return start, pending
 
     async def _finish(self, loop, batch: list[_Work], launched, count: bool = True):
         start, pending = launched
         try:
-            results = await loop.run_in_executor(self._finisher, self.encoder.finish, pending)
+            results, done = await loop.run_in_executor(self._finisher, self._complete, pending)
         except Exception as e:  # noqa: BLE001
             if is_device_fault(e):
                 self._fault(batch, e)
@@ -305,11 +333,21 @@ class Engine:
         finally:
             if count:
                 self._in_flight -= len(batch)
+        # the GPU ran this pack from when it was launched or the previous one finished, whichever came later
+        busy = done - max(start, self._last_done)
+        self._last_done = done
+        if busy > 0:
+            self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))
         end = time.perf_counter()
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
                 w.future.set_result((r, start - w.enqueued, end - start))
+
+    def _complete(self, pending):
+        """In the finisher thread: wait for a forward's outputs; them and the time they were ready."""
+        results = self.encoder.finish(pending)
+        return results, time.perf_counter()
 
     def _fault(self, batch: list[_Work], e: BaseException) -> None:
         first = self.faulted is None
@@ -330,3 +368,7 @@ class Engine:
         if self.on_batch is not None:
             self.on_batch(BatchStats(len(batch), sum(w.item.num_patches for w in batch),
                                      time.perf_counter() - start, ok))
+
+
+def _ema(average: float, sample: float, weight: float = 0.2) -> float:
+    return sample if average == 0.0 else average + weight * (sample - average)

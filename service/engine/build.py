@@ -24,7 +24,7 @@ from ..model.encoder import Encoder
 from ..model.loader import set_cublaslt_workspace
 from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
-from ..settings import Settings
+from ..settings import Settings, parse_buckets
 from .batching import BatchStats, Engine
 from .sandbox import DecodeSandbox
 
@@ -83,9 +83,9 @@ def load_encoder(settings: Settings) -> Encoder:
     if settings.model.startswith("random:"):
         log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
                     "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
+    buckets = parse_buckets(settings.cuda_graph_buckets) if settings.resolved_cuda_graphs() else ()
     return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(),
-                        settings.resolved_cuda_graphs(), TowerOptions(attention_backend=settings.attention_backend),
-                        settings.cuda_graph_max_tokens)
+                        TowerOptions(attention_backend=settings.attention_backend), buckets)
 
 
 async def build_engine(settings: Settings, encoder: Encoder | None = None,
@@ -140,4 +140,5 @@ def warmup(enc: Encoder, settings: Settings):
             if pack:
                 enc.encode(pack)
     save_tuning(cache)
+    enc.capture_graphs()  # after the kernels are compiled and tuned: a capture must not tune
     log.info("warm-up done (multiples of %d px)", enc.preprocessor.config.factor)

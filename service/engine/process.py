@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -142,8 +143,11 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         import torch
 
         torch.cuda.set_device(device)  # before anything touches CUDA: kernels launch on the current device
+    # The forward thread dispatches hundreds of CUDA ops per pack; with the default 5 ms switch interval it and the
+    # event loop wait that long for the GIL at every hand-off between them.
+    sys.setswitchinterval(0.0005)
     try:
-        return asyncio.run(_serve(conn, settings, restarts))
+        return _run(_serve(conn, settings, restarts))
     except errors.EncoderError as e:
         conn.send(("error", str(e)))
         return 2
@@ -151,6 +155,15 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         log.exception("engine process failed")
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return 1
+
+
+def _run(coro):
+    """`asyncio.run` on uvloop where it is installed (uvicorn[standard] brings it), as the front-ends run."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 async def _serve(conn, settings, restarts: int) -> int:

@@ -133,6 +133,7 @@ class Service:
         check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames)
         arrival = time.perf_counter()
         items = await asyncio.gather(*(self._preprocess(eng, i, data, opts) for i, data in enumerate(inputs)))
+        preprocessed = time.perf_counter()
         disconnected = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
         try:
@@ -146,7 +147,8 @@ class Service:
             if eng.local:
                 self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth)
         self.metrics.observe_request(items, results, timing.queue_s)
-        headers = {"X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
+        headers = {"X-Preprocess-Time-Ms": f"{(preprocessed - arrival) * 1000:.2f}",
+                   "X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
                    "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
         return results, items, headers
 

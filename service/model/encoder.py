@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .graphs import GraphedTower
+from .graphs import BucketedTower
 from .loader import load_tower
 from .preprocess import Preprocessor, Preprocessed, patchify
 from .tower import TowerOptions, VisionTower
@@ -28,12 +28,11 @@ class EncodeResult:
 
 
 class Encoder:
-    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, cuda_graphs: int = 8,
-                 graph_max_tokens: int | None = None):
-        """`cuda_graphs`: how many pack signatures to keep as CUDA graphs (0: always eager); `graph_max_tokens`: only
-        packs of at most this many patches are graphed (None: any)."""
+    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, graph_buckets: tuple[int, ...] = ()):
+        """`graph_buckets`: the token counts whose CUDA graphs `capture_graphs` records (empty: every forward runs
+        eagerly)."""
         self.tower = tower
-        self.forward = GraphedTower(tower, max_graphs=cuda_graphs, max_tokens=graph_max_tokens)
+        self.forward = BucketedTower(tower, graph_buckets)
         self.preprocessor = preprocessor
         p = next(tower.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -41,10 +40,15 @@ class Encoder:
         self._luts: dict[bytes, torch.Tensor] = {}  # preprocessing LUTs, on the device
 
     @classmethod
-    def load(cls, model: str, device="cpu", dtype="float32", cuda_graphs: int = 8,
-             options: TowerOptions = TowerOptions(), graph_max_tokens: int | None = None) -> "Encoder":
+    def load(cls, model: str, device="cpu", dtype="float32", options: TowerOptions = TowerOptions(),
+             graph_buckets: tuple[int, ...] = ()) -> "Encoder":
         tower, pre_cfg = load_tower(model, device, dtype, options)
-        return cls(tower, Preprocessor(pre_cfg), cuda_graphs=cuda_graphs, graph_max_tokens=graph_max_tokens)
+        return cls(tower, Preprocessor(pre_cfg), graph_buckets)
+
+    def capture_graphs(self) -> None:
+        """Record the CUDA graphs of every token bucket (start-up, after the kernels are compiled and tuned)."""
+        if self.forward.buckets and self.device.type == "cuda":
+            self.forward.capture()
 
     @property
     def backend(self) -> str:

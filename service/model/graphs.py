@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -196,3 +196,137 @@ class GraphedTower:
         log.info("CUDA graph for a pack of %d grids (%d tokens): %s attention (%s)", len(key), best.plan.num_tokens,
                  best.attention, ", ".join(f"{b} {t:.3f} ms" for b, t in ms.items()))
         return best
+
+
+# -- bucketed graphs: any mix of grids -----------------------------------------------------------------------------
+
+class _Bucket:
+    """The static buffers and graph pieces of one token-count bucket. The pieces are what lies between two
+    attention calls (`VisionTower.embed` + the first `project_qkv`; then per block `block_tail` + the next
+    `project_qkv`, or the merger after the last): they depend on the token count only, so one capture per bucket
+    serves every pack that fits. The attention between them runs eagerly on the real segments (its launch grid
+    follows them), reading the static QKV buffer and writing the static attention buffer."""
+
+    def __init__(self, tower: VisionTower, tokens: int, attention: str, offsets: torch.Tensor):
+        cfg, device, dtype = tower.config, tower.pos_embed.weight.device, tower.pos_embed.weight.dtype
+        self.tower, self.tokens, self.attention, self.offsets = tower, tokens, attention, offsets
+        half = cfg.head_dim // 2
+        # inputs: rows past a pack's tokens keep whatever they held (zeros at first, then an earlier pack's values):
+        # every op in the pieces is per token (or per merged group of 4), so padding rows never reach real ones
+        self.pixels = torch.zeros((tokens, cfg.patch_dim), dtype=dtype, device=device)
+        self.cos = torch.zeros((tokens, half), dtype=torch.float32, device=device)
+        self.sin = torch.zeros((tokens, half), dtype=torch.float32, device=device)
+        self.index = torch.zeros((tokens, 4), dtype=torch.long, device=device)
+        self.weight = torch.zeros((tokens, 4), dtype=torch.float32, device=device)
+        self.qkv = torch.zeros((tokens, 3, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
+        self.attended = torch.zeros((tokens, cfg.hidden_size), dtype=dtype, device=device)
+        self.deepstack = tower.new_deepstack(tokens, device)
+        self.x = self.merged = None  # produced by the pieces
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+
+    def _piece(self, i: int) -> None:
+        tower = self.tower
+        if i == 0:
+            self.x, h = tower.embed(self.pixels, self.index, self.weight)
+        else:
+            self.x, h = tower.block_tail(i - 1, self.x, self.attended, self.offsets, self.deepstack)
+        if i < len(tower.blocks):
+            tower.project_qkv(i, h, self.cos, self.sin, self.attention, out=self.qkv)
+        else:
+            self.merged = tower.merge(h)
+
+    def capture(self, pool) -> None:
+        """Record every piece as a CUDA graph, in order, on one memory pool (replays run in the same order, so the
+        pieces' intermediates may share memory)."""
+        device = self.pixels.device
+        side = torch.cuda.Stream(device)  # one eager pass first: lazy library initialisation, kernel choices
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for i in range(len(self.tower.blocks) + 1):
+                self._piece(i)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graphs = []
+        for i in range(len(self.tower.blocks) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._piece(i)
+            graphs.append(graph)
+        self.graphs = graphs
+
+    def run(self, pixel_values: torch.Tensor, plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        n = plan.num_tokens
+        for static, value in ((self.pixels, pixel_values), (self.cos, plan.cos), (self.sin, plan.sin),
+                              (self.index, plan.interp_index), (self.weight, plan.interp_weight)):
+            static[:n].copy_(value)
+        tower = self.tower
+        for i in range(len(tower.blocks) + 1):
+            if i:
+                self.attended[:n].copy_(tower.attend(i - 1, self.qkv[:n], plan, self.attention))
+            if self.graphs is not None:
+                self.graphs[i].replay()
+            else:  # not captured (no CUDA): the same pieces, run eagerly
+                self._piece(i)
+        unit = tower.config.merge_unit
+        return self.merged[:n // unit].clone(), self.deepstack[:, :n // unit].clone()
+
+
+class BucketedTower:
+    """`(pixel_values, grids) -> (merged, deepstack)` for any mix of grids, through CUDA graphs captured once per
+    token-count bucket (`capture`, at start-up): a pack is padded to the smallest bucket that holds it, its plan is
+    copied into the bucket's static inputs, and the graph pieces replay with the attention run eagerly between
+    them (see `_Bucket`). Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly
+    (such a pack keeps the GPU busier than its launches take to issue). Plans of recent signatures are kept, so a
+    repeated layout skips building its plan."""
+
+    plan_cache_size = 256
+
+    def __init__(self, tower: VisionTower, buckets: tuple[int, ...] = ()):
+        self.tower = tower
+        self.buckets = tuple(sorted(buckets))
+        self._buckets: dict[int, _Bucket] = {}
+        self._plans: OrderedDict[Signature, PackPlan] = OrderedDict()
+        self.padded_tokens = 0  # tokens computed as padding, for the benchmarks
+        self.bucketed = self.eager = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._buckets) and all(b.graphs is not None for b in self._buckets.values())
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's pieces (on CUDA); elsewhere set the buckets up to run their pieces eagerly."""
+        tower = self.tower
+        offsets = tower._bias_offsets()
+        pool = torch.cuda.graph_pool_handle() if tower.pos_embed.weight.is_cuda else None
+        for tokens in self.buckets:
+            bucket = _Bucket(tower, tokens, tower.backend, offsets)
+            if pool is not None:
+                bucket.capture(pool)
+            self._buckets[tokens] = bucket
+        log.info("CUDA graphs captured for %d token buckets up to %d", len(self.buckets), self.buckets[-1])
+
+    def plan(self, grids) -> PackPlan:
+        key = _signature(grids)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self.tower.plan(key)
+            if len(self._plans) > self.plan_cache_size:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return plan
+
+    def bucket_for(self, tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= tokens), None) if self._buckets else None
+
+    def __call__(self, pixel_values: torch.Tensor, grids) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self.plan(grids)
+        if pixel_values.shape[0] != plan.num_tokens:
+            raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
+        tokens = self.bucket_for(plan.num_tokens)
+        if tokens is None or not self.tower.options.residual_in_gemm:
+            self.eager += 1
+            return self.tower(pixel_values, plan)
+        self.bucketed += 1
+        self.padded_tokens += tokens - plan.num_tokens
+        return self._buckets[tokens].run(pixel_values, plan)

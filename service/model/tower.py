@@ -169,27 +169,38 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def forward(self, x, plan: PackPlan, backend: str, options: TowerOptions, residual: torch.Tensor | None = None,
-                attention: str | None = None):
-        """The attention branch; with `residual`, returns `residual` + the branch without proj's bias.
-        `backend` is the tower's (it decides the fused projection), `attention` the attention call's
-        (default: the same)."""
+    def project_qkv(self, x, cos, sin, backend: str, options: TowerOptions, attention: str,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated (only K where the attention kernel rotates Q),
+        into `out` if given. `backend` is the tower's (it decides the fused projection), `attention` the attention
+        call's."""
         tokens = x.shape[0]
-        attention = attention or backend
         q_in_kernel = attention == "triton" and options.rope_q_in_kernel
         if (backend == "triton" and options.fused_qkv_rope and not q_in_kernel
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
-            qkv = qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, plan.cos, plan.sin, self.num_heads)
-        else:
-            qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
-            # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per
-            # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
-            qkv_rope_(qkv, plan.cos, plan.sin, use_triton=_fused(backend), k_only=q_in_kernel)
+            return qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out)
+        flat = self.qkv(x) if out is None else torch.addmm(self.qkv.bias, x, self.qkv.weight.t(),
+                                                            out=out.view(tokens, -1))
+        qkv = flat.view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
+        # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per
+        # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
+        return qkv_rope_(qkv, cos, sin, use_triton=_fused(backend), k_only=q_in_kernel)
+
+    def attend(self, qkv, plan: "PackPlan", options: TowerOptions, attention: str) -> torch.Tensor:
+        """Block-diagonal attention over the pack's segments: qkv `[T, 3, H, D]` -> `[T, H * D]`."""
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
-        rope_q = dict(cos=plan.cos, sin=plan.sin, rotate_k=False) if q_in_kernel else {}
+        rope_q = (dict(cos=plan.cos, sin=plan.sin, rotate_k=False)
+                  if attention == "triton" and options.rope_q_in_kernel else {})
         out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=attention,
                                **rope_q)
-        return _project(self.proj, out.view(tokens, -1), residual)
+        return out.view(qkv.shape[0], -1)
+
+    def forward(self, x, plan: PackPlan, backend: str, options: TowerOptions, residual: torch.Tensor | None = None,
+                attention: str | None = None):
+        """The attention branch; with `residual`, returns `residual` + the branch without proj's bias."""
+        attention = attention or backend
+        qkv = self.project_qkv(x, plan.cos, plan.sin, backend, options, attention)
+        return _project(self.proj, self.attend(qkv, plan, options, attention), residual)
 
 
 def activation(name: str) -> nn.Module:
@@ -315,39 +326,79 @@ class VisionTower(nn.Module):
                 attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out].
         `attention`: the attention backend of this forward (one of `attention_choices()`; default
-        `backend`); every other kernel is the same either way."""
+        `backend`); every other kernel is the same either way.
+
+        The steps (`embed`, then per block `project_qkv`, `attend`, `block_tail`, then `merge`) are also what
+        `graphs.BucketedTower` runs: everything but the attention as CUDA graphs over padded token counts."""
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
+        attention = attention or self.backend
+        if not self.options.residual_in_gemm:
+            return self._forward_unfused(pixel_values, plan, attention)
+        offsets = self._bias_offsets()
+        deepstack = self.new_deepstack(pixel_values.shape[0], pixel_values.device)
+        x, h = self.embed(pixel_values, plan.interp_index, plan.interp_weight)
+        for layer in range(len(self.blocks)):
+            qkv = self.project_qkv(layer, h, plan.cos, plan.sin, attention)
+            x, h = self.block_tail(layer, x, self.attend(layer, qkv, plan, attention), offsets, deepstack)
+        return self.merge(h), deepstack
+
+    def new_deepstack(self, tokens: int, device) -> torch.Tensor:
+        return torch.empty((len(self.config.deepstack_visual_indexes), tokens // self.config.merge_unit,
+                            self.config.out_hidden_size), dtype=self.pos_embed.weight.dtype, device=device)
+
+    def embed(self, pixel_values, interp_index, interp_weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """Patch embedding plus interpolated position embeddings: the residual stream x and norm1(x) of block 0."""
         x = self.patch_embed(pixel_values)
-        pos_embed_add_(x, self.pos_embed.weight, plan.interp_index, plan.interp_weight, use_triton=_fused(self.backend))
-        taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
-        unit = self.config.merge_unit
-        deepstack = x.new_empty((len(taps), x.shape[0] // unit, self.config.out_hidden_size))
+        pos_embed_add_(x, self.pos_embed.weight, interp_index, interp_weight, use_triton=_fused(self.backend))
+        _, h = _add_norm(x, None, self.blocks[0].norm1, self.backend)
+        return x, h
+
+    def project_qkv(self, layer: int, h, cos, sin, attention: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.blocks[layer].attn.project_qkv(h, cos, sin, self.backend, self.options, attention, out)
+
+    def attend(self, layer: int, qkv, plan: PackPlan, attention: str) -> torch.Tensor:
+        return self.blocks[layer].attn.attend(qkv, plan, self.options, attention)
+
+    def block_tail(self, layer: int, x, attended, offsets, deepstack) -> tuple[torch.Tensor, torch.Tensor]:
+        """After block `layer`'s attention: its output projection (the residual added in the GEMM), norm2, the MLP
+        (likewise), and the norm that follows (the next block's norm1, or the merger's), each residual add fused
+        with that norm; at a DeepStack tap also that merger's post-shuffle norm in the same pass, and its
+        projection into `deepstack`. Returns the residual stream and the normalised input of what comes next."""
         blocks = self.blocks
-        in_gemm = self.options.residual_in_gemm
-        offsets = self._bias_offsets() if in_gemm else [None] * (2 * len(blocks))
-        _, h = _add_norm(x, None, blocks[0].norm1, self.backend)
+        block = blocks[layer]
+        taps = {tap: i for i, tap in enumerate(self.config.deepstack_visual_indexes)}
+        x = _project(block.attn.proj, attended, x)
+        x, h = _add_norm(x, None, block.norm2, self.backend, offset=offsets[2 * layer])
+        x = block.mlp(h, residual=x)
+        norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
+        tap = self.deepstack_merger_list[taps[layer]] if layer in taps else None
+        x, h, *tapped = _add_norm(x, None, norm, self.backend, tap.norm if tap is not None else None,
+                                  offset=offsets[2 * layer + 1])
+        if tap is not None:
+            tap.project(tapped[0], out=deepstack[taps[layer]])
+        return x, h
+
+    def merge(self, h) -> torch.Tensor:
+        return self.merger.project(h.view(-1, self.merger.merged))
+
+    def _forward_unfused(self, pixel_values, plan: PackPlan, attention: str):
+        """`TowerOptions.residual_in_gemm=False`: each residual added in the norm's pass (two more passes over the
+        activations per residual; kept for the tests that compare the two)."""
+        taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
+        deepstack = self.new_deepstack(pixel_values.shape[0], pixel_values.device)
+        x, h = self.embed(pixel_values, plan.interp_index, plan.interp_weight)
+        blocks = self.blocks
         for layer, block in enumerate(blocks):
-            # each residual add (in the output projection's GEMM, or in the pass) is fused with the norm
-            # that follows: norm2, then the next block's norm1, or after the last block the merger's
-            # (pre-shuffle); at a DeepStack tap also that merger's post-shuffle norm, same pass
-            if in_gemm:
-                x, y = block.attn(h, plan, self.backend, self.options, residual=x, attention=attention), None
-            else:
-                y = block.attn(h, plan, self.backend, self.options, attention=attention)
-            x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer])
-            if in_gemm:
-                x, y = block.mlp(h, residual=x), None
-            else:
-                y = block.mlp(h)
+            y = block.attn(h, plan, self.backend, self.options, attention=attention)
+            x, h = _add_norm(x, y, block.norm2, self.backend)
+            y = block.mlp(h)
             norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
             tap = self.deepstack_merger_list[taps[layer]] if layer in taps else None
-            x, h, *tapped = _add_norm(x, y, norm, self.backend, tap.norm if tap is not None else None,
-                                      offset=offsets[2 * layer + 1])
+            x, h, *tapped = _add_norm(x, y, norm, self.backend, tap.norm if tap is not None else None)
             if tap is not None:
                 tap.project(tapped[0], out=deepstack[taps[layer]])
-        merged = self.merger.project(h.view(-1, self.merger.merged))
-        return merged, deepstack
+        return self.merge(h), deepstack
 
     def _bias_offsets(self) -> torch.Tensor:
         """[2 * depth, hidden] float32: the running sums of the output projections' biases (proj, fc2,

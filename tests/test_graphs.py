@@ -1,0 +1,73 @@
+"""Bucketed forwards on the CPU: the pieces that become CUDA graphs on a GPU run eagerly here over the same padded
+static buffers, so the padding, the split around the attention and the plan cache are checked against the plain
+forward in float32 (the GPU test, tests/gpu, checks the captured graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_err
+from service.model.config import preset
+from service.model.graphs import BucketedTower
+from service.model.loader import random_tower
+from service.model.tower import TowerOptions
+from service.settings import Settings, parse_buckets
+
+PACKS = [
+    [(1, 2, 2)],  # one merged token
+    [(1, 4, 14), (1, 2, 2)],
+    [(2, 6, 4), (1, 10, 2)],  # a video's two frames, a flat image
+    [(1, 4, 4)] * 7 + [(1, 2, 6)],  # many segments
+    [(1, 14, 20)],  # beyond every bucket: eager
+    [(1, 2, 2)],  # small after large in the same bucket: stale padding rows
+]
+
+
+@pytest.fixture(scope="module")
+def tower():
+    return random_tower(preset("tiny"), "cpu", torch.float32, seed=2)
+
+
+def test_padded_pieces_equal_the_plain_forward(tower):
+    bucketed = BucketedTower(tower, (16, 64, 128))
+    bucketed.capture()
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for grids in PACKS + PACKS:
+            tokens = sum(t * h * w for t, h, w in grids)
+            pixels = torch.randn(tokens, tower.config.patch_dim, generator=gen)
+            merged, ds = bucketed(pixels, grids)
+            ref_merged, ref_ds = tower(pixels, tower.plan(grids))
+            assert merged.shape == ref_merged.shape and ds.shape == ref_ds.shape
+            assert rel_err(merged, ref_merged) <= 1e-5 and rel_err(ds, ref_ds) <= 1e-5, grids
+    assert bucketed.eager == 2 and bucketed.bucketed == 10
+    assert bucketed.padded_tokens == 2 * sum(bucketed.bucket_for(n) - n for n in (4, 60, 68, 124, 4))
+    assert len(bucketed._plans) == len({tuple(p) for p in PACKS})  # a repeated signature reuses its plan
+
+
+def test_without_capture_or_buckets_every_pack_runs_eagerly(tower):
+    bucketed = BucketedTower(tower, (64,))
+    pixels = torch.randn(16, tower.config.patch_dim)
+    with torch.inference_mode():
+        merged, _ = bucketed(pixels, [(1, 4, 4)])
+        assert torch.equal(merged, tower(pixels, tower.plan([(1, 4, 4)]))[0])
+    assert bucketed.eager == 1 and bucketed.bucketed == 0
+
+
+def test_unfused_residual_option_runs_eagerly():
+    tower = random_tower(preset("tiny"), "cpu", torch.float32, seed=2, options=TowerOptions(residual_in_gemm=False))
+    bucketed = BucketedTower(tower, (64,))
+    bucketed.capture()
+    with torch.inference_mode():
+        bucketed(torch.randn(16, tower.config.patch_dim), [(1, 4, 4)])
+    assert bucketed.eager == 1
+
+
+def test_bucket_settings():
+    assert parse_buckets("64, 16,16") == (16, 64)
+    for bad in ("", "6", "0,16"):
+        with pytest.raises(ValueError):
+            parse_buckets(bad)
+    with pytest.raises(ValueError):
+        Settings(cuda_graph_buckets="10,20")
