@@ -320,7 +320,7 @@ class Engine:
     async def _finish(self, loop, batch: list[_Work], launched, count: bool = True):
         start, pending = launched
         try:
-            results, done = await loop.run_in_executor(self._finisher, self._complete, pending)
+            results, done, gpu_s = await loop.run_in_executor(self._finisher, self._complete, pending)
         except Exception as e:  # noqa: BLE001
             if is_device_fault(e):
                 self._fault(batch, e)
@@ -333,8 +333,10 @@ class Engine:
         finally:
             if count:
                 self._in_flight -= len(batch)
-        # the GPU ran this pack from when it was launched or the previous one finished, whichever came later
-        busy = done - max(start, self._last_done)
+        # the GPU's own time for the pack where it can be read (CUDA events); else the wall time from when it was
+        # launched or the previous one finished, whichever came later. Not the wall time on a GPU: that includes
+        # the GPU's idle time before a late launch, and a longer estimate would make the next launch later still.
+        busy = gpu_s if gpu_s is not None else done - max(start, self._last_done)
         self._last_done = done
         if busy > 0:
             self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))
@@ -345,9 +347,11 @@ class Engine:
                 w.future.set_result((r, start - w.enqueued, end - start))
 
     def _complete(self, pending):
-        """In the finisher thread: wait for a forward's outputs; them and the time they were ready."""
+        """In the finisher thread: wait for a forward's outputs; them, the time they were ready, and the GPU time of
+        the forward (None where it cannot be read)."""
         results = self.encoder.finish(pending)
-        return results, time.perf_counter()
+        gpu_seconds = getattr(pending, "gpu_seconds", None)
+        return results, time.perf_counter(), gpu_seconds() if gpu_seconds is not None else None
 
     def _fault(self, batch: list[_Work], e: BaseException) -> None:
         first = self.faulted is None

@@ -90,11 +90,14 @@ class Encoder:
         """Dispatch one packed forward, the per-item mean of its merged tokens, and the copies of the outputs asked
         for (`tokens`: the merged tokens, `deepstack`: the DeepStack features; the pooled vectors always) to pinned
         host memory, without waiting for the GPU. `finish` waits and splits the outputs per item."""
+        started = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
+        if started is not None:
+            started.record()
         merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items])
         counts = [it.num_patches // self.config.merge_unit for it in items]
         pooled = _segment_mean(merged, counts)
         outputs = [merged if tokens else None, ds if deepstack else None, pooled]
-        if self.device.type != "cuda":
+        if started is None:
             return Pending(items, counts, *outputs, None)
         host = []
         for t in outputs:
@@ -102,9 +105,9 @@ class Encoder:
                 copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 t = copy.copy_(t, non_blocking=True)
             host.append(t)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record()
-        return Pending(items, counts, *host, done)
+        return Pending(items, counts, *host, done, started)
 
     def finish(self, pending: "Pending") -> list[EncodeResult]:
         if pending.done is not None:
@@ -139,6 +142,11 @@ class Pending:
     deepstack: torch.Tensor | None
     pooled: torch.Tensor
     done: "torch.cuda.Event | None"
+    started: "torch.cuda.Event | None" = None  # recorded before the forward: done - started is its GPU time
+
+    def gpu_seconds(self) -> float | None:
+        """The GPU time from the forward's start to its outputs on the host (after `finish`); None on the CPU."""
+        return None if self.started is None else self.started.elapsed_time(self.done) / 1000
 
 
 def _segment_mean(merged: torch.Tensor, counts: list[int]) -> torch.Tensor:

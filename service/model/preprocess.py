@@ -181,7 +181,7 @@ def decode_image(data: bytes, max_image_pixels: int) -> Image.Image:
     if width == 0 or height == 0:
         raise UnsupportedImage(f"image has no pixels ({width}x{height})")
     try:
-        img = ImageOps.exif_transpose(img)
+        ImageOps.exif_transpose(img, in_place=True)  # in place: no copy of an image that needs no turning
     except Exception:  # a broken EXIF block is ignored, as browsers do
         pass
     return to_rgb(img)
@@ -225,7 +225,8 @@ class Preprocessor:
             img = to_rgb(data)
         orig_w, orig_h = img.size
         height, width = self.target_size(orig_h, orig_w, min_pixels, max_pixels)
-        img = img.resize((width, height), resample=c.resample)
+        if img.size != (width, height):  # the same size would be an exact copy
+            img = img.resize((width, height), resample=c.resample)
         frames = np.array(img)[None]  # [1, H, W, 3] uint8, writable (torch.from_numpy needs that)
         grid = (1, height // c.patch_size, width // c.patch_size)
         return self.item(frames, grid, {"kind": "image", "width": orig_w, "height": orig_h})
