@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -120,12 +121,21 @@ class SimulatedDevice:
     def launch(self, items, deepstack=True, tokens=True):
         self.packs.append(len(items))
         self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
-        return self.inner.encode(items, deepstack, tokens), self.free_at
+        return SimulatedForward(self.inner.encode(items, deepstack, tokens), self.free_at, self.seconds)
 
     def finish(self, pending):
-        results, done = pending
-        time.sleep(max(0.0, done - time.perf_counter()))
-        return results
+        time.sleep(max(0.0, pending.done - time.perf_counter()))
+        return pending.results
+
+
+@dataclass
+class SimulatedForward:
+    results: list
+    done: float  # time.perf_counter() at which the simulated device has finished it
+    seconds: float
+
+    def gpu_seconds(self) -> float:
+        return self.seconds
 
 
 def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_time(tiny):

@@ -350,8 +350,7 @@ class Engine:
         """In the finisher thread: wait for a forward's outputs; them, the time they were ready, and the GPU time of
         the forward (None where it cannot be read)."""
         results = self.encoder.finish(pending)
-        gpu_seconds = getattr(pending, "gpu_seconds", None)
-        return results, time.perf_counter(), gpu_seconds() if gpu_seconds is not None else None
+        return results, time.perf_counter(), pending.gpu_seconds()
 
     def _fault(self, batch: list[_Work], e: BaseException) -> None:
         first = self.faulted is None

@@ -195,13 +195,6 @@ class Attention(nn.Module):
                                **rope_q)
         return out.view(qkv.shape[0], -1)
 
-    def forward(self, x, plan: PackPlan, backend: str, options: TowerOptions, residual: torch.Tensor | None = None,
-                attention: str | None = None):
-        """The attention branch; with `residual`, returns `residual` + the branch without proj's bias."""
-        attention = attention or backend
-        qkv = self.project_qkv(x, plan.cos, plan.sin, backend, options, attention)
-        return _project(self.proj, self.attend(qkv, plan, options, attention), residual)
-
 
 def activation(name: str) -> nn.Module:
     """The checkpoint's `hidden_act`: the common ones directly (transformers' ACT2FN computes the same functions,
@@ -301,6 +294,7 @@ class VisionTower(nn.Module):
             PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
         )
         self._backend: str | None = None
+        self._taps = {layer: i for i, layer in enumerate(cfg.deepstack_visual_indexes)}  # layer -> DeepStack merger
 
     @property
     def backend(self) -> str:
@@ -333,9 +327,7 @@ class VisionTower(nn.Module):
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
         attention = attention or self.backend
-        if not self.options.residual_in_gemm:
-            return self._forward_unfused(pixel_values, plan, attention)
-        offsets = self._bias_offsets()
+        offsets = self._bias_offsets() if self.options.residual_in_gemm else None
         deepstack = self.new_deepstack(pixel_values.shape[0], pixel_values.device)
         x, h = self.embed(pixel_values, plan.interp_index, plan.interp_weight)
         for layer in range(len(self.blocks)):
@@ -361,44 +353,35 @@ class VisionTower(nn.Module):
         return self.blocks[layer].attn.attend(qkv, plan, self.options, attention)
 
     def block_tail(self, layer: int, x, attended, offsets, deepstack) -> tuple[torch.Tensor, torch.Tensor]:
-        """After block `layer`'s attention: its output projection (the residual added in the GEMM), norm2, the MLP
-        (likewise), and the norm that follows (the next block's norm1, or the merger's), each residual add fused
-        with that norm; at a DeepStack tap also that merger's post-shuffle norm in the same pass, and its
-        projection into `deepstack`. Returns the residual stream and the normalised input of what comes next."""
+        """After block `layer`'s attention: its output projection, norm2, the MLP, and the norm that follows (the next
+        block's norm1, or the merger's), each residual add fused with the norm after it; at a DeepStack tap also that
+        merger's post-shuffle norm in the same pass, and its projection into `deepstack`. With `offsets` (the running
+        bias sums of `_bias_offsets`; `TowerOptions.residual_in_gemm`) the projections add the residual in their GEMM
+        and the norms add the offsets; without, the norms' pass adds the residual. Returns the residual stream and
+        the normalised input of what comes next."""
         blocks = self.blocks
         block = blocks[layer]
-        taps = {tap: i for i, tap in enumerate(self.config.deepstack_visual_indexes)}
-        x = _project(block.attn.proj, attended, x)
-        x, h = _add_norm(x, None, block.norm2, self.backend, offset=offsets[2 * layer])
-        x = block.mlp(h, residual=x)
+        in_gemm = offsets is not None
+        if in_gemm:
+            x, y = _project(block.attn.proj, attended, x), None
+        else:
+            y = block.attn.proj(attended)
+        x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None)
+        if in_gemm:
+            x, y = block.mlp(h, residual=x), None
+        else:
+            y = block.mlp(h)
         norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
-        tap = self.deepstack_merger_list[taps[layer]] if layer in taps else None
-        x, h, *tapped = _add_norm(x, None, norm, self.backend, tap.norm if tap is not None else None,
-                                  offset=offsets[2 * layer + 1])
-        if tap is not None:
-            tap.project(tapped[0], out=deepstack[taps[layer]])
+        tap = self._taps.get(layer)
+        merger = self.deepstack_merger_list[tap] if tap is not None else None
+        x, h, *tapped = _add_norm(x, y, norm, self.backend, merger.norm if merger is not None else None,
+                                  offset=offsets[2 * layer + 1] if in_gemm else None)
+        if merger is not None:
+            merger.project(tapped[0], out=deepstack[tap])
         return x, h
 
     def merge(self, h) -> torch.Tensor:
         return self.merger.project(h.view(-1, self.merger.merged))
-
-    def _forward_unfused(self, pixel_values, plan: PackPlan, attention: str):
-        """`TowerOptions.residual_in_gemm=False`: each residual added in the norm's pass (two more passes over the
-        activations per residual; kept for the tests that compare the two)."""
-        taps = {layer: i for i, layer in enumerate(self.config.deepstack_visual_indexes)}
-        deepstack = self.new_deepstack(pixel_values.shape[0], pixel_values.device)
-        x, h = self.embed(pixel_values, plan.interp_index, plan.interp_weight)
-        blocks = self.blocks
-        for layer, block in enumerate(blocks):
-            y = block.attn(h, plan, self.backend, self.options, attention=attention)
-            x, h = _add_norm(x, y, block.norm2, self.backend)
-            y = block.mlp(h)
-            norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
-            tap = self.deepstack_merger_list[taps[layer]] if layer in taps else None
-            x, h, *tapped = _add_norm(x, y, norm, self.backend, tap.norm if tap is not None else None)
-            if tap is not None:
-                tap.project(tapped[0], out=deepstack[taps[layer]])
-        return self.merge(h), deepstack
 
     def _bias_offsets(self) -> torch.Tensor:
         """[2 * depth, hidden] float32: the running sums of the output projections' biases (proj, fc2,
