@@ -37,14 +37,75 @@ def _server_class():
     return Server
 
 
+def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> "socket.socket":
+    """A socket bound to the configured address with SO_REUSEPORT, listening: several of them share the address and
+    the kernel spreads new connections over them by a hash of each connection's addresses."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
+    sock.bind((config.host, config.port))
+    if listen:
+        sock.listen(config.backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
 def _frontends_class():
-    from uvicorn.supervisors import Multiprocess
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors.multiprocess import Multiprocess, Process
 
     class Frontends(Multiprocess):
+        """uvicorn's supervisor of the front-end processes, with a listening socket per process.
+
+        With one shared socket a burst of new connections goes to whichever process wakes first, and it accepts
+        every one queued: on the H100, 2 of 4 front-ends held nearly all of 64 keep-alive connections, ran at a core
+        each and bounded throughput at half the forward. Here slot i's process listens on socket i, all bound to
+        the address with SO_REUSEPORT, and the kernel spreads connections over the slots. A slot's socket belongs
+        to this process: a front-end restarted in its slot takes over the connections queued while it was down."""
+
+        def __init__(self, config):
+            super().__init__(config, sockets=[])
+            # another process listening on the port would share it silently through SO_REUSEPORT: refuse instead
+            listening_socket(config, reuse_port=False, listen=False).close()
+            self.slots = [listening_socket(config) for _ in range(config.workers)]
+
+        def init_processes(self) -> None:
+            for sock in self.slots:
+                process = Process(self.config, [sock])
+                process.start()
+                self.processes.append(process)
+
+        def keep_subprocess_alive(self) -> None:
+            for idx, process in enumerate(self.processes):
+                if self.should_exit.is_set():
+                    return
+                if process.is_alive(timeout=self.config.timeout_worker_healthcheck):
+                    continue
+                process.kill()  # hung or dead
+                process.join()
+                if process.exitcode == STARTUP_FAILURE:  # the app itself cannot start: restarting would loop
+                    log.error("front-end process %s failed to start; stopping", process.pid)
+                    self.should_exit.set()
+                    return
+                log.warning("front-end process %s died; starting another in its slot", process.pid)
+                self.processes[idx] = Process(self.config, [self.slots[idx]])
+                self.processes[idx].start()
+
+        def restart_all(self) -> None:  # SIGHUP
+            log.warning("SIGHUP: restarting front-end processes is not supported; restart the server")
+
+        def handle_ttin(self) -> None:
+            log.warning("SIGTTIN: the number of front-end processes is fixed (QWEN3VL_HTTP_WORKERS)")
+
+        handle_ttou = handle_ttin
+
         def terminate_all(self) -> None:
-            # Close this process's copy of the listening socket first: once the front-ends close theirs, the
+            # Close this process's copies of the listening sockets first: once the front-ends close theirs, the
             # kernel refuses new connections instead of queueing them to be reset when this process exits.
-            for sock in self.sockets:
+            for sock in self.slots:
                 sock.close()
             super().terminate_all()
 
@@ -125,7 +186,11 @@ def run_with_engine_process(settings: Settings) -> int:
     config = uvicorn.Config("service.http.app:frontend_app", factory=True, host=settings.host, port=settings.port,
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
-    frontends = _frontends_class()(config, sockets=[config.bind_socket()])
+    try:
+        frontends = _frontends_class()(config)
+    except OSError as e:
+        log.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
+        return 1
     engines: list[EngineSupervisor] = []
 
     def gave_up(code: int) -> None:

@@ -134,6 +134,27 @@ def test_bad_item_fails_alone_across_processes(two_workers, tiny):
     assert rel_err(torch.tensor(ok.json()["data"][0]["embeddings"]), ref.embeds) <= 1e-5
 
 
+def test_a_burst_of_connections_spreads_over_every_front_end():
+    """64 connections opened at once, then one request on each: every one of 4 front-ends serves at least 4 (each
+    process listens on a SO_REUSEPORT socket of its own; with one shared socket the first process to wake accepts
+    most of the burst). With a uniform hash, one front-end gets fewer than 4 of 64 with probability 7e-5."""
+    import http.client
+    import json
+
+    with server(4) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=30) for _ in range(64)]
+        for c in conns:
+            c.connect()
+        pids = []
+        for c in conns:
+            c.request("GET", "/info")
+            pids.append(json.loads(c.getresponse().read())["http_process"])
+            c.close()
+    counts = sorted(pids.count(p) for p in set(pids))
+    assert len(counts) == 4 and counts[0] >= 4, counts
+
+
 def test_metrics_merge_every_process(two_workers):
     """Whichever front-end answers /metrics, it reports the requests of all of them and the engine's forwards."""
     url, _ = two_workers

@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -140,5 +141,7 @@ def warmup(enc: Encoder, settings: Settings):
             if pack:
                 enc.encode(pack)
     save_tuning(cache)
+    start = time.perf_counter()
     enc.capture_graphs()  # after the kernels are compiled and tuned: a capture must not tune
-    log.info("warm-up done (multiples of %d px)", enc.preprocessor.config.factor)
+    log.info("warm-up done (multiples of %d px); CUDA graphs captured in %.1f s", enc.preprocessor.config.factor,
+             time.perf_counter() - start)

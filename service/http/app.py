@@ -192,6 +192,7 @@ class Service:
                 if len(engines) == 1 and "pid" in engines[0]:
                     body["engine"]["pid"] = engines[0]["pid"]
         body["http_workers"] = settings.resolved_http_workers()
+        body["http_process"] = os.getpid()  # the front-end process that answered
         body["cuda_graphs"] = settings.resolved_cuda_graphs()
         return body
 
