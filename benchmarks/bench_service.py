@@ -47,6 +47,8 @@ from benchmarks.common import environment, wait_until_ready, write_results
 
 CLIENTS, PROCS = 64, 4
 PARAMS = {"format": "safetensors", "deepstack": "false"}
+# the server's own account of a request's time (X-*-Time-Ms), recorded per request
+TIMING_HEADERS = ("x-preprocess-time-ms", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms")
 SIZE_CLASSES = (("small", 512), ("medium", 1024), ("large", 1 << 30))  # by the longer side, in pixels
 
 
@@ -90,13 +92,13 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
     from service.engine.build import configure_runtime
     from service.model.encoder import Encoder, pack_by_budget
     from service.model.graphs import BucketedTower
-    from service.settings import Settings, parse_buckets
+    from service.settings import Settings
 
     settings = Settings(model=model)
     configure_runtime(settings)
     enc = Encoder.load(model, "cuda", "bfloat16")
     eager = BucketedTower(enc.tower)  # no buckets: the engine's eager path
-    served = BucketedTower(enc.tower, parse_buckets(settings.cuda_graph_buckets))
+    served = BucketedTower(enc.tower, settings.graph_buckets())
     with torch.inference_mode():
         served.capture()
     out = {}
@@ -175,6 +177,7 @@ def _client_proc(url, bodies, tags, clients, phases, conn):
                                           headers={"content-type": "image/jpeg"}) as r:
                             await r.read()
                             status = r.status
+                            timing = [float(r.headers.get(h, "nan")) for h in TIMING_HEADERS]
                     except aiohttp.ClientError as e:
                         status = type(e).__name__
                     t1 = time.perf_counter()
@@ -182,7 +185,7 @@ def _client_proc(url, bodies, tags, clients, phases, conn):
                         if start <= t0 and t1 <= stop:
                             rec = records[name]
                             if status == 200:
-                                rec["ok"].append((tags[i % len(bodies)], t1 - t0))
+                                rec["ok"].append((tags[i % len(bodies)], t1 - t0, *timing))
                             else:
                                 rec["errors"][str(status)] = rec["errors"].get(str(status), 0) + 1
                     i += clients
@@ -192,9 +195,17 @@ def _client_proc(url, bodies, tags, clients, phases, conn):
     conn.send(asyncio.run(run()))
 
 
+def _engine_counters(url) -> tuple[float, int, float]:
+    import httpx
+
+    engine = httpx.get(f"{url}/info", timeout=10).json()["engine"]
+    return time.perf_counter(), engine["forwards"], engine["gpu_busy_s"]
+
+
 def load(url, bodies, tags, patches, phases) -> dict:
     """`CLIENTS` closed-loop clients over `PROCS` processes through `phases`; per measured phase images/s, patches/s,
-    p50/p99 overall and per tag, errors."""
+    p50/p99 overall and per tag, errors, the medians of the server's timing headers, and the engine's forwards and
+    GPU busy fraction (from /info at the phase's bounds, as this process sees them)."""
     ctx = mp.get_context("spawn")
     pipes, workers = [], []
     for p in range(PROCS):
@@ -204,6 +215,14 @@ def load(url, bodies, tags, patches, phases) -> dict:
         w.start()
         pipes.append(a)
         workers.append(w)
+    counters, t = {}, time.perf_counter()
+    for name, seconds in phases:
+        if not name.startswith("_"):
+            time.sleep(max(0.0, t - time.perf_counter()))
+            counters[name] = [_engine_counters(url)]
+            time.sleep(max(0.0, t + seconds - time.perf_counter()))
+            counters[name].append(_engine_counters(url))
+        t += seconds
     outs = [a.recv() for a in pipes]
     for w in workers:
         w.join()
@@ -217,13 +236,18 @@ def load(url, bodies, tags, patches, phases) -> dict:
         for o in outs:
             for k, v in o[name]["errors"].items():
                 errors[k] = errors.get(k, 0) + v
-        lat = np.array([t for _, t in ok]) * 1000
+        lat = np.array([r[1] for r in ok]) * 1000
+        (t0, f0, b0), (t1, f1, b1) = counters[name]
         row = {"seconds": seconds, "requests": len(ok), "images_per_s": len(ok) / seconds, "errors": errors,
-               "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))}
+               "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
+               "server_p50_ms": {h.removeprefix("x-").removesuffix("-time-ms"): float(np.nanmedian([r[2 + k] for r in ok]))
+                                 for k, h in enumerate(TIMING_HEADERS)},
+               "forwards": f1 - f0, "images_per_forward": len(ok) / max(1, f1 - f0),
+               "gpu_busy_fraction": (b1 - b0) / (t1 - t0)}
         if size is not None:
-            row["patches_per_s"] = sum(size[tag] for tag, _ in ok) / seconds
+            row["patches_per_s"] = sum(size[r[0]] for r in ok) / seconds
             by_class: dict[str, list[float]] = {}
-            for tag, t in ok:
+            for tag, t, *_ in ok:
                 by_class.setdefault(tag.split(":")[0], []).append(t * 1000)
             row["by_size"] = {c: {"requests": len(v), "p50_ms": float(np.percentile(v, 50)),
                                   "p99_ms": float(np.percentile(v, 99))} for c, v in sorted(by_class.items())}
@@ -251,8 +275,6 @@ def curl_p50(url: str, path: str, body_file: str, ctype: str, n: int = 40) -> di
             "server_p50_ms": {h.removeprefix("x-").removesuffix("-time-ms"): float(np.median(v))
                               for h, v in headers.items()}}
 
-
-TIMING_HEADERS = ("x-preprocess-time-ms", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms")
 
 
 def start_server(model: str, port: int, cache_dir: str):

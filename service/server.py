@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
 
 from pydantic import ValidationError
@@ -37,11 +38,9 @@ def _server_class():
     return Server
 
 
-def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> "socket.socket":
+def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> socket.socket:
     """A socket bound to the configured address with SO_REUSEPORT, listening: several of them share the address and
     the kernel spreads new connections over them by a hash of each connection's addresses."""
-    import socket
-
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -9,8 +9,9 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "random:qwen3-vl-2b"
-# token counts of the CUDA graph buckets: each about 1.25x the last
-DEFAULT_GRAPH_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 5120, 6400, 8192)
+# token counts of the CUDA graph buckets: each about 1.25x the last, up to the default patch budget of a pack
+DEFAULT_GRAPH_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 5120, 6400, 8192,
+                         10240, 12800, 16384, 20480, 25600, 32768)
 
 
 def parse_buckets(spec: str) -> tuple[int, ...]:
@@ -91,8 +92,9 @@ class Settings(BaseSettings):
                                      "flows). Default: on with CUDA and HTTP front-end processes")
     cuda_graph_buckets: str = Field(",".join(map(str, DEFAULT_GRAPH_BUCKETS)), description="token counts (patches) of the "
                                     "graph buckets: a pack is padded to the smallest that holds it (each about 1.25x "
-                                    "the last: at most 22% of a padded forward is padding); larger "
-                                    "packs run eagerly, where the GPU is busier than their launches take to issue")
+                                    "the last: at most 22% of a padded forward is padding). Buckets above the first "
+                                    "that holds max_batch_patches are not captured; a larger pack (one item over the "
+                                    "budget) runs eagerly")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding one engine process that owns the model; 0: one process does "
@@ -172,6 +174,14 @@ class Settings(BaseSettings):
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return self.resolved_device().startswith("cuda") and bool(self.resolved_http_workers())
+
+    def graph_buckets(self) -> tuple[int, ...]:
+        """The buckets to capture: none without graphs; else those up to the first that holds a full pack."""
+        if not self.resolved_cuda_graphs():
+            return ()
+        buckets = parse_buckets(self.cuda_graph_buckets)
+        full = next((i for i, b in enumerate(buckets) if b >= self.max_batch_patches), len(buckets) - 1)
+        return buckets[:full + 1]
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -71,3 +71,12 @@ def test_bucket_settings():
             parse_buckets(bad)
     with pytest.raises(ValueError):
         Settings(cuda_graph_buckets="10,20")
+
+
+def test_buckets_are_captured_up_to_the_first_that_holds_a_full_pack():
+    on = {"cuda_graphs": True, "cuda_graph_buckets": "256,1024,4096,16384"}
+    assert Settings(**on, max_batch_patches=1024).graph_buckets() == (256, 1024)
+    assert Settings(**on, max_batch_patches=1025).graph_buckets() == (256, 1024, 4096)
+    assert Settings(**on, max_batch_patches=65536).graph_buckets() == (256, 1024, 4096, 16384)
+    assert Settings(cuda_graphs=False).graph_buckets() == ()
+    assert Settings(cuda_graphs=True).graph_buckets()[-1] >= Settings().max_batch_patches

@@ -113,6 +113,7 @@ class Engine:
         self._gpu_free_at = 0.0  # time.perf_counter() at which the forwards launched so far should be done
         self._last_done = 0.0
         self.forwards = 0  # forward passes run, for tests and /info
+        self.gpu_busy_s = 0.0  # the GPU's time in those forwards (CUDA events), for /info and the benchmarks
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -167,7 +168,7 @@ class Engine:
     async def stats(self) -> dict:
         """Queue depth, items in flight, forwards run, and the device's memory (read in the process that owns it)."""
         stats = {"queue_depth": self.queue_depth, "queued_patches": self.queued_patches, "in_flight": self.in_flight,
-                 "forwards": self.forwards, "gpu_allocated_bytes": 0, "gpu_reserved_bytes": 0}
+                 "forwards": self.forwards, "gpu_busy_s": self.gpu_busy_s, "gpu_allocated_bytes": 0, "gpu_reserved_bytes": 0}
         device = self.encoder.device
         if device.type == "cuda":
             stats["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
@@ -337,6 +338,7 @@ class Engine:
         # launched or the previous one finished, whichever came later. Not the wall time on a GPU: that includes
         # the GPU's idle time before a late launch, and a longer estimate would make the next launch later still.
         busy = gpu_s if gpu_s is not None else done - max(start, self._last_done)
+        self.gpu_busy_s += busy
         self._last_done = done
         if busy > 0:
             self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))

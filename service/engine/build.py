@@ -25,7 +25,7 @@ from ..model.encoder import Encoder
 from ..model.loader import set_cublaslt_workspace
 from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
-from ..settings import Settings, parse_buckets
+from ..settings import Settings
 from .batching import BatchStats, Engine
 from .sandbox import DecodeSandbox
 
@@ -84,9 +84,8 @@ def load_encoder(settings: Settings) -> Encoder:
     if settings.model.startswith("random:"):
         log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
                     "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
-    buckets = parse_buckets(settings.cuda_graph_buckets) if settings.resolved_cuda_graphs() else ()
     return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(),
-                        TowerOptions(attention_backend=settings.attention_backend), buckets)
+                        TowerOptions(attention_backend=settings.attention_backend), settings.graph_buckets())
 
 
 async def build_engine(settings: Settings, encoder: Encoder | None = None,

@@ -274,7 +274,8 @@ class EnginePool:
                 with contextlib.suppress(errors.EngineUnavailable):
                     entry.update(await e.stats())
             per.append(entry)
-        totals = {k: sum(p.get(k, 0) for p in per) for k in ("queue_depth", "queued_patches", "in_flight", "forwards")}
+        totals = {k: sum(p.get(k, 0) for p in per) for k in ("queue_depth", "queued_patches", "in_flight", "forwards",
+                                                                 "gpu_busy_s")}
         return {**totals, "engines": per}
 
     async def stop(self):

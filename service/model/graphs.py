@@ -200,19 +200,17 @@ class GraphedTower:
 
 # -- bucketed graphs: any mix of grids -----------------------------------------------------------------------------
 
-class _Bucket:
-    """The static buffers and graph pieces of one token-count bucket. The pieces are what lies between two
-    attention calls (`VisionTower.embed` + the first `project_qkv`; then per block `block_tail` + the next
-    `project_qkv`, or the merger after the last): they depend on the token count only, so one capture per bucket
-    serves every pack that fits. The attention between them runs eagerly on the real segments (its launch grid
-    follows them), reading the static QKV buffer and writing the static attention buffer."""
+class _Statics:
+    """The graphs' inputs and the buffers around the eager attention, sized for the largest bucket; each bucket
+    reads and writes their first rows. Sharing them is safe because every replay, copy and attention call runs on
+    one stream in order, and a pack's outputs are cloned before the next pack's inputs are copied in.
 
-    def __init__(self, tower: VisionTower, tokens: int, attention: str, offsets: torch.Tensor):
+    Rows past a pack's tokens keep whatever they held (zeros at first, then an earlier pack's values): every op in
+    the pieces is per token (or per merged group of 4), so padding rows never reach real ones."""
+
+    def __init__(self, tower: VisionTower, tokens: int):
         cfg, device, dtype = tower.config, tower.pos_embed.weight.device, tower.pos_embed.weight.dtype
-        self.tower, self.tokens, self.attention, self.offsets = tower, tokens, attention, offsets
         half = cfg.head_dim // 2
-        # inputs: rows past a pack's tokens keep whatever they held (zeros at first, then an earlier pack's values):
-        # every op in the pieces is per token (or per merged group of 4), so padding rows never reach real ones
         self.pixels = torch.zeros((tokens, cfg.patch_dim), dtype=dtype, device=device)
         self.cos = torch.zeros((tokens, half), dtype=torch.float32, device=device)
         self.sin = torch.zeros((tokens, half), dtype=torch.float32, device=device)
@@ -221,6 +219,22 @@ class _Bucket:
         self.qkv = torch.zeros((tokens, 3, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attended = torch.zeros((tokens, cfg.hidden_size), dtype=dtype, device=device)
         self.deepstack = tower.new_deepstack(tokens, device)
+
+
+class _Bucket:
+    """The graph pieces of one token-count bucket, over the first rows of the shared buffers. The pieces are what lies between two
+    attention calls (`VisionTower.embed` + the first `project_qkv`; then per block `block_tail` + the next
+    `project_qkv`, or the merger after the last): they depend on the token count only, so one capture per bucket
+    serves every pack that fits. The attention between them runs eagerly on the real segments (its launch grid
+    follows them), reading the static QKV buffer and writing the static attention buffer."""
+
+    def __init__(self, tower: VisionTower, tokens: int, attention: str, offsets: torch.Tensor, statics: "_Statics"):
+        self.tower, self.tokens, self.attention, self.offsets = tower, tokens, attention, offsets
+        # the first `tokens` rows of buffers every bucket shares (`_Statics`)
+        self.pixels, self.cos, self.sin, self.index, self.weight, self.qkv, self.attended = (
+            t[:tokens] for t in (statics.pixels, statics.cos, statics.sin, statics.index, statics.weight, statics.qkv,
+                                 statics.attended))
+        self.deepstack = statics.deepstack[:, :tokens // tower.config.merge_unit]
         self.x = self.merged = None  # produced by the pieces
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
 
@@ -298,8 +312,9 @@ class BucketedTower:
         tower = self.tower
         offsets = tower._bias_offsets()
         pool = torch.cuda.graph_pool_handle() if tower.pos_embed.weight.is_cuda else None
+        statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
-            bucket = _Bucket(tower, tokens, tower.backend, offsets)
+            bucket = _Bucket(tower, tokens, tower.backend, offsets, statics)
             if pool is not None:
                 bucket.capture(pool)
             self._buckets[tokens] = bucket
