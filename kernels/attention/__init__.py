@@ -99,7 +99,7 @@ def resolve_backend(device: torch.device | str, head_dim: int | None = None, for
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None, seqlens=None,
-                     rotate_k: bool = True, backend: str | None = None):
+                     rotate_k: bool = True, backend: str | None = None, out=None):
     """Block-diagonal attention over packed segments, with optional fused 2D vision RoPE on q and k.
 
     q, k, v: `(total_tokens, heads, head_dim)`, last dim contiguous, any token/head strides.
@@ -108,9 +108,13 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, sof
     rotate q, and k too unless `rotate_k=False` (k already rotated by the caller).
     seqlens: optional host list of segment lengths; the SDPA path uses it to avoid a device read.
     backend: 'triton' or 'sdpa' (default: `resolve_backend(q.device)`).
-    Returns `(total_tokens, heads, head_dim)` in q's dtype.
+    out: optional `(total_tokens, heads, head_dim)` in q's dtype, last dim contiguous, to write the result into.
+    Returns `(total_tokens, heads, head_dim)` in q's dtype (`out` if given).
     """
     backend = backend or resolve_backend(q.device)
-    fn = triton_varlen_attention if backend == "triton" else sdpa_varlen_attention
-    return fn(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale, seqlens=seqlens,
-              rotate_k=rotate_k)
+    if backend == "triton":
+        return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
+                                       seqlens=seqlens, rotate_k=rotate_k, out=out)
+    result = sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
+                                   seqlens=seqlens, rotate_k=rotate_k)
+    return result if out is None else out.copy_(result)

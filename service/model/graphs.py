@@ -275,7 +275,7 @@ class _Bucket:
         tower = self.tower
         for i in range(len(tower.blocks) + 1):
             if i:
-                self.attended[:n].copy_(tower.attend(i - 1, self.qkv[:n], plan, self.attention))
+                tower.attend(i - 1, self.qkv[:n], plan, self.attention, out=self.attended[:n])
             if self.graphs is not None:
                 self.graphs[i].replay()
             else:  # not captured (no CUDA): the same pieces, run eagerly

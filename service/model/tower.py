@@ -186,14 +186,17 @@ class Attention(nn.Module):
         # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
         return qkv_rope_(qkv, cos, sin, use_triton=_fused(backend), k_only=q_in_kernel)
 
-    def attend(self, qkv, plan: "PackPlan", options: TowerOptions, attention: str) -> torch.Tensor:
-        """Block-diagonal attention over the pack's segments: qkv `[T, 3, H, D]` -> `[T, H * D]`."""
+    def attend(self, qkv, plan: "PackPlan", options: TowerOptions, attention: str,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Block-diagonal attention over the pack's segments: qkv `[T, 3, H, D]` -> `[T, H * D]` (into `out` if
+        given, contiguous `[T, H * D]`)."""
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
         rope_q = (dict(cos=plan.cos, sin=plan.sin, rotate_k=False)
                   if attention == "triton" and options.rope_q_in_kernel else {})
+        tokens = qkv.shape[0]
         out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=attention,
-                               **rope_q)
-        return out.view(qkv.shape[0], -1)
+                               out=None if out is None else out.view(tokens, self.num_heads, self.head_dim), **rope_q)
+        return out.view(tokens, -1)
 
 
 def activation(name: str) -> nn.Module:
@@ -349,8 +352,8 @@ class VisionTower(nn.Module):
     def project_qkv(self, layer: int, h, cos, sin, attention: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.blocks[layer].attn.project_qkv(h, cos, sin, self.backend, self.options, attention, out)
 
-    def attend(self, layer: int, qkv, plan: PackPlan, attention: str) -> torch.Tensor:
-        return self.blocks[layer].attn.attend(qkv, plan, self.options, attention)
+    def attend(self, layer: int, qkv, plan: PackPlan, attention: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.blocks[layer].attn.attend(qkv, plan, self.options, attention, out)
 
     def block_tail(self, layer: int, x, attended, offsets, deepstack) -> tuple[torch.Tensor, torch.Tensor]:
         """After block `layer`'s attention: its output projection, norm2, the MLP, and the norm that follows (the next
