@@ -126,7 +126,7 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
             torch.cuda.empty_cache()
         one = enc.preprocess(sets["uniform"][0])
         padding = {}
-        for n in (1, 2, 4, 8):
+        for n in (1, 2, 4, 8, 23):
             ms = rates([one] * n, [list(range(n))])
             padding[f"{n}x448"] = {"tokens": n * one.num_patches, "bucket": served.bucket_for(n * one.num_patches),
                                    "graph_ms": ms["graph"], "served_ms": ms["served"], "eager_ms": ms["eager"]}

@@ -9,9 +9,11 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "random:qwen3-vl-2b"
-# token counts of the CUDA graph buckets: each about 1.25x the last, up to the default patch budget of a pack
-DEFAULT_GRAPH_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 5120, 6400, 8192,
-                         10240, 12800, 16384, 20480, 25600, 32768)
+# token counts of the CUDA graph buckets, up to the default patch budget of a pack: each about 1.25x the last up to
+# 4096, then about 1.125x (multiples of 512), where the padding's share of a forward's GPU time is what it costs
+DEFAULT_GRAPH_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 4608, 5120, 5632,
+                         6400, 7168, 8192, 9216, 10240, 11776, 12800, 14336, 16384, 18432, 20480, 23040, 25600, 28672,
+                         32768)
 
 
 def parse_buckets(spec: str) -> tuple[int, ...]:
@@ -92,7 +94,8 @@ class Settings(BaseSettings):
                                      "flows). Default: on with CUDA and HTTP front-end processes")
     cuda_graph_buckets: str = Field(",".join(map(str, DEFAULT_GRAPH_BUCKETS)), description="token counts (patches) of the "
                                     "graph buckets: a pack is padded to the smallest that holds it (each about 1.25x "
-                                    "the last: at most 22% of a padded forward is padding). Buckets above the first "
+                                    "the last up to 4096, then 1.125x: at most 20%, then 13%, of a padded forward is "
+                                    "padding). Buckets above the first "
                                     "that holds max_batch_patches are not captured; a larger pack (one item over the "
                                     "budget) runs eagerly")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
