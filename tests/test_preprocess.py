@@ -135,3 +135,26 @@ def test_preprocessor_config_from_checkpoint(tmp_path):
         '"temporal_patch_size": 2, "image_mean": [0.48, 0.45, 0.4], "image_std": [0.26, 0.26, 0.27]}')
     cfg = PreprocessConfig.from_dir(tmp_path)
     assert (cfg.min_pixels, cfg.max_pixels, cfg.image_mean) == (3136, 12845056, (0.48, 0.45, 0.4))
+
+
+def test_pack_pixels_equal_each_item_patchified_alone():
+    """`Encoder.pixels` patchifies each run of same-shaped items in one pass: the rows of a pack mixing runs of
+    equal images (one frame each: the frame repeats to fill the temporal patch), other sizes and a video equal each
+    item's own `pixel_values` (the rows tested against transformers above), in order."""
+    import torch
+
+    from conftest import make_video
+    from service.model.encoder import Encoder
+
+    enc = Encoder.load("random:tiny")
+    rng = np.random.default_rng(4)
+
+    def image(w, h):
+        return enc.preprocess(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+
+    a, b, c = image(64, 64), image(64, 64), image(96, 32)
+    video = enc.preprocess(make_video(3, 64, 64), num_frames=3)
+    items = [a, b, a, c, video, video, c, c, a]
+    got = enc.pixels(items)
+    expected = torch.cat([torch.from_numpy(it.pixel_values) for it in items])
+    assert torch.equal(got, expected)

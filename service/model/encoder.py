@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .graphs import BucketedTower
@@ -59,8 +60,9 @@ class Encoder:
         return self.preprocessor(data, min_pixels, max_pixels, fps, num_frames)
 
     def pixels(self, items: list[Preprocessed]) -> torch.Tensor:
-        """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over in one copy,
-        then each item is normalised and patchified there."""
+        """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over in one copy, then are
+        normalised and patchified there, each run of consecutive items of one shape in one pass (a pack of
+        same-sized images is a handful of launches, not a handful per image)."""
         sizes = [it.frames.size for it in items]
         staging = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         offset = 0
@@ -70,12 +72,17 @@ class Encoder:
         frames = staging.to(self.device, non_blocking=True)
         out = torch.empty((sum(it.num_patches for it in items), self.config.patch_dim), dtype=self.dtype,
                           device=self.device)
-        offset, row = 0, 0
-        for it, n in zip(items, sizes):
-            patchify(frames[offset:offset + n].view(it.frames.shape), self._lut(it), it.config,
-                     out[row:row + it.num_patches])
-            offset += n
-            row += it.num_patches
+        offset, row, i = 0, 0, 0
+        while i < len(items):
+            first = items[i]
+            j = i + 1
+            while (j < len(items) and items[j].frames.shape == first.frames.shape and items[j].config == first.config
+                   and (items[j].lut is first.lut or np.array_equal(items[j].lut, first.lut))):
+                j += 1
+            n, rows = sizes[i] * (j - i), first.num_patches * (j - i)
+            patchify(frames[offset:offset + n].view(j - i, *first.frames.shape), self._lut(first), first.config,
+                     out[row:row + rows])
+            offset, row, i = offset + n, row + rows, j
         return out
 
     def _lut(self, item: Preprocessed) -> torch.Tensor:

@@ -115,7 +115,8 @@ def patch_dim(config: "PreprocessConfig", channels: int = 3) -> int:
 
 
 def patchify(frames, lut, config: "PreprocessConfig", out):
-    """uint8 `[F, H, W, C]` -> `out` `[t*h*w, C*T*P*P]`: normalised through `lut`, merge-block order.
+    """uint8 `[F, H, W, C]` -> `out` `[t*h*w, C*T*P*P]`: normalised through `lut`, merge-block order. A batch of
+    items of one shape, `[B, F, H, W, C]`, fills `out` `[B*t*h*w, C*T*P*P]` item after item, in one pass.
 
     A trailing odd frame is repeated to fill the temporal patch (a single image becomes two equal
     frames), as transformers does. Runs on whatever device the tensors are on.
@@ -123,16 +124,18 @@ def patchify(frames, lut, config: "PreprocessConfig", out):
     import torch
 
     tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
-    n_frames, height, width, channels = frames.shape
+    if frames.dim() == 4:
+        frames = frames.unsqueeze(0)
+    batch, n_frames, height, width, channels = frames.shape
     offsets = torch.arange(channels, device=frames.device) * 256
-    x = lut.reshape(-1).to(out.dtype)[frames.long() + offsets]  # [F, H, W, C] normalised
+    x = lut.reshape(-1).to(out.dtype)[frames.long() + offsets]  # [B, F, H, W, C] normalised
     if n_frames % tp:
-        x = torch.cat([x, x[-1:].expand(tp - n_frames % tp, -1, -1, -1)])
-    t, gh, gw = x.shape[0] // tp, height // p, width // p
-    x = x.view(t, tp, gh // m, m, p, gw // m, m, p, channels)
-    # -> (t, gh/m, gw/m, m, m, C, tp, p, p): merge blocks outermost, each patch flattened as (C, tp, p, p)
-    x = x.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    out.view(t, gh // m, gw // m, m, m, channels, tp, p, p).copy_(x)
+        x = torch.cat([x, x[:, -1:].expand(-1, tp - n_frames % tp, -1, -1, -1)], dim=1)
+    t, gh, gw = x.shape[1] // tp, height // p, width // p
+    x = x.view(batch, t, tp, gh // m, m, p, gw // m, m, p, channels)
+    # -> (B, t, gh/m, gw/m, m, m, C, tp, p, p): merge blocks outermost, each patch flattened as (C, tp, p, p)
+    x = x.permute(0, 1, 3, 6, 4, 7, 9, 2, 5, 8)
+    out.view(batch, t, gh // m, gw // m, m, m, channels, tp, p, p).copy_(x)
     return out
 
 
