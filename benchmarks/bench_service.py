@@ -337,6 +337,44 @@ def stop_server(server):
         server.kill()
 
 
+def plot(d: dict, path) -> None:
+    """Left: the service's throughput as a fraction of the forward's on the same images, per load and phase (labels:
+    the absolute figures). Right: p50 and p99 per size class, mixed cold and warm, uniform warm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fwd = d["forward"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    bars = [("uniform 448 px, warm", d["uniform"]["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
+             f"{d['uniform']['warm']['images_per_s']:.0f} / {fwd['uniform']['images_per_s']:.0f} img/s")]
+    for phase in ("cold", "warm"):
+        row = d["mixed"][phase]
+        bars.append((f"mixed, {phase}", row["patches_per_s"] / fwd["mixed"]["patches_per_s"],
+                     f"{row['patches_per_s'] / 1e3:.0f}k / {fwd['mixed']['patches_per_s'] / 1e3:.0f}k patches/s"))
+    drawn = left.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
+    left.bar_label(drawn, labels=[b[2] for b in bars], fontsize=8)
+    left.axhline(0.9, color="grey", linestyle="--", linewidth=1)
+    left.set_ylabel("service / forward (same images, same run)")
+    left.set_title(f"{d['model']}, default settings, {d['clients']} clients")
+    groups = [(f"mixed {phase}: {c}", d["mixed"][phase]["by_size"][c]) for phase in ("cold", "warm")
+              for c in d["mixed"][phase]["by_size"]]
+    groups.append(("uniform warm: 448", d["uniform"]["warm"]["by_size"]["448"]))
+    xs = range(len(groups))
+    right.bar([x - 0.2 for x in xs], [g[1]["p50_ms"] for g in groups], 0.4, label="p50")
+    right.bar([x + 0.2 for x in xs], [g[1]["p99_ms"] for g in groups], 0.4, label="p99")
+    right.set_xticks(list(xs), [g[0] for g in groups], rotation=20, fontsize=8)
+    right.set_ylabel("ms per request")
+    right.set_title("latency by size class (cold: first 30 s after ready)")
+    right.legend(fontsize=8)
+    env = d["env"]
+    fig.suptitle(f"{env['gpu']}, rev {env['git_revision']}, {env['date'][:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen3-vl-2b")
@@ -348,7 +386,11 @@ def main():
     ap.add_argument("--py-spy", default="py-spy", help="the py-spy binary")
     ap.add_argument("--out", default=None)
     ap.add_argument("--startup-only", action="store_true", help="only the starts and the engine recoveries")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the plot (PNG beside it) of a committed result file")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(open(args.plot).read()), os.path.splitext(args.plot)[0] + ".png")
+        return
     from service.settings import Settings
 
     defaults = Settings()
@@ -426,7 +468,11 @@ def main():
                "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd,
                "uniform": uniform_res, "mixed": mixed_res, "single_image": single,
                "server": {k: info.get(k) for k in ("http_workers", "cuda_graphs", "attention_backend", "limits")}}
-    write_results("service", payload, args.out)
+    path = write_results("service", payload, args.out)
+    try:
+        plot(payload, path.with_suffix(".png"))
+    except ImportError:  # matplotlib is optional: --plot draws it later from the JSON
+        pass
     print(json.dumps({"benchmark": "service", **{k: round(v, 3) if isinstance(v, float) else v
                                                  for k, v in summary.items()}}))
 
