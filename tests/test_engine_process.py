@@ -155,6 +155,39 @@ def test_a_burst_of_connections_spreads_over_every_front_end():
     assert len(counts) == 4 and counts[0] >= 4, counts
 
 
+def test_a_killed_front_end_is_replaced_in_its_slot_and_no_connection_is_refused():
+    """SIGKILL one of two front-ends: every new connection still gets an answer (those the kernel hashes to the dead
+    process's socket wait in its queue until the replacement, started in the same slot, accepts them), and the
+    replacement serves."""
+    import http.client
+    import json
+
+    def frontend_pids(port, n=32):
+        pids = set()
+        for _ in range(n):
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            c.request("GET", "/info")
+            pids.add(json.loads(c.getresponse().read())["http_process"])
+            c.close()
+        return pids
+
+    with server(2) as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+        before = frontend_pids(port)
+        assert len(before) == 2
+        victim = sorted(before)[0]
+        os.kill(victim, signal.SIGKILL)
+        codes = []
+        for _ in range(32):  # fresh connections, right away: some land on the dead process's socket
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            c.request("GET", "/health")
+            codes.append(c.getresponse().status)
+            c.close()
+        assert codes == [200] * 32
+        after = frontend_pids(port)
+        assert victim not in after and len(after) == 2 and after & before
+
+
 def test_metrics_merge_every_process(two_workers):
     """Whichever front-end answers /metrics, it reports the requests of all of them and the engine's forwards."""
     url, _ = two_workers
