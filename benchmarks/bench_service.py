@@ -48,7 +48,7 @@ from benchmarks.common import environment, wait_until_ready, write_results
 CLIENTS, PROCS = 64, 4
 PARAMS = {"format": "safetensors", "deepstack": "false"}
 # the server's own account of a request's time (X-*-Time-Ms), recorded per request
-TIMING_HEADERS = ("x-preprocess-time-ms", "x-queue-time-ms", "x-inference-time-ms", "x-total-time-ms")
+TIMING_HEADERS = {name: f"x-{name}-time-ms" for name in ("preprocess", "queue", "inference", "total")}
 SIZE_CLASSES = (("small", 512), ("medium", 1024), ("large", 1 << 30))  # by the longer side, in pixels
 
 
@@ -118,7 +118,8 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
             packs = pack_by_budget([it.num_patches for it in items], budget, items_cap)
             total = rates(items, packs)
             patches = sum(it.num_patches for it in items)
-            out[name] = {"images_per_s": len(items) * 1000 / total["best"], "patches_per_s": patches * 1000 / total["best"],
+            out[name] = {"images_per_s": len(items) * 1000 / total["best"],
+                         "patches_per_s": patches * 1000 / total["best"],
                          **{f"{k}_images_per_s": len(items) * 1000 / total[k] for k in ("graph", "eager", "served")},
                          "packs": len(packs), "images": len(items), "patches": patches,
                          "pack_ms": total["best"] / len(packs)}
@@ -177,7 +178,7 @@ def _client_proc(url, bodies, tags, clients, phases, conn):
                                           headers={"content-type": "image/jpeg"}) as r:
                             await r.read()
                             status = r.status
-                            timing = [float(r.headers.get(h, "nan")) for h in TIMING_HEADERS]
+                            timing = [float(r.headers.get(h, "nan")) for h in TIMING_HEADERS.values()]
                     except aiohttp.ClientError as e:
                         status = type(e).__name__
                     t1 = time.perf_counter()
@@ -240,8 +241,8 @@ def load(url, bodies, tags, patches, phases) -> dict:
         (t0, f0, b0), (t1, f1, b1) = counters[name]
         row = {"seconds": seconds, "requests": len(ok), "images_per_s": len(ok) / seconds, "errors": errors,
                "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-               "server_p50_ms": {h.removeprefix("x-").removesuffix("-time-ms"): float(np.nanmedian([r[2 + k] for r in ok]))
-                                 for k, h in enumerate(TIMING_HEADERS)},
+               "server_p50_ms": {name: float(np.nanmedian([r[2 + k] for r in ok]))
+                                 for k, name in enumerate(TIMING_HEADERS)},
                "forwards": f1 - f0, "images_per_forward": len(ok) / max(1, f1 - f0),
                "gpu_busy_fraction": (b1 - b0) / (t1 - t0)}
         if size is not None:
@@ -259,7 +260,7 @@ def load(url, bodies, tags, patches, phases) -> dict:
 def curl_p50(url: str, path: str, body_file: str, ctype: str, n: int = 40) -> dict:
     """p50/p99 of curl's total time for `n` requests (after 5 unmeasured), and the medians of the server's timing
     headers: where the time goes."""
-    times, headers = [], {h: [] for h in TIMING_HEADERS}
+    times, headers = [], {name: [] for name in TIMING_HEADERS}
     for i in range(n + 5):
         out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-D", "-", "-w", "%{http_code} %{time_total}", "-X",
                               "POST", "-H", f"content-type: {ctype}", "--data-binary", f"@{body_file}",
@@ -269,12 +270,10 @@ def curl_p50(url: str, path: str, body_file: str, ctype: str, n: int = 40) -> di
         if i >= 5:
             times.append(float(total) * 1000)
             got = dict(line.lower().split(": ", 1) for line in out.splitlines() if ": " in line)
-            for h in TIMING_HEADERS:
-                headers[h].append(float(got[h]))
+            for name, h in TIMING_HEADERS.items():
+                headers[name].append(float(got[h]))
     return {"p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99)), "requests": n,
-            "server_p50_ms": {h.removeprefix("x-").removesuffix("-time-ms"): float(np.median(v))
-                              for h, v in headers.items()}}
-
+            "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
 
 
 def start_server(model: str, port: int, cache_dir: str):

@@ -121,7 +121,7 @@ def run_preset(name, workloads, compile_hf):
                 return ours(pixels, ours.plan(grids), attention)  # plan built inside: it is part of the forward
             return fn
 
-        graphed = GraphedTower(ours)  # the served path: a CUDA graph per repeated pack signature
+        graphed = GraphedTower(ours)  # a CUDA graph per repeated pack signature (the tower's best case)
         unfused_graphed = GraphedTower(ours)
 
         def unfused():  # the served path with cuBLAS's QKV projection and the RoPE pass

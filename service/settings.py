@@ -92,12 +92,11 @@ class Settings(BaseSettings):
     cuda_graphs: bool | None = Field(None, description="run packs of up to the largest graph bucket as CUDA graphs, "
                                      "captured at start-up for every bucket (nothing is captured once traffic "
                                      "flows). Default: on with CUDA and HTTP front-end processes")
-    cuda_graph_buckets: str = Field(",".join(map(str, DEFAULT_GRAPH_BUCKETS)), description="token counts (patches) of the "
-                                    "graph buckets: a pack is padded to the smallest that holds it (each about 1.25x "
-                                    "the last up to 4096, then 1.125x: at most 20%, then 13%, of a padded forward is "
-                                    "padding). Buckets above the first "
-                                    "that holds max_batch_patches are not captured; a larger pack (one item over the "
-                                    "budget) runs eagerly")
+    cuda_graph_buckets: str = Field(
+        ",".join(map(str, DEFAULT_GRAPH_BUCKETS)), description="token counts (patches) of the graph buckets: a pack is "
+        "padded to the smallest that holds it (each about 1.25x the last up to 4096, then 1.125x: at most 20%, then "
+        "13%, of a padded forward is padding). Buckets above the first that holds max_batch_patches are not captured; "
+        "a larger pack (one item over the budget) runs eagerly")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding one engine process that owns the model; 0: one process does "

@@ -168,7 +168,8 @@ class Engine:
     async def stats(self) -> dict:
         """Queue depth, items in flight, forwards run, and the device's memory (read in the process that owns it)."""
         stats = {"queue_depth": self.queue_depth, "queued_patches": self.queued_patches, "in_flight": self.in_flight,
-                 "forwards": self.forwards, "gpu_busy_s": self.gpu_busy_s, "gpu_allocated_bytes": 0, "gpu_reserved_bytes": 0}
+                 "forwards": self.forwards, "gpu_busy_s": self.gpu_busy_s, "gpu_allocated_bytes": 0,
+                 "gpu_reserved_bytes": 0}
         device = self.encoder.device
         if device.type == "cuda":
             stats["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)

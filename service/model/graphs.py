@@ -10,8 +10,6 @@ batches of same-sized images -- is captured once and replayed:
   holds aliases graph memory;
 - every graph shares one memory pool: replays run one at a time on one stream and each replay's
   outputs are cloned before the next is queued, so intermediates may overlap between graphs;
-- only packs of at most `max_tokens` patches are captured: a larger pack keeps the GPU busier than its launches
-  take to issue, so a graph gains little there, and its capture would hold up live traffic;
 - a signature is captured the `capture_after`-th time it is seen (a one-off pack runs eagerly);
   once `max_graphs` are held no more are captured and none is evicted: a capture costs an eager
   forward plus the recording, and under varied traffic an LRU cache recaptures without end
@@ -83,10 +81,9 @@ class GraphedTower:
     # is faster by more than this fraction.
     triton_margin = 0.01
 
-    def __init__(self, tower: VisionTower, max_graphs: int = 8, capture_after: int = 3, max_tokens: int | None = None):
+    def __init__(self, tower: VisionTower, max_graphs: int = 8, capture_after: int = 3):
         self.tower = tower
         self.max_graphs = max_graphs
-        self.max_tokens = max_tokens
         self.capture_after = max(1, capture_after)
         self.enabled = max_graphs > 0 and tower.pos_embed.weight.is_cuda
         self._graphs: dict[Signature, _Captured] = {}
@@ -101,7 +98,6 @@ class GraphedTower:
         captured = self._graphs.get(key)
         if captured is None:
             if (not self.enabled or key in self._failed or len(self._graphs) >= self.max_graphs
-                    or (self.max_tokens is not None and pixel_values.shape[0] > self.max_tokens)
                     or self._count(key) < self.capture_after or not self._capturable(key)):
                 return self.tower(pixel_values, self.tower.plan(key))
             captured = self._capture(key, pixel_values)
@@ -222,8 +218,8 @@ class _Statics:
 
 
 class _Bucket:
-    """The graph pieces of one token-count bucket, over the first rows of the shared buffers. The pieces are what lies between two
-    attention calls (`VisionTower.embed` + the first `project_qkv`; then per block `block_tail` + the next
+    """The graph pieces of one token-count bucket, over the first rows of the shared buffers. The pieces are what lies
+    between two attention calls (`VisionTower.embed` + the first `project_qkv`; then per block `block_tail` + the next
     `project_qkv`, or the merger after the last): they depend on the token count only, so one capture per bucket
     serves every pack that fits. The attention between them runs eagerly on the real segments (its launch grid
     follows them), reading the static QKV buffer and writing the static attention buffer."""
