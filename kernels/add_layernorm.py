@@ -1,5 +1,6 @@
 """Residual add + LayerNorm in one pass: `s = x + y; return s, layer_norm(s)`, or, when the residual
-add already happened in a GEMM's epilogue, `layer_norm(s + offset)` alone.
+add already happened in a GEMM's epilogue, `layer_norm(s + offset)` alone. With `bias=None` the norm is an
+RMSNorm (Qwen2.5-VL's): no mean subtracted, no bias added.
 
 Each block of the tower ends its attention and its MLP with a residual add followed by a LayerNorm
 (the next one's input). Unfused that is five passes over the [T, hidden] activations; fused, four.
@@ -30,10 +31,19 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
+def rms_norm(s, weight, eps):
+    """RMSNorm in float32, rounded once to the weight's dtype."""
+    sf = s.float()
+    return (sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(weight.dtype)
+
+
 def _norms(s, weight, bias, eps, merged_norm, offset):
-    """LayerNorm of `s` (+ float32 `offset`), and of its groups of rows taken as one with `merged_norm`."""
+    """LayerNorm (RMSNorm without `bias`) of `s` (+ float32 `offset`), and of its groups of rows taken as one
+    with `merged_norm`."""
     if offset is not None:
         s = s.float() + offset
+    if bias is None:
+        return [rms_norm(s, weight, eps)]
     out = [F.layer_norm(s, (s.shape[-1],), weight.to(s.dtype), bias.to(s.dtype), eps).to(weight.dtype)]
     if merged_norm is not None:
         w2, b2, eps2 = merged_norm
@@ -56,11 +66,11 @@ if triton is not None:
     @triton.jit
     def _add_layernorm_kernel(X, Y, OFFSET, W, B, S, OUT, W2, B2, OUT2, n_rows, n_cols, eps, eps2,
                               BLOCK_N: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                              HAS_Y: tl.constexpr, HAS_OFFSET: tl.constexpr):
+                              HAS_Y: tl.constexpr, HAS_OFFSET: tl.constexpr, RMS: tl.constexpr):
         # ROWS rows per program as one 2-D tile: all their loads are in flight at once. HAS_Y: the sum
         # X + Y is stored to S and normalised; else X (+ OFFSET, float32 per column) is normalised.
         # GROUP > 0: OUT2 is the LayerNorm (W2, B2, eps2) of each GROUP consecutive rows taken as one row
-        # (ROWS % GROUP == 0).
+        # (ROWS % GROUP == 0). RMS: an RMSNorm (no mean, no bias; not with GROUP).
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
@@ -73,12 +83,16 @@ if triton is not None:
         sf = s.to(tl.float32)
         if HAS_OFFSET:
             sf = tl.where(mask, sf + tl.load(OFFSET + cols, mask=col_ok, other=0.0)[None, :], 0.0)
-        mean = tl.sum(sf, 1) / n_cols
-        diff = tl.where(mask, sf - mean[:, None], 0.0)
-        var = tl.sum(diff * diff, 1) / n_cols
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-        y = diff * tl.math.rsqrt(var + eps)[:, None] * w[None, :] + b[None, :]
+        if RMS:
+            var = tl.sum(sf * sf, 1) / n_cols
+            y = sf * tl.math.rsqrt(var + eps)[:, None] * w[None, :]
+        else:
+            mean = tl.sum(sf, 1) / n_cols
+            diff = tl.where(mask, sf - mean[:, None], 0.0)
+            var = tl.sum(diff * diff, 1) / n_cols
+            b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+            y = diff * tl.math.rsqrt(var + eps)[:, None] * w[None, :] + b[None, :]
         tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
         if GROUP > 0:
             G: tl.constexpr = ROWS // GROUP
@@ -97,6 +111,8 @@ if triton is not None:
 def _merged_group(rows: int, cols: int, merged_norm) -> int:
     if merged_norm is None:
         return 0
+    if merged_norm[1] is None:
+        raise ValueError("the merged norm is a LayerNorm (with bias)")
     group = merged_norm[0].numel() // cols
     if group < 1 or group & (group - 1) or group * cols != merged_norm[0].numel() or rows % group:
         raise ValueError(f"merged norm of {merged_norm[0].numel()} features over rows of {cols}: needs a "
@@ -117,16 +133,17 @@ def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=N
         num_warps = 4
     launch(
         _add_layernorm_kernel, (cdiv(rows, rows_per_prog),), x, x if y is None else y,
-        weight if offset is None else offset, weight, bias, s, out, w2, b2, out2, rows, cols, eps, eps2,
-        BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group, HAS_Y=y is not None, HAS_OFFSET=offset is not None,
-        num_warps=num_warps)
+        weight if offset is None else offset, weight, weight if bias is None else bias, s, out, w2,
+        weight if b2 is None else b2, out2, rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group,
+        HAS_Y=y is not None, HAS_OFFSET=offset is not None, RMS=bias is None, num_warps=num_warps)
     merged = (out2.view(rows // group, group * cols),) if group else ()
     return ((s,) if y is not None else ()) + (out, *merged)
 
 
-def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                   use_triton: bool | None = None, merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
-    """x, y `[T, N]` (same dtype, contiguous) -> (x + y, LayerNorm(x + y)); Triton on CUDA.
+    """x, y `[T, N]` (same dtype, contiguous) -> (x + y, LayerNorm(x + y)) (RMSNorm with `bias` None); Triton on
+    CUDA.
 
     `merged_norm` = (weight, bias, eps) of a LayerNorm over G * N features (G = weight.numel() // N, a
     power of two dividing T): also returns that norm of `(x + y).view(T / G, G * N)`."""
@@ -141,7 +158,7 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
     return _launch(x.contiguous(), y.contiguous(), None, weight, bias, eps, merged_norm, group)
 
 
-def layernorm_offset(s: torch.Tensor, offset: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+def layernorm_offset(s: torch.Tensor, offset: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                      eps: float, use_triton: bool | None = None,
                      merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
     """s `[T, N]`, float32 offset `[N]` (or None) -> (LayerNorm(s + offset),), computed in float32 and

@@ -137,6 +137,39 @@ def test_layernorm_offset(rows, cols, group, dtype):
         assert (ref.double() - exact).norm() / exact.norm() <= 2 * torch_err + 1e-7
 
 
+def _rms64(s, w, eps):
+    s = s.double()
+    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1280), (131, 80), (33, 1152)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_rmsnorm_add_and_offset(rows, cols, dtype):
+    """RMSNorm (bias None: Qwen2.5-VL's norms) after a residual add and after a float32 offset, Triton against
+    float64: at most 2x the error of transformers' Qwen2.5-VL RMSNorm arithmetic on the same input."""
+    g = torch.Generator().manual_seed(rows * cols + 7)
+    x, y = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(2))
+    x[::3] += 2.0
+    offset = 3 * torch.randn(cols, generator=g)
+    w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype)
+
+    def hf_rms(v):  # Qwen2_5_VLRMSNorm: float32 statistics, rounded to the input's dtype, then times the weight
+        vf = v.float()
+        return w * (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(v.dtype)
+
+    s, out = add_layernorm(x, y, w, None, 1e-6, use_triton=True)
+    rs, rout = reference_add_layernorm(x, y, w, None, 1e-6)
+    assert torch.equal(s, rs) and torch.equal(s, x + y)
+    (off,) = layernorm_offset(x, offset, w, None, 1e-6, use_triton=True)
+    (roff,) = reference_layernorm_offset(x, offset, w, None, 1e-6)
+    for got, ref, exact, hf in ((out, rout, _rms64(s, w, 1e-6), hf_rms(s)),
+                                (off, roff, _rms64(x.double() + offset.double(), w, 1e-6), hf_rms(x + offset.to(dtype)))):
+        assert got.dtype == dtype and got.shape == exact.shape
+        hf_err = (hf.double() - exact).norm() / exact.norm()
+        for o in (got, ref):
+            assert (o.double() - exact).norm() / exact.norm() <= 2 * hf_err + 1e-7
+
+
 @pytest.mark.parametrize("rows,cols", [(1, 64), (131, 1152), (9, 72)])
 def test_layernorm_without_offset(rows, cols):
     """The same pass as a plain LayerNorm (the tower's first norm1), against float64."""

@@ -1,8 +1,13 @@
-"""Architecture of the Qwen3-VL vision tower and the image-preprocessing settings that go with it.
+"""Architecture of the vision towers served: Qwen3-VL's and Qwen2.5-VL's.
 
 `TowerConfig` is the only architecture description the rest of the package sees. It is built from a
 checkpoint's `config.json` through transformers' own config classes (so every alias and default that
 transformers knows about is honoured), or from a named preset for runs without weights.
+
+The two families share the block structure (fused QKV with 2D RoPE, output projection, MLP, merger of 2x2
+patches). Qwen3-VL: LayerNorm, GELU MLP, learned position embeddings, DeepStack taps, patch 16, attention over
+whole frames. Qwen2.5-VL: RMSNorm, SwiGLU MLP, no position embeddings, patch 14, attention within windows of
+`window_size` pixels in every block but `fullatt_block_indexes`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError
+
+
+QWEN3_VL = "qwen3_vl"
+QWEN2_5_VL = "qwen2_5_vl"
+FAMILIES = (QWEN3_VL, QWEN2_5_VL)
 
 
 @dataclass(frozen=True)
@@ -30,10 +40,16 @@ class TowerConfig:
     num_position_embeddings: int = 2304
     hidden_act: str = "gelu_pytorch_tanh"
     rope_theta: float = 10000.0
+    family: str = QWEN3_VL
+    # Qwen2.5-VL: windows of `window_size` pixels per side, except in the full-attention blocks.
+    window_size: int = 0
+    fullatt_block_indexes: tuple[int, ...] = ()
     # Informational: what the weights came from ("random:<preset>" or a checkpoint path).
     source: str = field(default="", compare=False)
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise CheckpointError(f"unknown tower family {self.family!r}; known: {FAMILIES}")
         if self.hidden_size % self.num_heads:
             raise CheckpointError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.head_dim % 4:
@@ -41,13 +57,27 @@ class TowerConfig:
         side = int(round(self.num_position_embeddings**0.5))
         if side * side != self.num_position_embeddings:
             raise CheckpointError(f"num_position_embeddings {self.num_position_embeddings} is not a square")
-        bad = [i for i in self.deepstack_visual_indexes if not 0 <= i < self.depth]
-        if bad:
-            raise CheckpointError(f"deepstack_visual_indexes {bad} outside the tower's {self.depth} blocks")
+        for name in ("deepstack_visual_indexes", "fullatt_block_indexes"):
+            bad = [i for i in getattr(self, name) if not 0 <= i < self.depth]
+            if bad:
+                raise CheckpointError(f"{name} {bad} outside the tower's {self.depth} blocks")
+        if self.windowed and self.window_units < 1:
+            raise CheckpointError(f"window_size {self.window_size} is smaller than one merged patch "
+                                  f"({self.patch_size * self.spatial_merge_size} pixels)")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def windowed(self) -> bool:
+        """Whether blocks attend within windows (Qwen2.5-VL) rather than over whole frames."""
+        return self.family == QWEN2_5_VL
+
+    @property
+    def window_units(self) -> int:
+        """Merged patches per window side (transformers' `window_size // spatial_merge_size // patch_size`)."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
 
     @property
     def patch_dim(self) -> int:
@@ -64,8 +94,19 @@ class TowerConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
+        d["fullatt_block_indexes"] = list(self.fullatt_block_indexes)
         d["head_dim"] = self.head_dim
         return d
+
+
+def _qwen2_5_vl(out_hidden_size: int, **kw) -> TowerConfig:
+    """A Qwen2.5-VL tower: every published size (3B, 7B, 32B, 72B) has the same 32-block tower (hidden 1280,
+    16 heads of 80, windows of 112 px, full attention in blocks 7, 15, 23 and 31); the merger projects into
+    the language model's width."""
+    base = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, deepstack_visual_indexes=(),
+                patch_size=14, num_position_embeddings=0, hidden_act="silu", family=QWEN2_5_VL, window_size=112,
+                fullatt_block_indexes=(7, 15, 23, 31))
+    return TowerConfig(out_hidden_size=out_hidden_size, **{**base, **kw})
 
 
 PRESETS: dict[str, TowerConfig] = {
@@ -82,11 +123,18 @@ PRESETS: dict[str, TowerConfig] = {
         depth=4, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=96,
         deepstack_visual_indexes=(1, 2), num_position_embeddings=64,
     ),
+    "qwen2.5-vl-3b": _qwen2_5_vl(2048),
+    "qwen2.5-vl-7b": _qwen2_5_vl(3584),
+    "qwen2.5-vl-32b": _qwen2_5_vl(5120),
+    "qwen2.5-vl-72b": _qwen2_5_vl(8192),
+    # CPU tests: head_dim 16, windows of 2x2 merged patches, full attention in blocks 1 and 3.
+    "tiny-qwen2.5": _qwen2_5_vl(96, depth=4, hidden_size=64, intermediate_size=120, num_heads=4, window_size=56,
+                                fullatt_block_indexes=(1, 3)),
 }
 
-# Vision configs that describe this exact tower. The MoE family shares the vision tower unchanged.
-_VISION_MODEL_TYPES = {"qwen3_vl_vision", "qwen3_vl_moe_vision"}
-_FULL_MODEL_TYPES = {"qwen3_vl", "qwen3_vl_moe"}
+# Vision configs of the towers served. Qwen3-VL-MoE shares Qwen3-VL's tower unchanged.
+_VISION_MODEL_TYPES = {"qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen2_5_vl_vision"}
+_FULL_MODEL_TYPES = {"qwen3_vl", "qwen3_vl_moe", "qwen2_5_vl"}
 
 
 def preset(name: str) -> TowerConfig:
@@ -97,7 +145,7 @@ def preset(name: str) -> TowerConfig:
 
 
 def tower_config_from_dir(path: Path) -> TowerConfig:
-    """Read `config.json` of a full Qwen3-VL(-MoE) checkpoint or a vision-only one."""
+    """Read `config.json` of a full Qwen3-VL(-MoE) or Qwen2.5-VL checkpoint, or a vision-only one."""
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file}: missing; a Hugging Face checkpoint directory needs a config.json")
@@ -115,11 +163,20 @@ def tower_config_from_dir(path: Path) -> TowerConfig:
         vision, family = raw, model_type.removesuffix("_vision")
     else:
         raise CheckpointError(
-            f"{cfg_file}: model_type {model_type!r} is not a Qwen3-VL checkpoint "
+            f"{cfg_file}: model_type {model_type!r} is not a Qwen3-VL or Qwen2.5-VL checkpoint "
             f"(expected one of {sorted(_FULL_MODEL_TYPES | _VISION_MODEL_TYPES)})"
         )
     hf = _hf_vision_config(family, vision, cfg_file)
     rope = getattr(hf, "rope_parameters", None) or {}
+    if family == QWEN2_5_VL:
+        return TowerConfig(
+            depth=hf.depth, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_heads=hf.num_heads,
+            out_hidden_size=hf.out_hidden_size, deepstack_visual_indexes=(), patch_size=hf.patch_size,
+            temporal_patch_size=hf.temporal_patch_size, spatial_merge_size=hf.spatial_merge_size,
+            in_channels=hf.in_channels, num_position_embeddings=0, hidden_act=hf.hidden_act,
+            rope_theta=float(rope.get("rope_theta", 10000.0)), family=QWEN2_5_VL, window_size=hf.window_size,
+            fullatt_block_indexes=tuple(hf.fullatt_block_indexes), source=str(path),
+        )
     return TowerConfig(
         depth=hf.depth,
         hidden_size=hf.hidden_size,
@@ -141,6 +198,8 @@ def tower_config_from_dir(path: Path) -> TowerConfig:
 def _hf_vision_config(family: str, vision: dict, cfg_file: Path):
     if family == "qwen3_vl_moe":
         from transformers import Qwen3VLMoeConfig as Full
+    elif family == QWEN2_5_VL:
+        from transformers import Qwen2_5_VLConfig as Full
     else:
         from transformers import Qwen3VLConfig as Full
     vision = {k: v for k, v in vision.items() if k != "model_type"}

@@ -37,7 +37,7 @@ import torch
 
 from kernels.attention import sdpa_gathers
 
-from .tower import PackPlan, VisionTower, segment_lengths
+from .tower import PackPlan, VisionTower, segment_lengths, window_order
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class GraphedTower:
         self.tower = tower
         self.max_graphs = max_graphs
         self.capture_after = max(1, capture_after)
-        self.enabled = max_graphs > 0 and tower.pos_embed.weight.is_cuda
+        self.enabled = max_graphs > 0 and tower.device.type == "cuda"
         self._graphs: dict[Signature, _Captured] = {}
         self._seen: Counter[Signature] = Counter()
         self._failed: set[Signature] = set()
@@ -116,7 +116,11 @@ class GraphedTower:
 
     def _choices(self, key: Signature) -> list[str]:
         """The attention backends a graph of `key` may run: SDPA only where it needs no host-built gather."""
-        gathers = sdpa_gathers(segment_lengths(key))
+        cfg = self.tower.config
+        lengths = [segment_lengths(key)]
+        if cfg.windowed:
+            lengths.append(window_order(key, cfg.spatial_merge_size, cfg.window_units)[1])
+        gathers = any(sdpa_gathers(x) for x in lengths)
         return [b for b in self.tower.attention_choices() if b == "triton" or not gathers]
 
     def attention(self, grids) -> str | None:
@@ -205,13 +209,14 @@ class _Statics:
     the pieces is per token (or per merged group of 4), so padding rows never reach real ones."""
 
     def __init__(self, tower: VisionTower, tokens: int):
-        cfg, device, dtype = tower.config, tower.pos_embed.weight.device, tower.pos_embed.weight.dtype
+        cfg, device, dtype = tower.config, tower.device, tower.dtype
         half = cfg.head_dim // 2
         self.pixels = torch.zeros((tokens, cfg.patch_dim), dtype=dtype, device=device)
         self.cos = torch.zeros((tokens, half), dtype=torch.float32, device=device)
         self.sin = torch.zeros((tokens, half), dtype=torch.float32, device=device)
-        self.index = torch.zeros((tokens, 4), dtype=torch.long, device=device)
-        self.weight = torch.zeros((tokens, 4), dtype=torch.float32, device=device)
+        taps = 0 if cfg.windowed else tokens  # no position embeddings in a windowed tower
+        self.index = torch.zeros((taps, 4), dtype=torch.long, device=device)
+        self.weight = torch.zeros((taps, 4), dtype=torch.float32, device=device)
         self.qkv = torch.zeros((tokens, 3, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attended = torch.zeros((tokens, cfg.hidden_size), dtype=dtype, device=device)
         self.deepstack = tower.new_deepstack(tokens, device)
@@ -230,6 +235,8 @@ class _Bucket:
         self.pixels, self.cos, self.sin, self.index, self.weight, self.qkv, self.attended = (
             t[:tokens] for t in (statics.pixels, statics.cos, statics.sin, statics.index, statics.weight, statics.qkv,
                                  statics.attended))
+        if tower.config.windowed:
+            self.index = self.weight = None
         self.deepstack = statics.deepstack[:, :tokens // tower.config.merge_unit]
         self.x = self.merged = None  # produced by the pieces
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -265,10 +272,12 @@ class _Bucket:
 
     def run(self, pixel_values: torch.Tensor, plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor]:
         n = plan.num_tokens
-        for static, value in ((self.pixels, pixel_values), (self.cos, plan.cos), (self.sin, plan.sin),
-                              (self.index, plan.interp_index), (self.weight, plan.interp_weight)):
-            static[:n].copy_(value)
         tower = self.tower
+        tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
+        for static, value in ((self.cos, plan.cos), (self.sin, plan.sin), (self.index, plan.interp_index),
+                              (self.weight, plan.interp_weight)):
+            if static is not None:
+                static[:n].copy_(value)
         for i in range(len(tower.blocks) + 1):
             if i:
                 tower.attend(i - 1, self.qkv[:n], plan, self.attention, out=self.attended[:n])
@@ -277,7 +286,9 @@ class _Bucket:
             else:  # not captured (no CUDA): the same pieces, run eagerly
                 self._piece(i)
         unit = tower.config.merge_unit
-        return self.merged[:n // unit].clone(), self.deepstack[:, :n // unit].clone()
+        merged = self.merged[:n // unit]
+        restored = tower.restore_order(merged, plan)
+        return restored.clone() if restored is merged else restored, self.deepstack[:, :n // unit].clone()
 
 
 class BucketedTower:
@@ -307,7 +318,7 @@ class BucketedTower:
         """Capture every bucket's pieces (on CUDA); elsewhere set the buckets up to run their pieces eagerly."""
         tower = self.tower
         offsets = tower._bias_offsets()
-        pool = torch.cuda.graph_pool_handle() if tower.pos_embed.weight.is_cuda else None
+        pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
         statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
             bucket = _Bucket(tower, tokens, tower.backend, offsets, statics)

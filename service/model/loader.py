@@ -12,7 +12,7 @@ from .checkpoint import load_vision_state_dict
 from .config import TowerConfig, preset, tower_config_from_dir
 from ..errors import CheckpointError
 from .preprocess import PreprocessConfig
-from .tower import TowerOptions, VisionTower
+from .tower import RMSNorm, TowerOptions, VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,12 @@ def random_tower(cfg: TowerConfig, device, dtype, seed: int = 0, options: TowerO
         tower = VisionTower(cfg, options)
     tower = tower.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
+    norms = {f"{name}.weight" for name, m in tower.named_modules() if isinstance(m, (torch.nn.LayerNorm, RMSNorm))}
     with torch.no_grad():
         for name, p in tower.named_parameters():
             noise = 0.02 * torch.randn(p.shape, generator=gen, device=device)
-            if "norm" in name:
-                noise += 1.0 if name.endswith("weight") else 0.0
+            if name in norms:
+                noise += 1.0
             p.copy_(noise)
     return tower.eval()
 
@@ -65,11 +66,11 @@ def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions 
         cfg = preset(model[len(RANDOM_PREFIX):])
         log.warning(
             "RANDOM WEIGHTS: %s has no trained weights; its embeddings are MEANINGLESS. "
-            "Pass a Qwen3-VL checkpoint directory for real embeddings.", model,
+            "Pass a Qwen3-VL or Qwen2.5-VL checkpoint directory for real embeddings.", model,
         )
-        return random_tower(cfg, device, dtype, options=options), PreprocessConfig(patch_size=cfg.patch_size,
-                                                                   temporal_patch_size=cfg.temporal_patch_size,
-                                                                   merge_size=cfg.spatial_merge_size)
+        return random_tower(cfg, device, dtype, options=options), PreprocessConfig.for_family(
+            cfg.family, patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+            merge_size=cfg.spatial_merge_size)
     path = Path(model)
     if not path.is_dir():
         raise CheckpointError(f"{model}: not a directory (use a local checkpoint directory or random:<preset>)")
@@ -80,7 +81,7 @@ def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions 
     state = load_vision_state_dict(path, expected, dtype)
     tower.load_state_dict(state, assign=True, strict=True)
     tower = tower.to(device).eval()
-    pre = PreprocessConfig.from_dir(path)
+    pre = PreprocessConfig.from_dir(path, cfg.family)
     if (pre.patch_size, pre.temporal_patch_size, pre.merge_size) != (
         cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size
     ):

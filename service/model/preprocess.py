@@ -1,7 +1,7 @@
 """Image (or video) bytes -> patch rows and `grid_thw`, numerically identical to transformers' processors.
 
-Images follow the Qwen2-VL PIL image processor; videos (sniffed by their container signature) follow
-the Qwen3-VL video processor (`service.video`).
+Images follow the Qwen2-VL PIL image processor (Qwen3-VL's and Qwen2.5-VL's, with each family's defaults);
+videos (sniffed by their container signature) follow the family's video processor (`service.video`).
 
 The steps are the processor's own: decode, EXIF orientation, RGB conversion (anything with alpha is
 composited on white), `smart_resize` to multiples of patch*merge, a PIL bicubic resize in uint8, then
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +22,11 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from .sizing import smart_resize
 from .video import VideoConfig, decode as decode_video_frames, is_video
 from ..errors import ImageTooLarge, InvalidInput, UnsupportedImage
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
-MAX_ASPECT_RATIO = 200  # transformers' smart_resize refuses anything flatter
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,19 @@ class PreprocessConfig:
         return self.patch_size * self.merge_size
 
     @classmethod
-    def from_dir(cls, path: Path, **overrides) -> "PreprocessConfig":
-        """Settings from `preprocessor_config.json` when the checkpoint has one, else Qwen3-VL's."""
+    def for_family(cls, family: str, **overrides) -> "PreprocessConfig":
+        """The processor's defaults for a tower family: Qwen3-VL's (patch 16, mean and std 0.5), or Qwen2.5-VL's
+        (`Qwen2VLImageProcessor`: patch 14, CLIP's mean and std, 56*56 to 28*28*1280 pixels)."""
+        if family == "qwen2_5_vl":
+            defaults = dict(patch_size=14, image_mean=(0.48145466, 0.4578275, 0.40821073),
+                            image_std=(0.26862954, 0.26130258, 0.27577711), min_pixels=56 * 56,
+                            max_pixels=28 * 28 * 1280, video=VideoConfig.for_family(family))
+            overrides = {**defaults, **overrides}
+        return cls(**overrides)
+
+    @classmethod
+    def from_dir(cls, path: Path, family: str = "qwen3_vl", **overrides) -> "PreprocessConfig":
+        """Settings from `preprocessor_config.json` when the checkpoint has one, else the family's defaults."""
         file = path / "preprocessor_config.json"
         kw: dict = {}
         if file.is_file():
@@ -71,9 +81,9 @@ class PreprocessConfig:
                 kw["min_pixels"] = int(min_px)
             if max_px:
                 kw["max_pixels"] = int(max_px)
-        kw["video"] = VideoConfig.from_dir(path)
+        kw["video"] = VideoConfig.from_dir(path, family)
         kw.update(overrides)
-        return cls(**kw)
+        return cls.for_family(family, **kw)
 
 
 @dataclass
@@ -137,26 +147,6 @@ def patchify(frames, lut, config: "PreprocessConfig", out):
     x = x.permute(0, 1, 3, 6, 4, 7, 9, 2, 5, 8)
     out.view(batch, t, gh // m, gw // m, m, m, channels, tp, p, p).copy_(x)
     return out
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Target (height, width): multiples of `factor`, area within [min_pixels, max_pixels], aspect kept."""
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise InvalidInput(
-            f"aspect ratio {max(height, width) / min(height, width):.0f}:1 of a {width}x{height} image "
-            f"exceeds {MAX_ASPECT_RATIO}:1"
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def decode_image(data: bytes, max_image_pixels: int) -> Image.Image:

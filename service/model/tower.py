@@ -1,7 +1,12 @@
-"""The Qwen3-VL vision tower, written for serving.
+"""The vision towers of Qwen3-VL and Qwen2.5-VL, written for serving.
 
-Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load with a plain
-`load_state_dict`. What differs is how the forward is organised:
+Parameter names mirror transformers' `Qwen3VLVisionModel` and `Qwen2_5_VisionTransformerPretrainedModel`, so
+checkpoints load with a plain `load_state_dict`. The two share one forward (`config.TowerConfig` lists what
+differs); Qwen2.5-VL's windows are a token order and a second set of attention segments in the plan: the pack's
+patches are put in window order before the first block (every window's patches contiguous, each frame's windows
+inside the frame's span), the windowed blocks attend over the windows as segments of one varlen call, the
+full-attention blocks over the frames, and the merged tokens are put back in patch order after the merger.
+What differs from transformers is how the forward is organised:
 - everything that depends only on the pack's grids (cu_seqlens, rotary tables, position-embedding
   interpolation taps) is built once per forward by `PackPlan.build`, vectorised on the device, with
   no per-image Python loop and no device->host reads;
@@ -16,9 +21,11 @@ Parameter names mirror transformers' `Qwen3VLVisionModel`, so checkpoints load w
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -68,14 +75,27 @@ class PackPlan:
     seqlens: list[int]  # host copy of the attention segment lengths (one per frame)
     cu_seqlens: torch.Tensor  # int32 [segments + 1]
     max_seqlen: int
-    cos: torch.Tensor  # float32 [T, head_dim / 2]
+    cos: torch.Tensor  # float32 [T, head_dim / 2], in the tower's token order
     sin: torch.Tensor
-    interp_index: torch.Tensor  # long [T, 4]: bilinear taps into the learned position grid
-    interp_weight: torch.Tensor  # float32 [T, 4]
+    interp_index: torch.Tensor | None  # long [T, 4]: bilinear taps into the learned position grid (Qwen3-VL)
+    interp_weight: torch.Tensor | None  # float32 [T, 4]
+    # Windowed towers (Qwen2.5-VL): the tower's token order (indices into the pack's patch rows), its inverse for
+    # the merged tokens, and the windows as attention segments.
+    token_order: torch.Tensor | None = None  # long [T]
+    merged_order: torch.Tensor | None = None  # long [T / merge_unit]
+    window_seqlens: list[int] | None = None
+    window_cu_seqlens: torch.Tensor | None = None  # int32 [windows + 1]
+    window_max_seqlen: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(t * h * w for t, h, w in self.grids)
+
+    def segments(self, windowed: bool) -> tuple[torch.Tensor, int, list[int]]:
+        """(cu_seqlens, max_seqlen, seqlens) of the windows, or of the frames."""
+        if windowed:
+            return self.window_cu_seqlens, self.window_max_seqlen, self.window_seqlens
+        return self.cu_seqlens, self.max_seqlen, self.seqlens
 
     @staticmethod
     def build(grids, cfg: TowerConfig, device) -> "PackPlan":
@@ -86,16 +106,19 @@ class PackPlan:
                 raise ValueError(f"grid {(t, h, w)} is not a positive multiple of the merge size {m}")
         seqlens = segment_lengths(grids)
         total = sum(seqlens)
+        host = [np.array([0, *itertools.accumulate(seqlens), *itertools.chain.from_iterable(grids)], np.int64)]
+        if cfg.windowed:
+            order, windows = window_order(grids, m, cfg.window_units)
+            host += [np.array([0, *itertools.accumulate(windows)], np.int64), order]
         # One host->device copy, from pinned memory: a copy from pageable memory would wait for the
         # stream to drain, stalling the GPU between back-to-back forwards.
-        host = torch.tensor([0, *itertools.accumulate(seqlens), *itertools.chain.from_iterable(grids)],
-                            dtype=torch.int64)
+        host = torch.from_numpy(np.concatenate(host))
         device = torch.device(device)
         if device.type == "cuda":
             host = host.pin_memory()
         meta = host.to(device, non_blocking=True)
         cu_seqlens = meta[:len(seqlens) + 1].to(torch.int32)
-        g = meta[len(seqlens) + 1:].view(-1, 3)  # [N, 3]
+        g = meta[len(seqlens) + 1:len(seqlens) + 1 + 3 * len(grids)].view(-1, 3)  # [N, 3]
         counts = g.prod(1)
         heights = torch.repeat_interleave(g[:, 1], counts, output_size=total)
         widths = torch.repeat_interleave(g[:, 2], counts, output_size=total)
@@ -106,9 +129,20 @@ class PackPlan:
         block_row = within // (m * m * (widths // m))
         row = block_row * m + (within // m) % m
         col = block_col * m + within % m
+        if cfg.windowed:
+            n_cu = len(windows) + 1
+            start = len(seqlens) + 1 + 3 * len(grids)
+            window_cu = meta[start:start + n_cu].to(torch.int32)
+            token_order = meta[start + n_cu:]
+            row, col = row[token_order], col[token_order]
+            merged_order = torch.empty_like(token_order[::m * m])
+            merged_order[token_order[::m * m] // (m * m)] = torch.arange(len(merged_order), device=device)
 
         cos, sin = vision_rope_cos_sin(torch.stack([row, col], 1), vision_rope_inv_freq(
             cfg.head_dim, cfg.rope_theta, device=device))
+        if cfg.windowed:
+            return PackPlan(grids, seqlens, cu_seqlens, max(seqlens), cos, sin, None, None, token_order, merged_order,
+                            list(windows), window_cu, max(windows))
         side = cfg.num_grid_per_side
         r_taps, r_w = _bilinear_taps(row, heights, side)
         c_taps, c_w = _bilinear_taps(col, widths, side)
@@ -117,13 +151,39 @@ class PackPlan:
         return PackPlan(grids, seqlens, cu_seqlens, max(seqlens), cos, sin, index, weight)
 
 
+@functools.lru_cache(maxsize=4096)
+def _frame_windows(height: int, width: int, merge: int, units: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """One frame of `height` x `width` patches: its merged patches in window order (windows of `units` x `units`
+    merged patches, row-major from the top-left corner, the last row and column of windows cut short by the frame's
+    edge; row-major inside each window), and each window's length in patches: transformers' `get_window_index`."""
+    grid = np.arange((height // merge) * (width // merge)).reshape(height // merge, width // merge)
+    windows = [grid[r:r + units, c:c + units] for r in range(0, grid.shape[0], units)
+               for c in range(0, grid.shape[1], units)]
+    return np.concatenate([w.ravel() for w in windows]), tuple(w.size * merge * merge for w in windows)
+
+
+def window_order(grids, merge: int, units: int) -> tuple[np.ndarray, list[int]]:
+    """The pack's patch rows in window order (int64 indices into the pack's rows, every frame's windows within its
+    span) and the windows' lengths, frame after frame."""
+    unit = merge * merge
+    orders, lengths, base = [], [], 0
+    for t, h, w in grids:
+        order, windows = _frame_windows(h, w, merge, units)
+        frames = base + np.arange(t)[:, None] * len(order)  # first merged patch of each frame
+        orders.append((frames + order[None, :]).ravel())
+        lengths.extend(windows * t)
+        base += t * len(order)
+    merged = np.concatenate(orders)
+    return (merged[:, None] * unit + np.arange(unit)).ravel(), lengths
+
+
 def _fused(backend: str) -> bool | None:
     """Triton for the small fused kernels: always with the Triton backend (also when forced under the
     interpreter), otherwise whenever the tensors are on a GPU."""
     return True if backend == "triton" else None
 
 
-def _add_norm(x, y, norm: nn.LayerNorm, backend: str, merged_norm: nn.LayerNorm | None = None,
+def _add_norm(x, y, norm: "nn.LayerNorm | RMSNorm", backend: str, merged_norm: nn.LayerNorm | None = None,
               offset: torch.Tensor | None = None):
     """(x + y, norm(x + y)), or without y (the GEMM added the residual) (x, norm(x + offset)) with the
     float32 `offset` (or none); plus `merged_norm` of the same rows grouped into merged tokens."""
@@ -150,11 +210,28 @@ def _bilinear_taps(index, size, side):
     return taps, weights
 
 
+class RMSNorm(nn.Module):
+    """Qwen2.5-VL's norm: `weight` only (`bias` is None, which tells `_add_norm` it is an RMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.register_parameter("bias", None)
+        self.eps = eps
+
+    def forward(self, x):
+        return layernorm_offset(x, None, self.weight, None, self.eps)[0]
+
+
+def _norm(cfg: TowerConfig, size: int):
+    return RMSNorm(size, eps=1e-6) if cfg.windowed else nn.LayerNorm(size, eps=1e-6)
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: TowerConfig):
         super().__init__()
         k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=True)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=not cfg.windowed)
 
     def forward(self, x):
         # A stride == kernel Conv3d over one patch is a matmul: [T, C*t*p*p] @ [C*t*p*p, hidden]
@@ -187,14 +264,15 @@ class Attention(nn.Module):
         return qkv_rope_(qkv, cos, sin, use_triton=_fused(backend), k_only=q_in_kernel)
 
     def attend(self, qkv, plan: "PackPlan", options: TowerOptions, attention: str,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Block-diagonal attention over the pack's segments: qkv `[T, 3, H, D]` -> `[T, H * D]` (into `out` if
-        given, contiguous `[T, H * D]`)."""
+               out: torch.Tensor | None = None, windowed: bool = False) -> torch.Tensor:
+        """Block-diagonal attention over the pack's frames (or its windows): qkv `[T, 3, H, D]` -> `[T, H * D]`
+        (into `out` if given, contiguous `[T, H * D]`)."""
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
         rope_q = (dict(cos=plan.cos, sin=plan.sin, rotate_k=False)
                   if attention == "triton" and options.rope_q_in_kernel else {})
         tokens = qkv.shape[0]
-        out = varlen_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen, seqlens=plan.seqlens, backend=attention,
+        cu_seqlens, max_seqlen, seqlens = plan.segments(windowed)
+        out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, seqlens=seqlens, backend=attention,
                                out=None if out is None else out.view(tokens, self.num_heads, self.head_dim), **rope_q)
         return out.view(tokens, -1)
 
@@ -228,6 +306,30 @@ class MLP(nn.Module):
             h = self.act_fn(self.linear_fc1(x))
         return _project(self.linear_fc2, h, residual)
 
+    @property
+    def output(self) -> nn.Linear:
+        return self.linear_fc2
+
+
+class GatedMLP(nn.Module):
+    """Qwen2.5-VL's SwiGLU MLP: down(act(gate(x)) * up(x)), every projection with a bias."""
+
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        self.act_fn = activation(cfg.hidden_act)
+
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """The MLP; with `residual`, returns `residual` + the MLP without down_proj's bias."""
+        h = self.act_fn(self.gate_proj(x)).mul_(self.up_proj(x))
+        return _project(self.down_proj, h, residual)
+
+    @property
+    def output(self) -> nn.Linear:
+        return self.down_proj
+
 
 _GELU_EPILOGUE: dict[torch.device, bool] = {}
 
@@ -254,10 +356,10 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TowerConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm1 = _norm(cfg, cfg.hidden_size)
+        self.norm2 = _norm(cfg, cfg.hidden_size)
         self.attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = GatedMLP(cfg) if cfg.windowed else MLP(cfg)
 
 
 class PatchMerger(nn.Module):
@@ -284,68 +386,117 @@ class PatchMerger(nn.Module):
         return torch.addmm(self.linear_fc2.bias, h, self.linear_fc2.weight.t(), out=out)
 
 
+class WindowMerger(nn.Module):
+    """Qwen2.5-VL's merger: RMSNorm per patch (`ln_q`), then 2x2 neighbouring patches -> one through an MLP."""
+
+    def __init__(self, cfg: TowerConfig):
+        super().__init__()
+        self.merged = cfg.hidden_size * cfg.merge_unit
+        self.ln_q = RMSNorm(cfg.hidden_size, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(),
+                                 nn.Linear(self.merged, cfg.out_hidden_size))
+
+    @property
+    def norm(self) -> RMSNorm:
+        return self.ln_q
+
+    def forward(self, x):
+        return self.project(self.ln_q(x).view(-1, self.merged))
+
+    def project(self, x, out=None):
+        fc1, act, fc2 = self.mlp
+        h = act(fc1(x))
+        return fc2(h) if out is None else torch.addmm(fc2.bias, h, fc2.weight.t(), out=out)
+
+
 class VisionTower(nn.Module):
     def __init__(self, cfg: TowerConfig, options: TowerOptions = TowerOptions()):
         super().__init__()
         self.config = cfg
         self.options = options
         self.patch_embed = PatchEmbed(cfg)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        if not cfg.windowed:
+            self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg, postshuffle_norm=False)
+        self.merger = WindowMerger(cfg) if cfg.windowed else PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(cfg, postshuffle_norm=True) for _ in cfg.deepstack_visual_indexes
         )
         self._backend: str | None = None
         self._taps = {layer: i for i, layer in enumerate(cfg.deepstack_visual_indexes)}  # layer -> DeepStack merger
+        full = set(cfg.fullatt_block_indexes)
+        self._windowed = [cfg.windowed and layer not in full for layer in range(cfg.depth)]
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.proj.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
 
     @property
     def backend(self) -> str:
         """The attention backend this tower runs on its current device ('triton' or 'sdpa')."""
         if self._backend is None:
-            self._backend = resolve_backend(self.pos_embed.weight.device, self.config.head_dim,
-                                            self.options.attention_backend)
+            self._backend = resolve_backend(self.device, self.config.head_dim, self.options.attention_backend)
         return self._backend
 
     def attention_choices(self) -> tuple[str, ...]:
         """The attention backends this tower can run, its default (`backend`) first: both on a CUDA GPU
         where the Triton kernels run, unless `options.attention_backend` forces one. `graphs.GraphedTower`
         times each on a pack signature it captures and keeps the faster."""
-        device = self.pos_embed.weight.device
+        device = self.device
         if self.options.attention_backend != "auto" or device.type != "cuda" or not triton_supported(device)[0]:
             return (self.backend,)
         return (self.backend, "sdpa" if self.backend == "triton" else "triton")
 
     def plan(self, grids) -> PackPlan:
-        return PackPlan.build(grids, self.config, self.pos_embed.weight.device)
+        return PackPlan.build(grids, self.config, self.device)
 
     def forward(self, pixel_values: torch.Tensor, plan: PackPlan,
                 attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out].
+        """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out] (n_deepstack 0
+        for Qwen2.5-VL).
         `attention`: the attention backend of this forward (one of `attention_choices()`; default
         `backend`); every other kernel is the same either way.
 
         The steps (`embed`, then per block `project_qkv`, `attend`, `block_tail`, then `merge`) are also what
-        `graphs.BucketedTower` runs: everything but the attention as CUDA graphs over padded token counts."""
+        `graphs.BucketedTower` runs: everything but the attention as CUDA graphs over padded token counts, between
+        `order_tokens` and `restore_order`."""
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
         attention = attention or self.backend
         offsets = self._bias_offsets() if self.options.residual_in_gemm else None
         deepstack = self.new_deepstack(pixel_values.shape[0], pixel_values.device)
-        x, h = self.embed(pixel_values, plan.interp_index, plan.interp_weight)
+        x, h = self.embed(self.order_tokens(pixel_values, plan), plan.interp_index, plan.interp_weight)
         for layer in range(len(self.blocks)):
             qkv = self.project_qkv(layer, h, plan.cos, plan.sin, attention)
             x, h = self.block_tail(layer, x, self.attend(layer, qkv, plan, attention), offsets, deepstack)
-        return self.merge(h), deepstack
+        return self.restore_order(self.merge(h), plan), deepstack
+
+    @staticmethod
+    def order_tokens(pixel_values, plan: PackPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The pack's patch rows in the tower's token order (window order for Qwen2.5-VL), into `out` if given."""
+        if plan.token_order is None:
+            return pixel_values if out is None else out.copy_(pixel_values)
+        return torch.index_select(pixel_values, 0, plan.token_order, out=out)
+
+    @staticmethod
+    def restore_order(merged, plan: PackPlan) -> torch.Tensor:
+        """Merged tokens from the tower's order back to the pack's (the input itself where the orders agree)."""
+        return merged if plan.merged_order is None else merged.index_select(0, plan.merged_order)
 
     def new_deepstack(self, tokens: int, device) -> torch.Tensor:
         return torch.empty((len(self.config.deepstack_visual_indexes), tokens // self.config.merge_unit,
-                            self.config.out_hidden_size), dtype=self.pos_embed.weight.dtype, device=device)
+                            self.config.out_hidden_size), dtype=self.dtype, device=device)
 
     def embed(self, pixel_values, interp_index, interp_weight) -> tuple[torch.Tensor, torch.Tensor]:
-        """Patch embedding plus interpolated position embeddings: the residual stream x and norm1(x) of block 0."""
+        """Patch embedding plus interpolated position embeddings (Qwen3-VL; Qwen2.5-VL has none): the residual
+        stream x and norm1(x) of block 0."""
         x = self.patch_embed(pixel_values)
-        pos_embed_add_(x, self.pos_embed.weight, interp_index, interp_weight, use_triton=_fused(self.backend))
+        if interp_index is not None:
+            pos_embed_add_(x, self.pos_embed.weight, interp_index, interp_weight, use_triton=_fused(self.backend))
         _, h = _add_norm(x, None, self.blocks[0].norm1, self.backend)
         return x, h
 
@@ -353,7 +504,7 @@ class VisionTower(nn.Module):
         return self.blocks[layer].attn.project_qkv(h, cos, sin, self.backend, self.options, attention, out)
 
     def attend(self, layer: int, qkv, plan: PackPlan, attention: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.blocks[layer].attn.attend(qkv, plan, self.options, attention, out)
+        return self.blocks[layer].attn.attend(qkv, plan, self.options, attention, out, self._windowed[layer])
 
     def block_tail(self, layer: int, x, attended, offsets, deepstack) -> tuple[torch.Tensor, torch.Tensor]:
         """After block `layer`'s attention: its output projection, norm2, the MLP, and the norm that follows (the next
@@ -389,5 +540,5 @@ class VisionTower(nn.Module):
     def _bias_offsets(self) -> torch.Tensor:
         """[2 * depth, hidden] float32: the running sums of the output projections' biases (proj, fc2,
         block by block), which the residual stream lacks when the GEMMs add the residual."""
-        biases = [b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.linear_fc2.bias)]
+        biases = [b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.output.bias)]
         return torch.stack(biases).float().cumsum(0)

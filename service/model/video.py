@@ -1,11 +1,14 @@
 """Video bytes -> sampled, resized uint8 frames and `grid_thw`, as transformers' Qwen3-VL video processor
-computes them when it decodes with PyAV.
+computes them when it decodes with PyAV (Qwen2.5-VL's, `Qwen2VLVideoProcessor`, differs in two steps, marked
+below and set by `VideoConfig.for_family`).
 
 The steps are `Qwen3VLVideoProcessor`'s own:
 - decode with PyAV to RGB24, keeping the frames at `round(linspace(0, total - 1, n))`, where
   `n = clamp(int(total / source_fps * fps), min_frames, min(max_frames, total))` (or the requested `num_frames`);
+  Qwen2-VL: `n` floored to a multiple of the temporal patch, the frames at `int(arange(0, total, total / n))`;
 - the video `smart_resize`: one size for every frame, chosen so that `frames * height * width` lies within
-  the processor's pixel budget (`size.shortest_edge` .. `size.longest_edge`);
+  the processor's pixel budget (`size.shortest_edge` .. `size.longest_edge`); Qwen2-VL: the image `smart_resize`,
+  the budget bounding each frame;
 - torchvision's uint8 bicubic antialiased resize on the CPU, which is `torch.nn.functional.interpolate` on
   uint8 (so torchvision is not needed);
 - rescale and normalise fused as `(x - mean / rescale) / (std / rescale)` in float32 (a 256-entry lookup
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ImageTooLarge, InvalidInput, UnsupportedVideo, VideoTooLong
+from .sizing import smart_resize as image_smart_resize
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +44,31 @@ class VideoConfig:
     min_frames: int = 4
     max_frames: int = 768
     do_sample_frames: bool = True
-    min_pixels: int = 128 * 32 * 32  # size.shortest_edge: over all frames together
-    max_pixels: int = 768 * 32 * 32  # size.longest_edge: over all frames together
+    min_pixels: int = 128 * 32 * 32  # size.shortest_edge: over all frames together (per frame with per_frame)
+    max_pixels: int = 768 * 32 * 32  # size.longest_edge: over all frames together (per frame with per_frame)
     image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
     rescale_factor: float = 1 / 255
     # Server limit: frames in the file (decoding is sequential, so this bounds the CPU time of one video).
     max_source_frames: int = 9000
+    # Qwen2-VL's processor (Qwen2.5-VL): its frame sampling, and the pixel budget bounding each frame.
+    per_frame: bool = False
 
     @classmethod
-    def from_dir(cls, path: Path, **overrides) -> "VideoConfig":
+    def for_family(cls, family: str, **overrides) -> "VideoConfig":
+        """The video processor's defaults for a tower family ('qwen3_vl' or 'qwen2_5_vl'). Qwen2-VL's processor
+        keeps every frame unless asked to sample (`do_sample_frames=False`, for backward compatibility); the
+        server samples at 2 fps, as Qwen2.5-VL's own toolkit (qwen-vl-utils) does, so one video's cost is bounded."""
+        if family == "qwen2_5_vl":
+            clip = dict(image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711))
+            return cls(**{**dict(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, per_frame=True, **clip),
+                          **overrides})
+        return cls(**overrides)
+
+    @classmethod
+    def from_dir(cls, path: Path, family: str = "qwen3_vl", **overrides) -> "VideoConfig":
         """`video_preprocessor_config.json`, else the `video_processor` entry of `processor_config.json`, else
-        Qwen3-VL's defaults."""
+        the family's defaults."""
         raw: dict = {}
         if (path / "video_preprocessor_config.json").is_file():
             raw = json.loads((path / "video_preprocessor_config.json").read_text())
@@ -75,7 +92,7 @@ class VideoConfig:
         if size.get("longest_edge"):
             kw["max_pixels"] = int(size["longest_edge"])
         kw.update(overrides)
-        return cls(**kw)
+        return cls.for_family(family, **kw)
 
     def lut(self) -> np.ndarray:
         """[C, 256] float32: uint8 value -> normalised value, with the fused float32 arithmetic of
@@ -96,15 +113,32 @@ def is_video(data) -> bool:
 
 def sample_indices(total: int, source_fps: float | None, config: VideoConfig, fps: float | None = None,
                    num_frames: int | None = None) -> np.ndarray:
-    """Which frames to keep: `Qwen3VLVideoProcessor.sample_frames` (a requested `num_frames` is capped at
-    `total`, where transformers would ask for frames that do not exist)."""
+    """Which frames to keep: `Qwen3VLVideoProcessor.sample_frames`, or with `config.per_frame`
+    `Qwen2VLVideoProcessor.sample_frames` (a requested `num_frames` is capped at `total`, where transformers would
+    ask for frames that do not exist)."""
     if not config.do_sample_frames and fps is None and num_frames is None:
         return np.arange(min(total, config.max_frames))
+    if config.per_frame:
+        return _sample_qwen2(total, source_fps, config, fps, num_frames)
     if num_frames is None:
         n = int(total / (source_fps or 24) * (fps if fps is not None else config.fps))
         num_frames = min(max(n, config.min_frames), config.max_frames, total)
     num_frames = min(num_frames, total)
     return np.linspace(0, total - 1, num_frames).round().astype(int)
+
+
+def _sample_qwen2(total: int, source_fps: float | None, config: VideoConfig, fps: float | None,
+                  num_frames: int | None, temporal: int = 2) -> np.ndarray:
+    if num_frames is not None:
+        n = min(round(num_frames / temporal) * temporal, total)
+    else:
+        most = math.floor(min(config.max_frames, total) / temporal) * temporal
+        n = total / (source_fps or 24) * (fps if fps is not None else config.fps)
+        n = math.floor(min(max(n, config.min_frames), most, total) / temporal) * temporal
+    import torch
+
+    n = max(n, temporal)
+    return torch.arange(0, total, total / n).int().numpy()[:n]
 
 
 def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int,
@@ -176,6 +210,8 @@ def decode(data: bytes, config: VideoConfig, max_frame_pixels: int, temporal_pat
             stream.thread_type = "AUTO"  # frame-parallel decoding; the frames are the same
 
             def target(n):
+                if config.per_frame:  # the image smart_resize, the budget bounding each frame
+                    return image_smart_resize(height, width, factor, config.min_pixels, config.max_pixels)
                 return smart_resize(n, height, width, temporal_patch_size, factor, config.min_pixels, config.max_pixels)
 
             size = target(len(indices))
