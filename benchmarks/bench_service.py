@@ -408,9 +408,10 @@ def main():
     import torch
 
     torch.cuda.empty_cache()  # the server gets the GPU's memory
-    from service.model.preprocess import PreprocessConfig, Preprocessor
+    from service.model.loader import model_configs
+    from service.model.preprocess import Preprocessor
 
-    pre = Preprocessor(PreprocessConfig())
+    pre = Preprocessor(model_configs(args.model)[1])
     mixed_patches = [pre(b).num_patches for b in mixed]
     mixed_tags = [f"{size_class(w, h)}:{i}" for i, (w, h) in enumerate(sizes)]
 
@@ -425,7 +426,8 @@ def main():
             profiler = subprocess.Popen([args.py_spy, "record", "-p", str(server.pid), "-d", "10", "-r", "200", "-f",
                                          "raw", "--subprocesses", "--nonblocking", "-o", args.profile],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        uniform_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))], [784] * len(uniform),
+        uniform_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))],
+                           [pre(uniform[0]).num_patches] * len(uniform),
                            [("_warmup", args.warmup_s), ("warm", args.measure_s)])
         if profiler is not None:
             profiler.wait(120)

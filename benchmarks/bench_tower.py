@@ -2,15 +2,17 @@
 
 `ours` is the served path (service.model.graphs: the forward replayed as a CUDA graph once its pack
 signature repeats; graphs only on the Triton backend); `ours-eager` launches kernel by kernel.
-Workloads (448px -> 28x28 patches = 784 tokens): 8x448px, 32x448px, 1x1024px, 4x768px and one
-16-frame 448px video-shaped grid (8 temporal patches of 784 tokens). Baselines in the same run:
-- hf-eager: transformers' Qwen3VLVisionModel (sdpa) on the same weights;
+Workloads, in pixels (Qwen3-VL, patch 16: 448px -> 28x28 patches = 784 tokens; Qwen2.5-VL, patch 14: 448px ->
+32x32 patches, 16 windows of 64 tokens): 8x448px, 32x448px, 1x1024px, 4x768px and one 16-frame 448px video
+(8 temporal patches). Baselines in the same run:
+- hf-eager: transformers' tower (`Qwen3VLVisionModel` or `Qwen2_5_VisionTransformerPretrainedModel`, its default
+  sdpa attention) on the same weights;
 - hf-compile: the same under torch.compile (32x448px only: compiling is slow);
 - floor: the tower's GEMMs alone (cuBLAS, same shapes, every block and merger) plus batched cuDNN
-  attention: what a perfect fusion of everything else would leave.
+  attention over the same segments (frames, or windows): what a perfect fusion of everything else would leave.
 MFU uses the H100 SXM dense bf16 peak, 989 TFLOPS.
 
-Usage: python -m benchmarks.bench_tower [--presets qwen3-vl-2b qwen3-vl-8b] [--no-compile]
+Usage: python -m benchmarks.bench_tower [--presets qwen3-vl-2b qwen3-vl-8b qwen2.5-vl-7b] [--no-compile]
 """
 
 from __future__ import annotations
@@ -30,25 +32,44 @@ from kernels.qkv_rope import gemm_candidates
 from service.model.config import preset
 from service.model.graphs import GraphedTower
 from service.model.loader import random_tower
+from service.model.sizing import smart_resize
+from service.model.tower import segment_lengths, window_order
 
 PEAK_TFLOPS = 989.0
-WORKLOADS = {
-    "8x448px": [(1, 28, 28)] * 8,
-    "32x448px": [(1, 28, 28)] * 32,
-    "1x1024px": [(1, 64, 64)],
-    "4x768px": [(1, 48, 48)] * 4,
-    "video16x448px": [(8, 28, 28)],
+WORKLOADS = {  # (images, frames, side in pixels)
+    "8x448px": (8, 1, 448),
+    "32x448px": (32, 1, 448),
+    "1x1024px": (1, 1, 1024),
+    "4x768px": (4, 1, 768),
+    "video16x448px": (1, 16, 448),
 }
+
+
+def workload_grids(cfg, name) -> list[tuple[int, int, int]]:
+    """The grids the processor makes of the workload's images for this tower (its patch size)."""
+    images, frames, side = WORKLOADS[name]
+    factor = cfg.patch_size * cfg.spatial_merge_size
+    h, w = smart_resize(side, side, factor, factor * factor, 1 << 40)
+    return [(frames // cfg.temporal_patch_size or 1, h // cfg.patch_size, w // cfg.patch_size)] * images
+
+
+def layer_segments(cfg, grids) -> list[list[int]]:
+    """Each block's attention segments: the frames, or the windows (Qwen2.5-VL)."""
+    frames = segment_lengths(grids)
+    if not cfg.windowed:
+        return [frames] * cfg.depth
+    windows = window_order(grids, cfg.spatial_merge_size, cfg.window_units)[1]
+    return [frames if layer in cfg.fullatt_block_indexes else windows for layer in range(cfg.depth)]
 
 
 def tower_flops(cfg, grids) -> float:
     tokens = sum(t * h * w for t, h, w in grids)
-    seg_sq = sum(t * (h * w) ** 2 for t, h, w in grids)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     merged = tokens // cfg.merge_unit
-    per_layer = 2 * tokens * (4 * h * h + 2 * h * inter) + 4 * seg_sq * h
+    mlp = 3 if cfg.windowed else 2  # SwiGLU: gate, up and down
+    attention = sum(4 * n * n * h for segs in layer_segments(cfg, grids) for n in segs)
     mergers = (1 + len(cfg.deepstack_visual_indexes)) * 2 * merged * (16 * h * h + 4 * h * cfg.out_hidden_size)
-    return cfg.depth * per_layer + 2 * tokens * cfg.patch_dim * h + mergers
+    return cfg.depth * 2 * tokens * (4 * h * h + mlp * h * inter) + attention + 2 * tokens * cfg.patch_dim * h + mergers
 
 
 def floor_fn(cfg, grids):
@@ -63,33 +84,51 @@ def floor_fn(cfg, grids):
     pix = torch.randn(tokens, cfg.patch_dim, device=dev, dtype=dt)
     mid = torch.randn(tokens, inter, device=dev, dtype=dt)
     xm = torch.randn(tokens // m, m * h, device=dev, dtype=dt)
-    segs = [(t, hh * ww) for t, hh, ww in grids]
-    qkv = {L: torch.randn(3, n, cfg.num_heads, L, cfg.head_dim, device=dev, dtype=dt)
-           for L, n in _group(segs).items()}
+    inputs = {}  # per segment length: batched q, k, v
+    layers = []
+    for segs in layer_segments(cfg, grids):
+        groups = _group(segs)
+        for L, n in groups.items():
+            if L not in inputs:
+                inputs[L] = torch.randn(3, n, cfg.num_heads, L, cfg.head_dim, device=dev, dtype=dt)
+        layers.append([inputs[L][:, :n] for L, n in groups.items()])
 
     def fn():
         F.linear(pix, w["pe"])
-        for _ in range(cfg.depth):
+        for qkv in layers:
             F.linear(x, w["qkv"])
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                for q, k, v in qkv.values():
+                for q, k, v in qkv:
                     F.scaled_dot_product_attention(q, k, v)
             F.linear(x, w["proj"])
             F.linear(x, w["fc1"])
+            if cfg.windowed:  # SwiGLU: the up projection too
+                F.linear(x, w["fc1"])
             F.linear(mid, w["fc2"])
         for _ in range(1 + len(cfg.deepstack_visual_indexes)):
             F.linear(F.linear(xm, w["m1"]), w["m2"])
     return fn
 
 
-def _group(segs):
+def _group(lengths):
     out = {}
-    for t, n in segs:
-        out[n] = out.get(n, 0) + t
+    for n in lengths:
+        out[n] = out.get(n, 0) + 1
     return out
 
 
 def hf_tower(cfg, state):
+    if cfg.windowed:
+        from transformers import Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLVisionConfig
+
+        hf_cfg = Qwen2_5_VLVisionConfig(
+            depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
+            fullatt_block_indexes=list(cfg.fullatt_block_indexes), patch_size=cfg.patch_size)
+        with torch.device("cuda"):
+            model = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg)
+        model.load_state_dict(state)
+        return model.to(torch.bfloat16).eval()
     from transformers import Qwen3VLVisionConfig, Qwen3VLVisionModel
 
     hf_cfg = Qwen3VLVisionConfig(
@@ -109,7 +148,7 @@ def run_preset(name, workloads, compile_hf):
     hf_compiled = torch.compile(hf) if compile_hf else None
     rows = []
     for wl in workloads:
-        grids = WORKLOADS[wl]
+        grids = workload_grids(cfg, wl)
         n_images = len(grids)
         tokens = sum(t * h * w for t, h, w in grids)
         pixels = torch.randn(tokens, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)

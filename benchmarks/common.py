@@ -14,11 +14,22 @@ from pathlib import Path
 import torch
 
 from service.model.config import PRESETS
+from service.model.tower import window_order
 
 RESULTS = Path(__file__).parent / "results"
 
-# Attention shapes: 16 heads and the head dims of the real towers (2B/4B: 64; 8B/32B/MoE: 72).
-HEAD_DIMS = {"qwen3-vl-2b": PRESETS["qwen3-vl-2b"].head_dim, "qwen3-vl-8b": PRESETS["qwen3-vl-8b"].head_dim}
+
+def _windows(*sides: int) -> list[int]:
+    """The attention windows of Qwen2.5-VL's tower (112 px: 8 x 8 patches of 14 px) over square images of `sides`
+    patches: 64-token windows, and shorter ones where an image's edge cuts them."""
+    cfg = PRESETS["qwen2.5-vl-7b"]
+    return window_order([(1, s, s) for s in sides], cfg.spatial_merge_size, cfg.window_units)[1]
+
+
+# Attention shapes: 16 heads and the head dims of the real towers (Qwen3-VL 2B/4B: 64; 8B/32B/MoE: 72;
+# Qwen2.5-VL: 80).
+HEAD_DIMS = {"qwen3-vl-2b": PRESETS["qwen3-vl-2b"].head_dim, "qwen3-vl-8b": PRESETS["qwen3-vl-8b"].head_dim,
+             "qwen2.5-vl": PRESETS["qwen2.5-vl-7b"].head_dim}
 HEADS = PRESETS["qwen3-vl-2b"].num_heads
 ATTENTION_CASES = {
     "1x1024": [1024],
@@ -28,6 +39,11 @@ ATTENTION_CASES = {
     "64x256": [256] * 64,
     "mixed8": [256, 784, 1024, 2304, 4096, 576, 1600, 3136],
     "32x784": [784] * 32,
+    # Qwen2.5-VL's windowed blocks: 32 images of 448 px (512 windows of 64), one of 1036 px (74 x 74 patches: 64-,
+    # 32-, 16- and 4-token windows), photos of mixed sizes
+    "win-32x448px": _windows(*[32] * 32),
+    "win-1x1036px": _windows(74),
+    "win-mixed8": _windows(16, 28, 36, 54, 74, 20, 40, 56),
 }
 
 

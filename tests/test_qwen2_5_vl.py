@@ -270,3 +270,30 @@ def test_presets():
     pre = PreprocessConfig.for_family("qwen2_5_vl")
     assert (pre.patch_size, pre.min_pixels, pre.max_pixels) == (14, 3136, 1003520)
     assert Preprocessor(pre)(encode_bytes(photos()["astronaut"])).grid_thw == (1, 36, 36)
+
+
+def test_served_over_http(hf_full, encoder):
+    """The same service serves the family: /info names it, /embed returns merged tokens, grid and pooled vector
+    (the same as the encoder's), a safetensors body without DeepStack, and deepstack=true is a 422 naming why."""
+    import httpx
+    from safetensors.torch import load
+
+    from servers import serve
+
+    data = encode_bytes(photos()["chelsea"], "PNG")
+    ref = encoder.encode([encoder.preprocess(data)])[0]
+    with serve(encoder, model=str(hf_full[0]), max_wait_ms=5) as (url, _):
+        info = httpx.get(f"{url}/info", timeout=30).json()
+        assert info["family"] == "qwen2_5_vl" and info["architecture"]["fullatt_block_indexes"] == [1, 3]
+        assert info["preprocessing"]["patch_size"] == 14
+        r = httpx.post(f"{url}/embed?pooling=mean", content=data, headers={"content-type": "image/png"}, timeout=60)
+        assert r.status_code == 200, r.text
+        (d,) = r.json()["data"]
+        assert d["grid_thw"] == list(ref.grid_thw) and "deepstack" not in d
+        assert rel_err(torch.tensor(d["embeddings"]), ref.embeds) <= 1e-5
+        assert rel_err(torch.tensor(d["pooled"]), ref.pooled) <= 1e-5
+        r = httpx.post(f"{url}/embed?format=safetensors", content=data, headers={"content-type": "image/png"},
+                       timeout=60)
+        assert r.status_code == 200 and sorted(load(r.content)) == ["embeds.0", "grid_thw.0"]
+        r = httpx.post(f"{url}/embed?deepstack=true", content=data, headers={"content-type": "image/png"}, timeout=60)
+        assert r.status_code == 422 and "DeepStack" in r.text

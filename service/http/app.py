@@ -130,7 +130,8 @@ class Service:
         """Preprocess and encode one request's inputs; the results, the items, and the timing headers."""
         eng = self.serving_engine()
         pre = eng.encoder.preprocessor.config
-        check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames)
+        check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames,
+                     bool(eng.encoder.config.deepstack_visual_indexes))
         arrival = time.perf_counter()
         items = await asyncio.gather(*(self._preprocess(eng, i, data, opts) for i, data in enumerate(inputs)))
         preprocessed = time.perf_counter()
@@ -164,6 +165,7 @@ class Service:
     async def info(self) -> dict[str, Any]:
         settings, enc, eng = self.settings, self.encoder, self.engine
         body: dict[str, Any] = {"version": __version__, "model": settings.model,
+                                "family": enc.config.family if enc is not None else None,
                                 "random_weights": settings.model.startswith("random:"), "ready": self.ready}
         if settings.model.startswith("random:"):
             body["warning"] = "random weights: embeddings are meaningless"

@@ -137,9 +137,13 @@ async def parse_openai(request: Request, settings: Settings) -> tuple[list[bytes
     return [decode_base64_input(s, i) for i, s in enumerate(inputs)], req
 
 
-def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_frames: int) -> None:
-    """Options against the server's limits (`max_pixels`: the default upper bound of a request's max_pixels,
-    `max_frames`: the video processor's)."""
+def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_frames: int,
+                 has_deepstack: bool = True) -> None:
+    """Options against the server's limits and model (`max_pixels`: the default upper bound of a request's
+    max_pixels, `max_frames`: the video processor's, `has_deepstack`: whether the tower has DeepStack taps)."""
+    if opts.deepstack and not has_deepstack:
+        raise HTTPError(422, "invalid_options", "deepstack=true: this model's tower has no DeepStack features "
+                                                "(Qwen2.5-VL returns the merged tokens and the pooled vector)")
     limit = settings.max_pixels_limit or max_pixels
     for name, v in (("min_pixels", opts.min_pixels), ("max_pixels", opts.max_pixels)):
         if v is not None and not settings.min_pixels_limit <= v <= limit:

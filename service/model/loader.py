@@ -58,29 +58,18 @@ def random_tower(cfg: TowerConfig, device, dtype, seed: int = 0, options: TowerO
     return tower.eval()
 
 
-def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions = TowerOptions()
-               ) -> tuple[VisionTower, PreprocessConfig]:
-    """Load the tower named by `model`: a local HF checkpoint directory, or `random:<preset>`."""
-    device, dtype = torch.device(device), parse_dtype(dtype)
+def model_configs(model: str) -> tuple[TowerConfig, PreprocessConfig]:
+    """The tower's architecture and its preprocessing for `model` (a checkpoint directory or `random:<preset>`),
+    without reading any weight."""
     if model.startswith(RANDOM_PREFIX):
         cfg = preset(model[len(RANDOM_PREFIX):])
-        log.warning(
-            "RANDOM WEIGHTS: %s has no trained weights; its embeddings are MEANINGLESS. "
-            "Pass a Qwen3-VL or Qwen2.5-VL checkpoint directory for real embeddings.", model,
-        )
-        return random_tower(cfg, device, dtype, options=options), PreprocessConfig.for_family(
-            cfg.family, patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-            merge_size=cfg.spatial_merge_size)
+        return cfg, PreprocessConfig.for_family(cfg.family, patch_size=cfg.patch_size,
+                                                temporal_patch_size=cfg.temporal_patch_size,
+                                                merge_size=cfg.spatial_merge_size)
     path = Path(model)
     if not path.is_dir():
         raise CheckpointError(f"{model}: not a directory (use a local checkpoint directory or random:<preset>)")
     cfg = tower_config_from_dir(path)
-    with torch.device("meta"):
-        tower = VisionTower(cfg, options)
-    expected = {k: (v.shape, True) for k, v in tower.state_dict().items()}
-    state = load_vision_state_dict(path, expected, dtype)
-    tower.load_state_dict(state, assign=True, strict=True)
-    tower = tower.to(device).eval()
     pre = PreprocessConfig.from_dir(path, cfg.family)
     if (pre.patch_size, pre.temporal_patch_size, pre.merge_size) != (
         cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size
@@ -90,6 +79,27 @@ def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions 
             f"{(pre.patch_size, pre.temporal_patch_size, pre.merge_size)} disagree with config.json "
             f"{(cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size)}"
         )
+    return cfg, pre
+
+
+def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions = TowerOptions()
+               ) -> tuple[VisionTower, PreprocessConfig]:
+    """Load the tower named by `model`: a local HF checkpoint directory, or `random:<preset>`."""
+    device, dtype = torch.device(device), parse_dtype(dtype)
+    cfg, pre = model_configs(model)
+    if model.startswith(RANDOM_PREFIX):
+        log.warning(
+            "RANDOM WEIGHTS: %s has no trained weights; its embeddings are MEANINGLESS. "
+            "Pass a Qwen3-VL or Qwen2.5-VL checkpoint directory for real embeddings.", model,
+        )
+        return random_tower(cfg, device, dtype, options=options), pre
+    path = Path(model)
+    with torch.device("meta"):
+        tower = VisionTower(cfg, options)
+    expected = {k: (v.shape, True) for k, v in tower.state_dict().items()}
+    state = load_vision_state_dict(path, expected, dtype)
+    tower.load_state_dict(state, assign=True, strict=True)
+    tower = tower.to(device).eval()
     log.info("loaded vision tower from %s: %d blocks, hidden %d, %s on %s", path, cfg.depth, cfg.hidden_size,
              dtype, device)
     return tower, pre
