@@ -119,7 +119,8 @@ def _group(lengths):
 
 def hf_tower(cfg, state):
     if cfg.windowed:
-        from transformers import Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
         hf_cfg = Qwen2_5_VLVisionConfig(
             depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,

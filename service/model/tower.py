@@ -184,13 +184,15 @@ def _fused(backend: str) -> bool | None:
 
 
 def _add_norm(x, y, norm: "nn.LayerNorm | RMSNorm", backend: str, merged_norm: nn.LayerNorm | None = None,
-              offset: torch.Tensor | None = None):
+              offset: torch.Tensor | None = None, store_offset: bool = False):
     """(x + y, norm(x + y)), or without y (the GEMM added the residual) (x, norm(x + offset)) with the
-    float32 `offset` (or none); plus `merged_norm` of the same rows grouped into merged tokens."""
+    float32 `offset` (or none), or with `store_offset` (x += offset in place, norm(x)); plus `merged_norm` of the
+    same rows grouped into merged tokens."""
     merged = None if merged_norm is None else (merged_norm.weight, merged_norm.bias, merged_norm.eps)
     if y is None:
-        return x, *layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
-                                    merged_norm=merged)
+        normed = layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
+                                  merged_norm=merged, store_offset=store_offset and offset is not None)
+        return normed if store_offset and offset is not None else (x, *normed)
     return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged)
 
 
@@ -520,7 +522,9 @@ class VisionTower(nn.Module):
             x, y = _project(block.attn.proj, attended, x), None
         else:
             y = block.attn.proj(attended)
-        x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None)
+        store = self.config.windowed  # see _bias_offsets
+        x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None,
+                         store_offset=store)
         if in_gemm:
             x, y = block.mlp(h, residual=x), None
         else:
@@ -529,7 +533,7 @@ class VisionTower(nn.Module):
         tap = self._taps.get(layer)
         merger = self.deepstack_merger_list[tap] if tap is not None else None
         x, h, *tapped = _add_norm(x, y, norm, self.backend, merger.norm if merger is not None else None,
-                                  offset=offsets[2 * layer + 1] if in_gemm else None)
+                                  offset=offsets[2 * layer + 1] if in_gemm else None, store_offset=store)
         if merger is not None:
             merger.project(tapped[0], out=deepstack[tap])
         return x, h
@@ -539,6 +543,8 @@ class VisionTower(nn.Module):
 
     def _bias_offsets(self) -> torch.Tensor:
         """[2 * depth, hidden] float32: the running sums of the output projections' biases (proj, fc2,
-        block by block), which the residual stream lacks when the GEMMs add the residual."""
-        biases = [b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.output.bias)]
-        return torch.stack(biases).float().cumsum(0)
+        block by block), which the residual stream lacks when the GEMMs add the residual. Qwen2.5-VL: each
+        projection's own bias, which the norm after it adds to the stream in place (`store_offset`): a stream
+        without its biases lost precision there (kernels.add_layernorm)."""
+        biases = torch.stack([b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.output.bias)])
+        return biases.float() if self.config.windowed else biases.float().cumsum(0)

@@ -24,7 +24,8 @@ PRE = Preprocessor(PreprocessConfig.for_family("qwen2_5_vl"))
 
 
 def hf_tower(cfg, state, dtype):
-    from transformers import Qwen2_5_VisionTransformerPretrainedModel, Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     hf_cfg = Qwen2_5_VLVisionConfig(
         depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
