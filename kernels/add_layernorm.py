@@ -1,9 +1,6 @@
 """Residual add + LayerNorm in one pass: `s = x + y; return s, layer_norm(s)`, or, when the residual
 add already happened in a GEMM's epilogue, `layer_norm(s + offset)` alone. With `bias=None` the norm is an
-RMSNorm (Qwen2.5-VL's): no mean subtracted, no bias added. With `store_offset` the offset is one GEMM's bias:
-`s + offset` is rounded, written back into `s` and normalised, so the stream holds its biases as transformers'
-does (a stream without them loses precision where the biases are large against it: Qwen2.5-VL's random preset
-was 9% further from float32 than transformers' bf16 with the running sums, 2% closer with this).
+RMSNorm (Qwen2.5-VL's): no mean subtracted, no bias added.
 
 Each block of the tower ends its attention and its MLP with a residual add followed by a LayerNorm
 (the next one's input). Unfused that is five passes over the [T, hidden] activations; fused, four.
@@ -60,10 +57,7 @@ def reference_add_layernorm(x, y, weight, bias, eps, merged_norm=None):
     return (s, *_norms(s, weight, bias, eps, merged_norm, None))
 
 
-def reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm=None, store_offset=False):
-    if store_offset:
-        s.copy_((s.float() + offset).to(s.dtype))
-        return (s, *_norms(s, weight, bias, eps, merged_norm, None))
+def reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm=None):
     return tuple(_norms(s, weight, bias, eps, merged_norm, offset))
 
 
@@ -72,13 +66,11 @@ if triton is not None:
     @triton.jit
     def _add_layernorm_kernel(X, Y, OFFSET, W, B, S, OUT, W2, B2, OUT2, n_rows, n_cols, eps, eps2,
                               BLOCK_N: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                              HAS_Y: tl.constexpr, HAS_OFFSET: tl.constexpr, RMS: tl.constexpr,
-                              STORE_OFFSET: tl.constexpr):
+                              HAS_Y: tl.constexpr, HAS_OFFSET: tl.constexpr, RMS: tl.constexpr):
         # ROWS rows per program as one 2-D tile: all their loads are in flight at once. HAS_Y: the sum
         # X + Y is stored to S and normalised; else X (+ OFFSET, float32 per column) is normalised.
         # GROUP > 0: OUT2 is the LayerNorm (W2, B2, eps2) of each GROUP consecutive rows taken as one row
-        # (ROWS % GROUP == 0). RMS: an RMSNorm (no mean, no bias; not with GROUP). STORE_OFFSET: X + OFFSET is
-        # rounded, stored back to X (S is X) and normalised.
+        # (ROWS % GROUP == 0). RMS: an RMSNorm (no mean, no bias; not with GROUP).
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
@@ -91,10 +83,6 @@ if triton is not None:
         sf = s.to(tl.float32)
         if HAS_OFFSET:
             sf = tl.where(mask, sf + tl.load(OFFSET + cols, mask=col_ok, other=0.0)[None, :], 0.0)
-            if STORE_OFFSET:
-                rounded = sf.to(S.dtype.element_ty)
-                tl.store(S + offs, rounded, mask=mask)
-                sf = rounded.to(tl.float32)
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         if RMS:
             var = tl.sum(sf * sf, 1) / n_cols
@@ -132,8 +120,7 @@ def _merged_group(rows: int, cols: int, merged_norm) -> int:
     return group
 
 
-def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=None, num_warps=None,
-            store_offset=False):
+def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=None, num_warps=None):
     rows, cols = x.shape
     s = torch.empty_like(x) if y is not None else x  # S is only written with Y
     out = torch.empty_like(x)
@@ -148,10 +135,9 @@ def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=N
         _add_layernorm_kernel, (cdiv(rows, rows_per_prog),), x, x if y is None else y,
         weight if offset is None else offset, weight, weight if bias is None else bias, s, out, w2,
         weight if b2 is None else b2, out2, rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group,
-        HAS_Y=y is not None, HAS_OFFSET=offset is not None, RMS=bias is None, STORE_OFFSET=store_offset,
-        num_warps=num_warps)
+        HAS_Y=y is not None, HAS_OFFSET=offset is not None, RMS=bias is None, num_warps=num_warps)
     merged = (out2.view(rows // group, group * cols),) if group else ()
-    return ((s,) if y is not None or store_offset else ()) + (out, *merged)
+    return ((s,) if y is not None else ()) + (out, *merged)
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
@@ -173,20 +159,17 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 def layernorm_offset(s: torch.Tensor, offset: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                     eps: float, use_triton: bool | None = None, merged_norm: tuple | None = None,
-                     store_offset: bool = False) -> tuple[torch.Tensor, ...]:
+                     eps: float, use_triton: bool | None = None,
+                     merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
     """s `[T, N]`, float32 offset `[N]` (or None) -> (LayerNorm(s + offset),), computed in float32 and
-    rounded once to the weight's dtype; with `merged_norm` as in `add_layernorm`, also that norm. With
-    `store_offset` (contiguous `s`): `s += offset` in place, rounded, then normalised: (s, LayerNorm(s), ...)."""
+    rounded once to the weight's dtype; with `merged_norm` as in `add_layernorm`, also that norm."""
     if s.dim() != 2 or offset is not None and (offset.shape != (s.shape[1],) or offset.dtype != torch.float32):
         got = "no offset" if offset is None else f"offset {offset.dtype} {tuple(offset.shape)}"
         raise ValueError(f"s must be 2-D and offset float32 of its width; got {tuple(s.shape)}, {got}")
     group = _merged_group(*s.shape, merged_norm)
     if use_triton is None:
         use_triton = triton is not None and s.is_cuda
-    if store_offset and (offset is None or not s.is_contiguous()):
-        raise ValueError("store_offset needs an offset and a contiguous s")
     if not use_triton:
-        return reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm, store_offset)
+        return reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm)
     return _launch(s.contiguous(), None, None if offset is None else offset.contiguous(), weight, bias, eps,
-                   merged_norm, group, store_offset=store_offset)
+                   merged_norm, group)

@@ -257,27 +257,3 @@ def test_qkv_rope_linear_falls_back():
     cos, sin = vision_rope_cos_sin(torch.randint(0, 9, (9, 2)), vision_rope_inv_freq(72))
     assert not fused_qkv_rope_supported(x, w, 2)
     assert torch.equal(qkv_rope_linear(x, w, b, cos, sin, 2), reference_qkv_rope_linear(x, w, b, cos, sin, 2))
-
-
-@pytest.mark.parametrize("rows,cols,rms", [(1, 64, True), (131, 80, True), (9, 1280, True), (7, 1152, False)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_norm_store_offset(rows, cols, rms, dtype):
-    """`store_offset`: s += offset in place (rounded once), then the norm of the rounded s: Triton equals the
-    reference's stored sum bit for bit, and its norm within 2x PyTorch's error against float64."""
-    g = torch.Generator().manual_seed(rows * cols + 11)
-    s = torch.randn(rows, cols, generator=g).to(dtype)
-    offset = torch.randn(cols, generator=g)
-    w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype)
-    b = None if rms else (0.1 * torch.randn(cols, generator=g)).to(dtype)
-    want_s = (s.float() + offset).to(dtype)
-    got = s.clone()
-    out_s, out = layernorm_offset(got, offset, w, b, 1e-6, use_triton=True, store_offset=True)
-    ref_s, ref = reference_layernorm_offset(s.clone(), offset, w, b, 1e-6, store_offset=True)
-    assert out_s.data_ptr() == got.data_ptr() and torch.equal(got, want_s) and torch.equal(ref_s, want_s)
-    exact = _rms64(want_s, w, 1e-6) if rms else F.layer_norm(want_s.double(), (cols,), w.double(), b.double(), 1e-6)
-    torch_out = _rms64(want_s, w, 1e-6).to(dtype) if rms else F.layer_norm(want_s, (cols,), w, b, 1e-6)
-    torch_err = (torch_out.double() - exact).norm() / exact.norm()
-    for o in (out, ref):
-        assert (o.double() - exact).norm() / exact.norm() <= 2 * torch_err + 1e-7
-    with pytest.raises(ValueError, match="store_offset"):
-        layernorm_offset(s, None, w, b, 1e-6, store_offset=True)

@@ -317,7 +317,7 @@ class BucketedTower:
     def capture(self) -> None:
         """Capture every bucket's pieces (on CUDA); elsewhere set the buckets up to run their pieces eagerly."""
         tower = self.tower
-        offsets = tower._bias_offsets()
+        offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
         statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
@@ -346,7 +346,7 @@ class BucketedTower:
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
         tokens = self.bucket_for(plan.num_tokens)
-        if tokens is None or not self.tower.options.residual_in_gemm:
+        if tokens is None:
             self.eager += 1
             return self.tower(pixel_values, plan)
         self.bucketed += 1

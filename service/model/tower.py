@@ -48,14 +48,15 @@ class TowerOptions:
       (`kernels.qkv_rope.qkv_rope_linear`, Hopper, power-of-two head dims) instead of cuBLAS plus an in-place pass.
     residual_in_gemm: the output projections (attention proj, MLP fc2) add the residual in their GEMM's epilogue
       (cuBLAS addmm, beta = 1) and the LayerNorm that follows only normalises (`_bias_offsets`): two passes over
-      the activations per residual instead of four.
+      the activations per residual instead of four. None: on for Qwen3-VL, off for Qwen2.5-VL, whose bf16 error
+      against float32 it raised from 0.98x transformers' own to 1.09x (H100, 7B preset; docs/PERFORMANCE.md).
     rope_q_in_kernel: Triton backend: rotate Q inside the attention kernel rather than in the pass with K (slower:
       16 heads re-read the cos/sin rows).
     """
 
     attention_backend: str = "auto"
     fused_qkv_rope: bool = True
-    residual_in_gemm: bool = True
+    residual_in_gemm: bool | None = None
     rope_q_in_kernel: bool = False
 
     def __post_init__(self):
@@ -184,15 +185,13 @@ def _fused(backend: str) -> bool | None:
 
 
 def _add_norm(x, y, norm: "nn.LayerNorm | RMSNorm", backend: str, merged_norm: nn.LayerNorm | None = None,
-              offset: torch.Tensor | None = None, store_offset: bool = False):
+              offset: torch.Tensor | None = None):
     """(x + y, norm(x + y)), or without y (the GEMM added the residual) (x, norm(x + offset)) with the
-    float32 `offset` (or none), or with `store_offset` (x += offset in place, norm(x)); plus `merged_norm` of the
-    same rows grouped into merged tokens."""
+    float32 `offset` (or none); plus `merged_norm` of the same rows grouped into merged tokens."""
     merged = None if merged_norm is None else (merged_norm.weight, merged_norm.bias, merged_norm.eps)
     if y is None:
-        normed = layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
-                                  merged_norm=merged, store_offset=store_offset and offset is not None)
-        return normed if store_offset and offset is not None else (x, *normed)
+        return x, *layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
+                                    merged_norm=merged)
     return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged)
 
 
@@ -430,6 +429,12 @@ class VisionTower(nn.Module):
         self._windowed = [cfg.windowed and layer not in full for layer in range(cfg.depth)]
 
     @property
+    def residual_in_gemm(self) -> bool:
+        """`TowerOptions.residual_in_gemm`, resolved for this tower's family."""
+        chosen = self.options.residual_in_gemm
+        return not self.config.windowed if chosen is None else chosen
+
+    @property
     def device(self) -> torch.device:
         return self.patch_embed.proj.weight.device
 
@@ -469,7 +474,7 @@ class VisionTower(nn.Module):
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
         attention = attention or self.backend
-        offsets = self._bias_offsets() if self.options.residual_in_gemm else None
+        offsets = self._bias_offsets() if self.residual_in_gemm else None
         deepstack = self.new_deepstack(pixel_values.shape[0], pixel_values.device)
         x, h = self.embed(self.order_tokens(pixel_values, plan), plan.interp_index, plan.interp_weight)
         for layer in range(len(self.blocks)):
@@ -522,9 +527,7 @@ class VisionTower(nn.Module):
             x, y = _project(block.attn.proj, attended, x), None
         else:
             y = block.attn.proj(attended)
-        store = self.config.windowed  # see _bias_offsets
-        x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None,
-                         store_offset=store)
+        x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None)
         if in_gemm:
             x, y = block.mlp(h, residual=x), None
         else:
@@ -533,7 +536,7 @@ class VisionTower(nn.Module):
         tap = self._taps.get(layer)
         merger = self.deepstack_merger_list[tap] if tap is not None else None
         x, h, *tapped = _add_norm(x, y, norm, self.backend, merger.norm if merger is not None else None,
-                                  offset=offsets[2 * layer + 1] if in_gemm else None, store_offset=store)
+                                  offset=offsets[2 * layer + 1] if in_gemm else None)
         if merger is not None:
             merger.project(tapped[0], out=deepstack[tap])
         return x, h
@@ -543,8 +546,6 @@ class VisionTower(nn.Module):
 
     def _bias_offsets(self) -> torch.Tensor:
         """[2 * depth, hidden] float32: the running sums of the output projections' biases (proj, fc2,
-        block by block), which the residual stream lacks when the GEMMs add the residual. Qwen2.5-VL: each
-        projection's own bias, which the norm after it adds to the stream in place (`store_offset`): a stream
-        without its biases lost precision there (kernels.add_layernorm)."""
-        biases = torch.stack([b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.output.bias)])
-        return biases.float() if self.config.windowed else biases.float().cumsum(0)
+        block by block), which the residual stream lacks when the GEMMs add the residual."""
+        biases = [b for block in self.blocks for b in (block.attn.proj.bias, block.mlp.output.bias)]
+        return torch.stack(biases).float().cumsum(0)
