@@ -33,7 +33,7 @@ from service.model.config import preset
 from service.model.graphs import GraphedTower
 from service.model.loader import random_tower
 from service.model.sizing import smart_resize
-from service.model.tower import segment_lengths, window_order
+from service.model.tower import layer_segments
 
 PEAK_TFLOPS = 989.0
 WORKLOADS = {  # (images, frames, side in pixels)
@@ -51,15 +51,6 @@ def workload_grids(cfg, name) -> list[tuple[int, int, int]]:
     factor = cfg.patch_size * cfg.spatial_merge_size
     h, w = smart_resize(side, side, factor, factor * factor, 1 << 40)
     return [(frames // cfg.temporal_patch_size or 1, h // cfg.patch_size, w // cfg.patch_size)] * images
-
-
-def layer_segments(cfg, grids) -> list[list[int]]:
-    """Each block's attention segments: the frames, or the windows (Qwen2.5-VL)."""
-    frames = segment_lengths(grids)
-    if not cfg.windowed:
-        return [frames] * cfg.depth
-    windows = window_order(grids, cfg.spatial_merge_size, cfg.window_units)[1]
-    return [frames if layer in cfg.fullatt_block_indexes else windows for layer in range(cfg.depth)]
 
 
 def tower_flops(cfg, grids) -> float:

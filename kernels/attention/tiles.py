@@ -128,7 +128,8 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
 # and V's remainder read from `kv_remainder_t`'s transposed copy rather than in place). Each won a size class on
 # H100: at 64 the 128-row tile capped at 128 registers from 1x4096 up and 64/64 three per SM on packs of short
 # segments; at 72 128/128 persistent (the copy from 1x4096 up, in place below), 128/64 and 64/64 on short
-# segments; at 80 128/64 on 8 warps, and for Qwen2.5-VL's windows (64 tokens and less) 64/64 persistent, two per SM (three do not fit at 80).
+# segments; at 80 128/64 on 8 warps, and for Qwen2.5-VL's windows (64 tokens and less) 64/64 persistent, two per
+# SM (three do not fit at 80).
 GLUON_TILES = {
     64: (_gluon(128, 128, 8, 2, maxnreg=128), _gluon(64, 128, 4, 2), _gluon(64, 64, 4, 3, persistent=3),
          _gluon(64, 64, 4, 2)),

@@ -37,7 +37,7 @@ import torch
 
 from kernels.attention import sdpa_gathers
 
-from .tower import PackPlan, VisionTower, segment_lengths, window_order
+from .tower import PackPlan, VisionTower, layer_segments
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,8 @@ class GraphedTower:
 
     def _choices(self, key: Signature) -> list[str]:
         """The attention backends a graph of `key` may run: SDPA only where it needs no host-built gather."""
-        cfg = self.tower.config
-        lengths = [segment_lengths(key)]
-        if cfg.windowed:
-            lengths.append(window_order(key, cfg.spatial_merge_size, cfg.window_units)[1])
-        gathers = any(sdpa_gathers(x) for x in lengths)
+        distinct = {id(s): s for s in layer_segments(self.tower.config, key)}.values()
+        gathers = any(sdpa_gathers(s) for s in distinct)
         return [b for b in self.tower.attention_choices() if b == "triton" or not gathers]
 
     def attention(self, grids) -> str | None:
@@ -214,9 +211,9 @@ class _Statics:
         self.pixels = torch.zeros((tokens, cfg.patch_dim), dtype=dtype, device=device)
         self.cos = torch.zeros((tokens, half), dtype=torch.float32, device=device)
         self.sin = torch.zeros((tokens, half), dtype=torch.float32, device=device)
-        taps = 0 if cfg.windowed else tokens  # no position embeddings in a windowed tower
-        self.index = torch.zeros((taps, 4), dtype=torch.long, device=device)
-        self.weight = torch.zeros((taps, 4), dtype=torch.float32, device=device)
+        # position-embedding taps: none in a windowed tower (it has no position embeddings)
+        self.index = None if cfg.windowed else torch.zeros((tokens, 4), dtype=torch.long, device=device)
+        self.weight = None if cfg.windowed else torch.zeros((tokens, 4), dtype=torch.float32, device=device)
         self.qkv = torch.zeros((tokens, 3, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attended = torch.zeros((tokens, cfg.hidden_size), dtype=dtype, device=device)
         self.deepstack = tower.new_deepstack(tokens, device)
@@ -233,10 +230,8 @@ class _Bucket:
         self.tower, self.tokens, self.attention, self.offsets = tower, tokens, attention, offsets
         # the first `tokens` rows of buffers every bucket shares (`_Statics`)
         self.pixels, self.cos, self.sin, self.index, self.weight, self.qkv, self.attended = (
-            t[:tokens] for t in (statics.pixels, statics.cos, statics.sin, statics.index, statics.weight, statics.qkv,
-                                 statics.attended))
-        if tower.config.windowed:
-            self.index = self.weight = None
+            None if t is None else t[:tokens] for t in (statics.pixels, statics.cos, statics.sin, statics.index,
+                                                        statics.weight, statics.qkv, statics.attended))
         self.deepstack = statics.deepstack[:, :tokens // tower.config.merge_unit]
         self.x = self.merged = None  # produced by the pieces
         self.graphs: list[torch.cuda.CUDAGraph] | None = None

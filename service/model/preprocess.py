@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .sizing import smart_resize
-from .video import VideoConfig, decode as decode_video_frames, is_video
+from .video import CLIP_MEAN, CLIP_STD, VideoConfig, decode as decode_video_frames, is_video
 from ..errors import ImageTooLarge, InvalidInput, UnsupportedImage
 
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
@@ -52,8 +52,7 @@ class PreprocessConfig:
         """The processor's defaults for a tower family: Qwen3-VL's (patch 16, mean and std 0.5), or Qwen2.5-VL's
         (`Qwen2VLImageProcessor`: patch 14, CLIP's mean and std, 56*56 to 28*28*1280 pixels)."""
         if family == "qwen2_5_vl":
-            defaults = dict(patch_size=14, image_mean=(0.48145466, 0.4578275, 0.40821073),
-                            image_std=(0.26862954, 0.26130258, 0.27577711), min_pixels=56 * 56,
+            defaults = dict(patch_size=14, image_mean=CLIP_MEAN, image_std=CLIP_STD, min_pixels=56 * 56,
                             max_pixels=28 * 28 * 1280, video=VideoConfig.for_family(family))
             overrides = {**defaults, **overrides}
         return cls(**overrides)

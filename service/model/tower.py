@@ -68,6 +68,16 @@ def segment_lengths(grids) -> list[int]:
     return [h * w for t, h, w in grids for _ in range(t)]
 
 
+def layer_segments(cfg: TowerConfig, grids) -> list[list[int]]:
+    """Each block's attention segment lengths: the frames, or in a windowed tower's windowed blocks the windows (the
+    same list objects repeat: one per distinct set)."""
+    frames = segment_lengths(grids)
+    if not cfg.windowed:
+        return [frames] * cfg.depth
+    windows = window_order(grids, cfg.spatial_merge_size, cfg.window_units)[1]
+    return [frames if layer in cfg.fullatt_block_indexes else windows for layer in range(cfg.depth)]
+
+
 @dataclass
 class PackPlan:
     """Per-forward metadata for a pack of grids `(t, h, w)` (in patches)."""

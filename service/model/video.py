@@ -36,6 +36,11 @@ from .sizing import smart_resize as image_smart_resize
 log = logging.getLogger(__name__)
 
 
+# OpenAI CLIP's normalisation, Qwen2.5-VL's processors' (transformers' OPENAI_CLIP_MEAN / OPENAI_CLIP_STD)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
 @dataclass(frozen=True)
 class VideoConfig:
     """The video processor's settings (`video_preprocessor_config.json`), plus the server's decode limit."""
@@ -60,9 +65,8 @@ class VideoConfig:
         keeps every frame unless asked to sample (`do_sample_frames=False`, for backward compatibility); the
         server samples at 2 fps, as Qwen2.5-VL's own toolkit (qwen-vl-utils) does, so one video's cost is bounded."""
         if family == "qwen2_5_vl":
-            clip = dict(image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711))
-            return cls(**{**dict(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, per_frame=True, **clip),
-                          **overrides})
+            return cls(**{**dict(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28, per_frame=True,
+                                 image_mean=CLIP_MEAN, image_std=CLIP_STD), **overrides})
         return cls(**overrides)
 
     @classmethod
@@ -112,14 +116,14 @@ def is_video(data) -> bool:
 
 
 def sample_indices(total: int, source_fps: float | None, config: VideoConfig, fps: float | None = None,
-                   num_frames: int | None = None) -> np.ndarray:
+                   num_frames: int | None = None, temporal_patch_size: int = 2) -> np.ndarray:
     """Which frames to keep: `Qwen3VLVideoProcessor.sample_frames`, or with `config.per_frame`
     `Qwen2VLVideoProcessor.sample_frames` (a requested `num_frames` is capped at `total`, where transformers would
     ask for frames that do not exist)."""
     if not config.do_sample_frames and fps is None and num_frames is None:
         return np.arange(min(total, config.max_frames))
     if config.per_frame:
-        return _sample_qwen2(total, source_fps, config, fps, num_frames)
+        return _sample_qwen2(total, source_fps, config, fps, num_frames, temporal_patch_size)
     if num_frames is None:
         n = int(total / (source_fps or 24) * (fps if fps is not None else config.fps))
         num_frames = min(max(n, config.min_frames), config.max_frames, total)
@@ -128,7 +132,7 @@ def sample_indices(total: int, source_fps: float | None, config: VideoConfig, fp
 
 
 def _sample_qwen2(total: int, source_fps: float | None, config: VideoConfig, fps: float | None,
-                  num_frames: int | None, temporal: int = 2) -> np.ndarray:
+                  num_frames: int | None, temporal: int) -> np.ndarray:
     if num_frames is not None:
         n = min(round(num_frames / temporal) * temporal, total)
     else:
@@ -206,7 +210,7 @@ def decode(data: bytes, config: VideoConfig, max_frame_pixels: int, temporal_pat
                 raise UnsupportedVideo(f"video has {total} frame(s); at least {temporal_patch_size} are needed "
                                        "(send a single frame as an image)")
             source_fps = float(stream.average_rate) if stream.average_rate else None
-            indices = sample_indices(total, source_fps, config, fps, num_frames)
+            indices = sample_indices(total, source_fps, config, fps, num_frames, temporal_patch_size)
             stream.thread_type = "AUTO"  # frame-parallel decoding; the frames are the same
 
             def target(n):
