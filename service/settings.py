@@ -111,6 +111,10 @@ class Settings(BaseSettings):
                                  "host memory)")
     engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
+    shared_memory_mib: int = Field(64, ge=0, description="per front-end process and engine: shared memory in "
+                                   "/dev/shm through which decoded frames reach the engine (frames that do not fit go "
+                                   "over the socket, as all do with 0). Containers need room for it: 4 front-ends "
+                                   "take 256 MiB (compose: shm_size)")
     preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "
                                                           "(measured: no throughput difference on H200)")
 

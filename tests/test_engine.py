@@ -184,7 +184,42 @@ def test_abandoned_items_are_dropped_before_compute(tiny):
     assert len(results) == 1 and enc.batches == [1]  # the abandoned request's 2 items never reached a forward
 
 
-def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny):
+def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_forward_thread(tiny):
+    """With `inline_launch` (on by default with CUDA, where a launch returns before the GPU is done), a pack with
+    nothing in flight and nothing queued behind it is dispatched from the event loop's thread; while one is in
+    flight, packs go to the forward thread. Results are the same either way."""
+    items = [tiny.preprocess(img) for img in _images(4, seed=6)]
+    device = SimulatedDevice(tiny, seconds=0.2)
+    threads = []
+    launch = device.launch
+
+    def recording(batch, deepstack=True, tokens=True):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return launch(batch, deepstack, tokens)
+
+    device.launch = recording
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0)
+        assert not eng.inline_launch  # a CPU encoder: a launch there is the whole forward
+        eng.inline_launch = True
+        await eng.start()
+        alone = await eng.submit(items[:1], timeout_s=10)
+        first = asyncio.create_task(eng.submit(items[1:2], timeout_s=10))
+        await asyncio.sleep(0.05)
+        behind = await eng.submit(items[2:], timeout_s=10)  # arrives while `first` computes
+        await first
+        await eng.stop()
+        return alone, behind
+
+    alone, behind = asyncio.run(go())
+    assert threads == [True, True, False]
+    for it, r in zip(items[:1] + items[2:], alone[0] + behind[0]):
+        assert rel_err(r.embeds, tiny.encode([it])[0].embeds) <= 1e-5
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny, inline):
     """A pack that runs out of device memory is split down until its parts fit; an item that fails alone gets a
     503-class `InferenceFailed` (out of memory even alone, or any other exception) and nothing else is affected."""
     items = [tiny.preprocess(img) for img in _images(7, seed=3)]
@@ -200,6 +235,7 @@ def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny):
 
     async def go():
         eng = _engine(enc)
+        eng.inline_launch = inline
         await eng.start()
         outs = await asyncio.gather(*(eng.submit([it], timeout_s=10) for it in items), return_exceptions=True)
         await eng.stop()

@@ -46,6 +46,27 @@ def test_padded_pieces_equal_the_plain_forward(tower):
     assert len(bucketed._plans) == len({tuple(p) for p in PACKS})  # a repeated signature reuses its plan
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_one_frame_packs_run_whole_over_the_bucket(backend):
+    """A lone image within WHOLE_MAX_TOKENS runs the whole forward over its bucket's rows, its attention told where
+    the frame ends by a device-side segment (the captured graph on a GPU; here the same calls eagerly, the Triton
+    kernel interpreted): equal to the plain forward after packs that left other values in the padding rows."""
+    tower = random_tower(preset("tiny"), "cpu", torch.float32, seed=3, options=TowerOptions(attention_backend=backend))
+    bucketed = BucketedTower(tower, (16, 64, 128))
+    bucketed.capture()
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        # the same grids twice in a row: the second finds its positions in the buffers already
+        for grids in ([(1, 8, 14)], [(1, 8, 14)], [(1, 2, 2)], [(1, 4, 10), (1, 2, 2)], [(1, 6, 2)], [(2, 4, 4)],
+                      [(1, 10, 6)]):
+            tokens = sum(t * h * w for t, h, w in grids)
+            pixels = torch.randn(tokens, tower.config.patch_dim, generator=gen)
+            merged, ds = bucketed(pixels, grids)
+            ref_merged, ref_ds = tower(pixels, tower.plan(grids))
+            assert rel_err(merged, ref_merged) <= 1e-5 and rel_err(ds, ref_ds) <= 1e-5, grids
+    assert bucketed.whole_forwards == 5 and bucketed.bucketed == 7  # two packs of two frames ran the pieces
+
+
 def test_without_capture_or_buckets_every_pack_runs_eagerly(tower):
     bucketed = BucketedTower(tower, (64,))
     pixels = torch.randn(16, tower.config.patch_dim)

@@ -220,6 +220,7 @@ def test_launch_plan_key_holds_what_the_launch_depends_on():
         key(q, k, v, cu, out=torch.empty(41, 2, 80, dtype=torch.float16)[..., :72]),
         key(q.float(), k.float(), v.float(), cu),
         key(q[:40], k[:40], v[:40], cu),
+        _plan_key(q, k, v, cu, 33, None, None, True),  # padded rows
     ]
     assert all(other[0] != base for other in others)
     assert len({other[0] for other in others}) == len(others)
@@ -360,6 +361,23 @@ def test_dispatcher_head_dims_past_a_power_of_two(hopper, gluon, monkeypatch):
     on_gluon = "triton" if hopper and gluon else "sdpa"
     assert [attn_mod.resolve_backend(cuda, d) for d in (64, 72, 80, 96, 128)] == \
         ["triton", on_gluon, on_gluon, "sdpa", "triton"]
+
+
+@pytest.mark.parametrize("backend", ["triton", "sdpa"])
+@pytest.mark.parametrize("n,rows,head_dim", [(1, 16, 64), (7, 7 + 9, 72), (131, 160, 80)])
+def test_padded_rows_are_neither_read_nor_written(backend, n, rows, head_dim):
+    """A CUDA graph bucket's call: one segment of n tokens in a buffer of `rows`, max_seqlen the whole buffer (so
+    total == segments * max_seqlen, which unpadded means one full segment). The segment's rows equal the attention
+    over them alone; the padding rows, filled with large values, change nothing and are left as they were."""
+    q, k, v, _, _, _ = make_inputs([rows], 2, head_dim, torch.float32, False, seed=n)
+    for t in (q, k, v):
+        t[n:] = 1e4
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    out = torch.full(q.shape, -7.0)
+    attn_mod.varlen_attention(q, k, v, cu, rows, backend=backend, out=out, padded=True)
+    ref = reference_varlen_attention(q[:n], k[:n], v[:n], cu)
+    assert rel_err(out[:n], ref) <= 1e-5
+    assert (out[n:] == -7.0).all()
 
 
 def test_both_backends_agree_through_public_function():

@@ -99,7 +99,7 @@ def resolve_backend(device: torch.device | str, head_dim: int | None = None, for
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None, seqlens=None,
-                     rotate_k: bool = True, backend: str | None = None, out=None):
+                     rotate_k: bool = True, backend: str | None = None, out=None, padded: bool = False):
     """Block-diagonal attention over packed segments, with optional fused 2D vision RoPE on q and k.
 
     q, k, v: `(total_tokens, heads, head_dim)`, last dim contiguous, any token/head strides.
@@ -109,12 +109,23 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, sof
     seqlens: optional host list of segment lengths; the SDPA path uses it to avoid a device read.
     backend: 'triton' or 'sdpa' (default: `resolve_backend(q.device)`).
     out: optional `(total_tokens, heads, head_dim)` in q's dtype, last dim contiguous, to write the result into.
+    padded: rows past `cu_seqlens[-1]` are padding (a CUDA graph's bucket, whose segments are device inputs): they
+    are never read or written, and the segments are never taken to fill q (see `launch`'s contract).
     Returns `(total_tokens, heads, head_dim)` in q's dtype (`out` if given).
     """
     backend = backend or resolve_backend(q.device)
     if backend == "triton":
         return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
-                                       seqlens=seqlens, rotate_k=rotate_k, out=out)
+                                       seqlens=seqlens, rotate_k=rotate_k, out=out, padded=padded)
+    if padded:  # the fallback runs on the segments' rows alone
+        seqlens = seqlens if seqlens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        n = sum(seqlens)
+        out = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q, k, v = q[:n], k[:n], v[:n]
+        cos, sin = (None, None) if cos is None else (cos[:n], sin[:n])
+        varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
+                         seqlens=seqlens, rotate_k=rotate_k, backend=backend, out=out[:n])
+        return out
     result = sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
                                    seqlens=seqlens, rotate_k=rotate_k)
     return result if out is None else out.copy_(result)

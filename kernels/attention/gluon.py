@@ -586,13 +586,14 @@ def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int,
 
 def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: tuple[int, int], block_m: int,
                  block_n: int, num_warps: int, nbuf: int, maxnreg: int = 0, rem: torch.Tensor | None = None,
-                 rem_rows: int = 0, sum_mma: bool = True, ws: int = 0):
+                 rem_rows: int = 0, sum_mma: bool = True, ws: int = 0, padded: bool = False):
     """One launch over the packed segments. q `(T, H, D)` and, at `columns` of its rows, k's and v's heads
     (`qkv_columns`: the caller has found q, k and v parts of one buffer's rows) with 16-byte aligned rows, at most
     REM_WIDTH head-dim columns past a power of two (`launch.triton_varlen_attention` checks both);
     `qk_scale` includes log2(e). Past a power-of-two head dim, the remainder columns of K and V come from `rem` =
     `kv_remainder_t(k, v, ...)` (`rem_rows` rows per head; `sum_mma`: P's row sums from its row of ones, where it
-    has one) or, without it, from K and V in place.
+    has one) or, without it, from K and V in place. `padded`: q has rows past the last segment, so the segments are
+    never taken to fill it.
 
     One descriptor per box shape serves q, k and v, read from their column offsets: at 72 two to four descriptors
     instead of six, at 64 one or two instead of three. Each costs host time at every launch (built, specialised and
@@ -620,7 +621,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
     segments = cu_seqlens.numel() - 1
     # every segment max_seqlen long (segments of at most max_seqlen tokens, summing to segments * max_seqlen): the
     # image packs of one resolution, a video's frames
-    uniform = total == segments * max_seqlen
+    uniform = not padded and total == segments * max_seqlen
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, NBUF=nbuf, W1=w1, REM_T=rem is not None,
                      R_ROWS=rem_rows, SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps)
     if ws:  # persistent programs, `ws` per SM, each with a one-warp loader partition

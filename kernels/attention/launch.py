@@ -4,7 +4,8 @@ Contract (flash-attention's varlen one): q, k, v are `(total_tokens, heads, head
 head strides and a contiguous last dim, e.g. the three slices of a fused QKV projection, no copies. `cu_seqlens`
 int32 `(segments + 1,)` on the device, `max_seqlen` a Python int: the longest segment's length (a larger one only
 launches programs that exit at once; a smaller one leaves rows past it unwritten, and where total tokens =
-segments * max_seqlen the Gluon kernel takes every segment to be max_seqlen long without reading cu_seqlens).
+segments * max_seqlen the Gluon kernel takes every segment to be max_seqlen long without reading cu_seqlens, unless
+the call says `padded`: rows past the segments are padding, as in a CUDA graph captured for a bucket of tokens).
 Every token attends to every token of its own segment (non-causal), never across segments.
 
 Which kernel runs:
@@ -93,6 +94,7 @@ class _Call:
     sin: torch.Tensor | None
     rotate_k: bool
     columns: tuple[int, int] | None  # k's and v's heads in q's rows, for the Gluon kernel (`qkv_columns`)
+    padded: bool = False  # rows past cu_seqlens[-1] are padding: the segments never fill q
 
     @property
     def rope(self) -> bool:
@@ -106,7 +108,7 @@ class _Call:
 
 def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
                             seqlens=None, out=None, rotate_k=True, block_m=None, block_n=None,
-                            config: TileConfig | None = None):
+                            config: TileConfig | None = None, padded: bool = False):
     """Triton forward. Returns `out` `(total_tokens, heads, head_dim)` in q's dtype.
 
     With `cos`/`sin`, Q is rotated in the kernel, and K too unless `rotate_k=False` (the caller rotated K already).
@@ -116,7 +118,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     plan = None
     if (_options.launch_plans and cos is None and config is None and block_m is None and block_n is None
             and type(max_seqlen) is int):
-        plan, addresses = _plan_key(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out)
+        plan, addresses = _plan_key(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, padded)
         replay = _plans.get(plan)
         if replay:
             if out is None:
@@ -124,7 +126,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 addresses[3] = out.data_ptr()
             if replay(addresses):
                 return out
-    call = _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rotate_k, config)
+    call = _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rotate_k, config, padded)
     if config is not None:
         _check_pinned(call, config)
         use_tma = config.tma
@@ -148,7 +150,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
     return call.out
 
 
-def _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rotate_k, config) -> _Call:
+def _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rotate_k, config, padded) -> _Call:
     check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
@@ -164,7 +166,7 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rota
     scale = (softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5) * math.log2(math.e)
     # found once per call, only where a Gluon configuration may run
     columns = qkv_columns(q, k, v) if cos is None and (config is None or config.gluon) else None
-    return _Call(q, k, v, out, cu_seqlens, max_seqlen, scale, cos, sin, rotate_k, columns)
+    return _Call(q, k, v, out, cu_seqlens, max_seqlen, scale, cos, sin, rotate_k, columns, padded)
 
 
 def _check_pinned(call: _Call, config: TileConfig):
@@ -215,7 +217,7 @@ def _run_tma(call: _Call, c: TileConfig):
     rem = kv_remainder_t(k, v, call.cu_seqlens, call.max_seqlen) if d1 and (c.rem_copy or not c.gluon) else None
     if c.gluon:
         launch_gluon(q, out, call.cu_seqlens, call.max_seqlen, call.scale, call.columns, c.block_m, c.block_n,
-                     c.num_warps, c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, int(c.ws))
+                     c.num_warps, c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, int(c.ws), call.padded)
         return
     rem = q if rem is None else rem  # q: a placeholder without a remainder
     if c.device_desc:
@@ -272,7 +274,8 @@ def _tma_default(q) -> bool:
     return is_hopper(q.device)
 
 
-def _plan_key(q, k, v, cu_seqlens, max_seqlen: int, softmax_scale, out) -> tuple[tuple, list[int]]:
+def _plan_key(q, k, v, cu_seqlens, max_seqlen: int, softmax_scale, out, padded: bool = False
+              ) -> tuple[tuple, list[int]]:
     """A call's plan key and its roles' addresses (q, k, v, out or 0, cu_seqlens): shapes, strides, dtypes, devices,
     k's and v's offsets from q, scalars and every address modulo 16 (Triton specialises pointers on 16-byte
     alignment, and the TMA kernels need it)."""
@@ -280,7 +283,7 @@ def _plan_key(q, k, v, cu_seqlens, max_seqlen: int, softmax_scale, out) -> tuple
     out_ptr = 0 if out is None else out.data_ptr()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
            k_ptr - q_ptr, v_ptr - q_ptr, q_ptr % 16, cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device,
-           cu_ptr % 16, max_seqlen, softmax_scale,
+           cu_ptr % 16, max_seqlen, softmax_scale, padded,
            None if out is None else (out.shape, out.stride(), out.dtype, out.device, out_ptr % 16))
     return key, [q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr]
 

@@ -30,6 +30,7 @@ from .. import errors
 from .batching import BatchStats, Engine
 from .build import build_engine, warmup
 from .protocol import error_header, raw_bytes, read_message, write_message
+from .shm import attach
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EngineServer:
         gone: set[int] = set()  # request ids cancelled by the front-end
         closed = False
         tasks: set[asyncio.Task] = set()
+        arena = None  # the front-end's frame arena (`shm`), mapped read-only
 
         def abandoned_fn(rid):
             return lambda: closed or rid in gone
@@ -69,13 +71,20 @@ class EngineServer:
                 header, payload = await read_message(reader)
                 op = header["op"]
                 if op == "submit":
-                    task = asyncio.create_task(self._submit(header, payload, writer, abandoned_fn(header["id"])))
+                    task = asyncio.create_task(self._submit(header, payload, writer, abandoned_fn(header["id"]),
+                                                            arena))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 elif op == "cancel":
                     gone.add(header["id"])
                 elif op == "hello":
-                    self._reply(writer, {"op": "hello", "id": header["id"], "info": self.info})
+                    if header.get("arena"):
+                        try:
+                            arena = attach(header["arena"])
+                        except (OSError, ValueError) as e:
+                            log.warning("cannot map the front-end's frame arena (%s); frames come over the socket", e)
+                    self._reply(writer, {"op": "hello", "id": header["id"], "info": self.info,
+                                         "arena": arena is not None})
                 elif op == "stats":
                     stats = {**await self.engine.stats(), "pid": os.getpid()}
                     self._reply(writer, {"op": "stats", "id": header["id"], "stats": stats})
@@ -88,14 +97,18 @@ class EngineServer:
                 await asyncio.gather(*tasks, return_exceptions=True)
             writer.close()
 
-    async def _submit(self, header, payload, writer, abandoned):
+    async def _submit(self, header, payload, writer, abandoned, arena=None):
         rid = header["id"]
         items, offset = [], 0
         pre = self.engine.encoder.preprocessor
-        for shape, grid, meta in header["items"]:
+        for shape, grid, meta, at in header["items"]:
             n = math.prod(shape)
-            items.append(pre.item(np.frombuffer(payload, np.uint8, n, offset).reshape(shape), tuple(grid), meta))
-            offset += n
+            if at is None:  # in the message
+                frames = np.frombuffer(payload, np.uint8, n, offset)
+                offset += n
+            else:  # in the front-end's arena
+                frames = np.frombuffer(arena, np.uint8, n, at)
+            items.append(pre.item(frames.reshape(shape), tuple(grid), meta))
         try:
             results, timing = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
                                                        deepstack=header["deepstack"], tokens=header["tokens"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -21,6 +22,9 @@ from ..model.video import is_video
 from .batching import BatchStats, Timing
 from .protocol import read_message, rebuild_error, tensor_at, write_message
 from .sandbox import DecodeSandbox
+from .shm import Arena, new_arena
+
+log = logging.getLogger(__name__)
 
 
 class RemoteEncoder:
@@ -46,11 +50,14 @@ class RemoteEngine:
 
     local = False
 
-    def __init__(self, path: str, on_batch: Callable[[BatchStats], None] | None = None, device: str = ""):
+    def __init__(self, path: str, on_batch: Callable[[BatchStats], None] | None = None, device: str = "",
+                 shared_memory_bytes: int = 0):
         """`on_batch`: called with the stats of each forward the engine reports back (to this front-end's metrics;
-        each forward is reported to one front-end only); `device`: the engine's device, for metrics and /info."""
+        each forward is reported to one front-end only); `device`: the engine's device, for metrics and /info;
+        `shared_memory_bytes`: each connection's frame arena (`shm.Arena`; 0: frames travel in the messages)."""
         self.path = path
         self.device = device
+        self.shared_memory_bytes = shared_memory_bytes
         self.on_batch = on_batch
         self._ids = itertools.count()
         self._link: _Link | None = None
@@ -65,11 +72,22 @@ class RemoteEngine:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=2**22), timeout_s)
         link = _Link(writer, self.on_batch, self)
         link.reader_task = asyncio.create_task(link.read_loop(reader), name="engine-reader")
+        arena = new_arena(self.shared_memory_bytes)
         try:
-            header, _ = await asyncio.wait_for(self._request({"op": "hello"}, link), timeout_s)
+            header, _ = await asyncio.wait_for(
+                self._request({"op": "hello", "arena": arena.path if arena is not None else None}, link), timeout_s)
         except BaseException:
             link.close()
+            if arena is not None:
+                arena.close()
             raise
+        if arena is not None:
+            arena.unlink()  # mapped by the engine now (or never): the memory lives as long as the mappings
+            if header.get("arena"):
+                link.arena = arena
+            else:
+                log.warning("the engine could not map the frame arena; frames go over the socket")
+                arena.close()
         self.info = header["info"]
         self.encoder = RemoteEncoder(self.info)
         self._link = link
@@ -126,9 +144,15 @@ class RemoteEngine:
         link = self._live_link()
         rid = next(self._ids)
         frames = [np.ascontiguousarray(it.frames) for it in items]
+        # each item's frames in the arena (their offset), or in the message (None)
+        placed = [link.arena.put(f) if link.arena is not None else None for f in frames]
         header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack, "tokens": tokens,
-                  "items": [(f.shape, it.grid_thw, it.meta) for f, it in zip(frames, items)]}
-        fut = link.send(header, frames)
+                  "items": [(f.shape, it.grid_thw, it.meta, at) for f, it, at in zip(frames, items, placed)]}
+        try:
+            fut = link.send(header, [f for f, at in zip(frames, placed) if at is None])
+        except BaseException:
+            _release(link.arena, placed)
+            raise
         patches = sum(it.num_patches for it in items)
         self.sent_patches += patches
         waiter = asyncio.ensure_future(abandoned.wait()) if abandoned is not None else None
@@ -146,6 +170,7 @@ class RemoteEngine:
             raise
         finally:
             self.sent_patches -= patches
+            _release(link.arena, placed)
             link.forget(rid, fut)
             if waiter is not None:
                 waiter.cancel()
@@ -162,11 +187,18 @@ class RemoteEngine:
         return results, Timing(*reply["timing"])
 
 
+def _release(arena: Arena | None, placed: list[int | None]) -> None:
+    for offset in placed:
+        if offset is not None:
+            arena.release(offset)
+
+
 class _Link:
-    """One connection to the engine process: its writer, its reader task, and the replies it awaits. When it
-    closes, every awaited reply fails with `EngineUnavailable`."""
+    """One connection to the engine process: its writer, its reader task, the replies it awaits, and its frame arena
+    (None: frames travel in the messages). When it closes, every awaited reply fails with `EngineUnavailable`."""
 
     def __init__(self, writer: asyncio.StreamWriter, on_batch, engine: RemoteEngine):
+        self.arena: Arena | None = None
         self.writer = writer
         self.on_batch = on_batch
         self.engine = engine

@@ -53,7 +53,8 @@ class Service:
         /ready is 503) and connect to each engine process in the background, again whenever one restarts."""
         settings, metrics = self.settings, self.metrics
         if settings.engine_socket:  # a front-end process: the model lives in the engine processes
-            engines = [RemoteEngine(path, on_batch=functools.partial(metrics.observe_batch, device), device=device)
+            engines = [RemoteEngine(path, on_batch=functools.partial(metrics.observe_batch, device), device=device,
+                                    shared_memory_bytes=settings.shared_memory_mib << 20)
                        for path, device in zip(settings.engine_socket.split(","), settings.resolved_devices())]
             self.engine = EnginePool(engines, settings.preprocess_workers, video_sandbox(settings))
             self._link_tasks = [asyncio.create_task(self._follow_engine(e), name=f"engine-link-{e.device}")

@@ -15,7 +15,7 @@ import torch
 
 from .graphs import BucketedTower
 from .loader import load_tower
-from .preprocess import Preprocessor, Preprocessed, patchify
+from .preprocess import Preprocessor, Preprocessed, lut_table, patchify
 from .tower import TowerOptions, VisionTower
 
 
@@ -87,10 +87,10 @@ class Encoder:
 
     def _lut(self, item: Preprocessed) -> torch.Tensor:
         key = item.lut.tobytes()
-        lut = self._luts.get(key)
-        if lut is None:
-            lut = self._luts[key] = torch.from_numpy(item.lut).to(self.device)
-        return lut
+        table = self._luts.get(key)
+        if table is None:
+            table = self._luts[key] = lut_table(item.lut, self.dtype, self.device)
+        return table
 
     @torch.inference_mode()
     def launch(self, items: list[Preprocessed], deepstack: bool = True, tokens: bool = True) -> "Pending":

@@ -197,6 +197,12 @@ class GraphedTower:
 
 # -- bucketed graphs: any mix of grids -----------------------------------------------------------------------------
 
+# Buckets up to this many tokens also hold a graph of the whole forward of a one-frame pack (a lone image). Below it
+# a forward's GPU time is short enough that issuing its pieces and attention calls one by one from Python sets its
+# latency (a 448 px image: 1.6 ms of host time against 2.0 ms of GPU time, hot; two to three times that host time
+# when the request comes alone to an idle host).
+WHOLE_MAX_TOKENS = 4096
+
 class _Statics:
     """The graphs' inputs and the buffers around the eager attention, sized for the largest bucket; each bucket
     reads and writes their first rows. Sharing them is safe because every replay, copy and attention call runs on
@@ -217,6 +223,10 @@ class _Statics:
         self.qkv = torch.zeros((tokens, 3, cfg.num_heads, cfg.head_dim), dtype=dtype, device=device)
         self.attended = torch.zeros((tokens, cfg.hidden_size), dtype=dtype, device=device)
         self.deepstack = tower.new_deepstack(tokens, device)
+        self.cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)  # a one-frame pack's segment
+        # the plan whose positions (and, for one frame, segment) the buffers hold: the same grids again (same-sized
+        # images one after another) skip copying them
+        self.plan: PackPlan | None = None
 
 
 class _Bucket:
@@ -224,17 +234,29 @@ class _Bucket:
     between two attention calls (`VisionTower.embed` + the first `project_qkv`; then per block `block_tail` + the next
     `project_qkv`, or the merger after the last): they depend on the token count only, so one capture per bucket
     serves every pack that fits. The attention between them runs eagerly on the real segments (its launch grid
-    follows them), reading the static QKV buffer and writing the static attention buffer."""
+    follows them), reading the static QKV buffer and writing the static attention buffer.
 
-    def __init__(self, tower: VisionTower, tokens: int, attention: str, offsets: torch.Tensor, statics: "_Statics"):
+    With `whole`, the bucket also holds one graph of the whole forward of a pack of one frame (a lone image): its
+    attention calls are captured too, over one segment whose end is a device input (`_Statics.cu_seqlens`), their
+    grids sized for the bucket, the programs past the frame's rows exiting at once."""
+
+    def __init__(self, tower: VisionTower, tokens: int, attention: str, offsets: torch.Tensor, statics: "_Statics",
+                 whole: bool = False):
         self.tower, self.tokens, self.attention, self.offsets = tower, tokens, attention, offsets
         # the first `tokens` rows of buffers every bucket shares (`_Statics`)
         self.pixels, self.cos, self.sin, self.index, self.weight, self.qkv, self.attended = (
             None if t is None else t[:tokens] for t in (statics.pixels, statics.cos, statics.sin, statics.index,
                                                         statics.weight, statics.qkv, statics.attended))
         self.deepstack = statics.deepstack[:, :tokens // tower.config.merge_unit]
+        self.cu_seqlens = statics.cu_seqlens
+        self.statics = statics
         self.x = self.merged = None  # produced by the pieces
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        # one frame: its rows end at cu_seqlens[1] (set per pack), the rest of the bucket is padding
+        self.one_frame = PackPlan((), None, self.cu_seqlens, tokens, self.cos, self.sin, self.index, self.weight,
+                                  padded=True) if whole else None
+        self.whole: torch.cuda.CUDAGraph | None = None
+        self.whole_merged = None  # the whole graph's merged tokens
 
     def _piece(self, i: int) -> None:
         tower = self.tower
@@ -247,16 +269,22 @@ class _Bucket:
         else:
             self.merged = tower.merge(h)
 
+    def _frame_forward(self) -> None:
+        """The whole forward of a one-frame pack: the pieces, with each block's attention over the frame's rows."""
+        for i in range(len(self.tower.blocks) + 1):
+            if i:
+                self.tower.attend(i - 1, self.qkv, self.one_frame, self.attention, out=self.attended)
+            self._piece(i)
+
     def capture(self, pool) -> None:
-        """Record every piece as a CUDA graph, in order, on one memory pool (replays run in the same order, so the
-        pieces' intermediates may share memory)."""
-        device = self.pixels.device
-        side = torch.cuda.Stream(device)  # one eager pass first: lazy library initialisation, kernel choices
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        """Record every piece as a CUDA graph, in order, then the whole forward of one frame where the bucket has it,
+        on one memory pool (replays run one at a time, the pieces in capture order, so intermediates may share
+        memory)."""
+        def pieces():
             for i in range(len(self.tower.blocks) + 1):
                 self._piece(i)
-        torch.cuda.current_stream(device).wait_stream(side)
+
+        _eager_pass(pieces, self.pixels.device)
         graphs = []
         for i in range(len(self.tower.blocks) + 1):
             graph = torch.cuda.CUDAGraph()
@@ -264,33 +292,66 @@ class _Bucket:
                 self._piece(i)
             graphs.append(graph)
         self.graphs = graphs
+        if self.one_frame is not None:
+            merged = self.merged
+            self.cu_seqlens[1] = self.tokens  # the eager pass's frame: the whole bucket
+            self.statics.plan = None
+            _eager_pass(self._frame_forward, self.pixels.device)
+            self.whole = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.whole, pool=pool):
+                self._frame_forward()
+            self.whole_merged, self.merged = self.merged, merged
 
     def run(self, pixel_values: torch.Tensor, plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor]:
         n = plan.num_tokens
         tower = self.tower
         tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
-        for static, value in ((self.cos, plan.cos), (self.sin, plan.sin), (self.index, plan.interp_index),
-                              (self.weight, plan.interp_weight)):
-            if static is not None:
-                static[:n].copy_(value)
-        for i in range(len(tower.blocks) + 1):
-            if i:
-                tower.attend(i - 1, self.qkv[:n], plan, self.attention, out=self.attended[:n])
-            if self.graphs is not None:
-                self.graphs[i].replay()
-            else:  # not captured (no CUDA): the same pieces, run eagerly
-                self._piece(i)
+        one_frame = self.one_frame is not None and len(plan.seqlens) == 1
+        if self.statics.plan is not plan:  # else the buffers hold this plan's values already
+            for static, value in ((self.cos, plan.cos), (self.sin, plan.sin), (self.index, plan.interp_index),
+                                  (self.weight, plan.interp_weight)):
+                if static is not None:
+                    static[:n].copy_(value)
+            if one_frame:
+                self.cu_seqlens.copy_(plan.cu_seqlens)
+            self.statics.plan = plan
+        if one_frame:
+            if self.whole is not None:
+                self.whole.replay()
+                merged = self.whole_merged
+            else:  # not captured (no CUDA): the same forward, run eagerly
+                self._frame_forward()
+                merged = self.merged
+        else:
+            for i in range(len(tower.blocks) + 1):
+                if i:
+                    tower.attend(i - 1, self.qkv[:n], plan, self.attention, out=self.attended[:n])
+                if self.graphs is not None:
+                    self.graphs[i].replay()
+                else:  # not captured (no CUDA): the same pieces, run eagerly
+                    self._piece(i)
+            merged = self.merged
         unit = tower.config.merge_unit
-        merged = self.merged[:n // unit]
+        merged = merged[:n // unit]
         restored = tower.restore_order(merged, plan)
         return restored.clone() if restored is merged else restored, self.deepstack[:, :n // unit].clone()
+
+
+def _eager_pass(forward, device) -> None:
+    """Run `forward` once on a side stream before capturing it: lazy library initialisation, kernel choices."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 class BucketedTower:
     """`(pixel_values, grids) -> (merged, deepstack)` for any mix of grids, through CUDA graphs captured once per
     token-count bucket (`capture`, at start-up): a pack is padded to the smallest bucket that holds it, its plan is
     copied into the bucket's static inputs, and the graph pieces replay with the attention run eagerly between
-    them (see `_Bucket`). Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly
+    them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS` replays one graph of the whole forward
+    instead. Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly
     (such a pack keeps the GPU busier than its launches take to issue). Plans of recent signatures are kept, so a
     repeated layout skips building its plan."""
 
@@ -303,6 +364,7 @@ class BucketedTower:
         self._plans: OrderedDict[Signature, PackPlan] = OrderedDict()
         self.padded_tokens = 0  # tokens computed as padding, for the benchmarks
         self.bucketed = self.eager = 0
+        self.whole_forwards = 0  # bucketed packs of one frame, run as one graph
 
     @property
     def captured(self) -> bool:
@@ -316,7 +378,10 @@ class BucketedTower:
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
         statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
-            bucket = _Bucket(tower, tokens, tower.backend, offsets, statics)
+            # a whole forward needs the Triton kernel on a GPU (SDPA reads the segments back to the host)
+            whole = not tower.config.windowed and tokens <= WHOLE_MAX_TOKENS and (pool is None
+                                                                                  or tower.backend == "triton")
+            bucket = _Bucket(tower, tokens, tower.backend, offsets, statics, whole)
             if pool is not None:
                 bucket.capture(pool)
             self._buckets[tokens] = bucket
@@ -346,4 +411,6 @@ class BucketedTower:
             return self.tower(pixel_values, plan)
         self.bucketed += 1
         self.padded_tokens += tokens - plan.num_tokens
-        return self._buckets[tokens].run(pixel_values, plan)
+        bucket = self._buckets[tokens]
+        self.whole_forwards += bucket.one_frame is not None and len(plan.seqlens) == 1
+        return bucket.run(pixel_values, plan)

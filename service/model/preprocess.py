@@ -115,7 +115,7 @@ class Preprocessed:
         import torch  # lazily: decoding worker processes never need torch
 
         out = torch.empty((self.num_patches, patch_dim(self.config, self.frames.shape[-1])), dtype=torch.float32)
-        patchify(torch.from_numpy(self.frames), torch.from_numpy(self.lut), self.config, out)
+        patchify(torch.from_numpy(self.frames), lut_table(self.lut, out.dtype), self.config, out)
         return out.numpy()
 
 
@@ -123,12 +123,13 @@ def patch_dim(config: "PreprocessConfig", channels: int = 3) -> int:
     return channels * config.temporal_patch_size * config.patch_size**2
 
 
-def patchify(frames, lut, config: "PreprocessConfig", out):
-    """uint8 `[F, H, W, C]` -> `out` `[t*h*w, C*T*P*P]`: normalised through `lut`, merge-block order. A batch of
-    items of one shape, `[B, F, H, W, C]`, fills `out` `[B*t*h*w, C*T*P*P]` item after item, in one pass.
+def patchify(frames, table, config: "PreprocessConfig", out):
+    """uint8 `[F, H, W, C]` -> `out` `[t*h*w, C*T*P*P]`: normalised through `table` (`lut_table`), merge-block order.
+    A batch of items of one shape, `[B, F, H, W, C]`, fills `out` `[B*t*h*w, C*T*P*P]` item after item, in one pass.
 
     A trailing odd frame is repeated to fill the temporal patch (a single image becomes two equal
-    frames), as transformers does. Runs on whatever device the tensors are on.
+    frames), as transformers does (an image's one frame is read for both, not copied). Runs on whatever device the
+    tensors are on.
     """
     import torch
 
@@ -136,9 +137,10 @@ def patchify(frames, lut, config: "PreprocessConfig", out):
     if frames.dim() == 4:
         frames = frames.unsqueeze(0)
     batch, n_frames, height, width, channels = frames.shape
-    offsets = torch.arange(channels, device=frames.device) * 256
-    x = lut.reshape(-1).to(out.dtype)[frames.long() + offsets]  # [B, F, H, W, C] normalised
-    if n_frames % tp:
+    x = table[frames.long(), torch.arange(channels, device=frames.device)]  # [B, F, H, W, C] normalised
+    if n_frames == 1:  # an image: both temporal halves of each patch read the one frame
+        x = x.expand(batch, tp, height, width, channels)
+    elif n_frames % tp:
         x = torch.cat([x, x[:, -1:].expand(-1, tp - n_frames % tp, -1, -1, -1)], dim=1)
     t, gh, gw = x.shape[1] // tp, height // p, width // p
     x = x.view(batch, t, tp, gh // m, m, p, gw // m, m, p, channels)
@@ -146,6 +148,13 @@ def patchify(frames, lut, config: "PreprocessConfig", out):
     x = x.permute(0, 1, 3, 6, 4, 7, 9, 2, 5, 8)
     out.view(batch, t, gh // m, gw // m, m, m, channels, tp, p, p).copy_(x)
     return out
+
+
+def lut_table(lut, dtype, device=None):
+    """`[C, 256]` per-channel lookup table -> the `[256, C]` `patchify` indexes, in `dtype` on `device`."""
+    import torch
+
+    return torch.as_tensor(lut).t().to(device=device, dtype=dtype).contiguous()
 
 
 def decode_image(data: bytes, max_image_pixels: int) -> Image.Image:

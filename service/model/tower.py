@@ -97,6 +97,8 @@ class PackPlan:
     window_seqlens: list[int] | None = None
     window_cu_seqlens: torch.Tensor | None = None  # int32 [windows + 1]
     window_max_seqlen: int = 0
+    # Rows past the segments are padding (a CUDA graph bucket's plan, whose segments are device inputs)
+    padded: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -284,7 +286,8 @@ class Attention(nn.Module):
         tokens = qkv.shape[0]
         cu_seqlens, max_seqlen, seqlens = plan.segments(windowed)
         out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, seqlens=seqlens, backend=attention,
-                               out=None if out is None else out.view(tokens, self.num_heads, self.head_dim), **rope_q)
+                               out=None if out is None else out.view(tokens, self.num_heads, self.head_dim),
+                               padded=plan.padded, **rope_q)
         return out.view(tokens, -1)
 
 

@@ -85,6 +85,28 @@ def test_gluon_kernel_fp16(lengths, head_dim):
 
 
 @hopper
+@pytest.mark.parametrize("n,rows", [(1, 256), (131, 256), (1023, 1024), (784, 800)])
+@pytest.mark.parametrize("head_dim", tiles.GLUON_HEAD_DIMS)
+def test_gluon_kernel_padded(n, rows, head_dim):
+    """A CUDA graph bucket's call to every Gluon candidate: one segment of n tokens in `rows`, max_seqlen `rows`
+    (which unpadded means one full segment): the segment's rows match fp32 over them alone, the padding (large
+    values) is neither read nor written."""
+    q, k, v, _, _, _ = make_inputs([rows], 16, head_dim, torch.float16, False, seed=n, device="cuda")
+    for t in (q, k, v):
+        t[n:] = 1e4
+    cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    ref = reference_varlen_attention(q[:n], k[:n], v[:n], cu)
+    torch_err = rel_err(reference_varlen_attention(q[:n], k[:n], v[:n], cu, upcast=False), ref)
+    for cfg in tiles.gluon_candidates(head_dim):
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+        out[n:] = -7
+        triton_varlen_attention(q, k, v, cu, rows, out=out, config=cfg, padded=True)
+        torch.cuda.synchronize()
+        assert not out[:n].isnan().any() and (out[n:] == -7).all(), cfg
+        assert rel_err(out[:n], ref) <= max(2 * torch_err, 2e-4), (cfg, rel_err(out[:n], ref), torch_err)
+
+
+@hopper
 @pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_tma_device_descriptors_equal_host_ones(lengths, head_dim, monkeypatch):

@@ -177,7 +177,8 @@ def test_bucketed_graphs_equal_eager_for_any_mix(name):
     (the attention eager between them) compute what the eager forward does: bit for bit where cuBLAS runs the same
     kernels at the bucket's token count, else within the eager forward's own bf16 error (against the float32 tower
     with the same weights) times 2, the bar the tower meets against transformers. A small pack after a large one in
-    the same bucket reads stale padding rows, which must not leak; a pack beyond every bucket runs eagerly."""
+    the same bucket reads stale padding rows, which must not leak; a pack beyond every bucket runs eagerly, and a lone
+    image within one as the bucket's whole-forward graph."""
     from service.model.graphs import BucketedTower
 
     cfg = preset(name)
@@ -203,3 +204,4 @@ def test_bucketed_graphs_equal_eager_for_any_mix(name):
                   f"equal {torch.equal(merged, e_merged)}")
             assert err <= 2 * e_err and ds_err <= 2 * e_ds_err, grids
     assert bucketed.eager == 1 and bucketed.bucketed == len(packs) - 1  # only the 4096-token pack is beyond 2048
+    assert bucketed.whole_forwards == 5  # the lone images within a bucket ran as one graph

@@ -1,0 +1,115 @@
+"""Shared memory for the frames a front-end process sends to an engine process.
+
+A 448 px image is 600 KB of uint8 frames; through the Unix socket that takes several wake-ups of both processes
+(the socket holds ~200 KB), 0.5-1 ms for a request that comes alone to an idle host, and the engine's event loop
+reassembles every byte under load. Instead each connection of a front-end to an engine (`remote._Link`) owns an
+`Arena`: a file in /dev/shm that the front-end creates and sizes, the engine maps when it answers `hello`, and the
+front-end then unlinks (the memory lives while either process maps it, so a crash leaves nothing behind). Frames
+are copied into the arena and only their offsets travel in the message; a region is freed when the request's reply
+arrives or it is given up on (an engine still reading a given-up region computes garbage for an item whose result
+nobody reads). An item that does not fit, or a front-end without an arena (no /dev/shm, or not enough room in it),
+sends its bytes in the message as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+PREFIX = "qwen3vl-frames-"
+
+
+class Arena:
+    """A front-end's shared frame buffer: first-fit regions, freed in any order (one event loop uses it)."""
+
+    ALIGN = 64
+
+    def __init__(self, size: int, directory: str = SHM_DIR):
+        """Create and map `size` bytes; `OSError` where the directory is missing or has no room for them."""
+        self.size = size
+        self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # the pages now, or ENOSPC now: never a SIGBUS on a later write
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            self.unlink()
+            raise
+        finally:
+            os.close(fd)
+        self._free: list[tuple[int, int]] = [(0, size)]  # (offset, length), by offset, never adjacent
+        self._used: dict[int, int] = {}  # offset -> length
+
+    def unlink(self) -> None:
+        """Remove the file (the mappings stay valid): once the engine has mapped it, or if it never will."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(length for _, length in self._free)
+
+    def put(self, data: np.ndarray) -> int | None:
+        """Copy `data` (contiguous uint8) into a free region; its offset, or None where no region is large enough."""
+        n = data.nbytes
+        need = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
+        for i, (offset, length) in enumerate(self._free):
+            if length >= need:
+                if length == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + need, length - need)
+                self._used[offset] = need
+                np.frombuffer(self._map, np.uint8, n, offset)[:] = data.reshape(-1)
+                return offset
+        return None
+
+    def release(self, offset: int) -> None:
+        """Free the region at `offset`, merged with free neighbours."""
+        length = self._used.pop(offset)
+        i = bisect.bisect(self._free, (offset, length))
+        if i < len(self._free) and self._free[i][0] == offset + length:  # the next region is free: absorb it
+            length += self._free.pop(i)[1]
+        if i and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # the previous one too
+            offset, length = self._free[i - 1][0], self._free[i - 1][1] + length
+            del self._free[i - 1]
+            i -= 1
+        self._free.insert(i, (offset, length))
+
+    def close(self) -> None:
+        self.unlink()
+        self._map.close()
+
+
+def new_arena(size: int) -> Arena | None:
+    """An arena of `size` bytes, or None (logged) where shared memory cannot hold it or `size` is 0."""
+    if size <= 0:
+        return None
+    try:
+        return Arena(size)
+    except OSError as e:
+        log.warning("no shared memory for frames (%s: %s); frames go over the engine socket. Give the container "
+                    "more /dev/shm (compose: shm_size) or set QWEN3VL_SHARED_MEMORY_MIB=0 to silence this",
+                    type(e).__name__, e)
+        return None
+
+
+def attach(path: str) -> mmap.mmap:
+    """The engine's read-only mapping of a front-end's arena (`path` as the front-end's `hello` gave it)."""
+    if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
+        raise ValueError(f"not a frame arena: {path!r}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
