@@ -153,6 +153,25 @@ def test_kubernetes_manifests_validate_against_the_schemas():
     assert listed == {f.name for f in K8S.glob("*.yaml")} - {"kustomization.yaml"}
 
 
+def _bytes(size: str) -> int:
+    """'1gb', '1Gi', '512m' -> bytes (compose's and Kubernetes' binary units)."""
+    number, unit = re.fullmatch(r"(\d+)\s*([a-zA-Z]*)", size).groups()
+    return int(number) << {"": 0, "k": 10, "m": 20, "g": 30}[unit.lower()[:1]]
+
+
+def test_shared_memory_room_for_every_front_end():
+    """Decoded frames reach the engine through /dev/shm (`shared_memory_mib` per front-end): compose and the pod
+    give it room for the default front-ends' arenas, beyond Docker's and Kubernetes' 64 MiB default."""
+    settings = Settings()
+    need = 4 * (settings.shared_memory_mib << 20)  # front-end processes on a GPU host
+    assert _bytes(COMPOSE["services"]["encoder"]["shm_size"]) >= need
+    pod = K8S_DOCS[("Deployment", "qwen3vl-encoder")]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    name = next(m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == name)
+    assert volume["emptyDir"]["medium"] == "Memory" and _bytes(volume["emptyDir"]["sizeLimit"]) >= need
+
+
 def test_kubernetes_wiring():
     from service.http.app import create_app
 

@@ -83,7 +83,7 @@ class PackPlan:
     """Per-forward metadata for a pack of grids `(t, h, w)` (in patches)."""
 
     grids: tuple[tuple[int, int, int], ...]
-    seqlens: list[int]  # host copy of the attention segment lengths (one per frame)
+    seqlens: list[int] | None  # host copy of the segment lengths (one per frame); None: on the device only (padded)
     cu_seqlens: torch.Tensor  # int32 [segments + 1]
     max_seqlen: int
     cos: torch.Tensor  # float32 [T, head_dim / 2], in the tower's token order
