@@ -117,15 +117,16 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, sof
     if backend == "triton":
         return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
                                        seqlens=seqlens, rotate_k=rotate_k, out=out, padded=padded)
+    rows = slice(None)
     if padded:  # the fallback runs on the segments' rows alone
         seqlens = seqlens if seqlens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        n = sum(seqlens)
+        rows = slice(0, sum(seqlens))
         out = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        q, k, v = q[:n], k[:n], v[:n]
-        cos, sin = (None, None) if cos is None else (cos[:n], sin[:n])
-        varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
-                         seqlens=seqlens, rotate_k=rotate_k, backend=backend, out=out[:n])
-        return out
+        q, k, v = q[rows], k[rows], v[rows]
+        cos, sin = (None, None) if cos is None else (cos[rows], sin[rows])
     result = sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
                                    seqlens=seqlens, rotate_k=rotate_k)
-    return result if out is None else out.copy_(result)
+    if out is None:
+        return result
+    out[rows].copy_(result)
+    return out

@@ -269,6 +269,10 @@ class _Bucket:
         else:
             self.merged = tower.merge(h)
 
+    def runs_whole(self, plan: PackPlan) -> bool:
+        """Whether `plan` runs as the whole forward of one frame (else as the pieces)."""
+        return self.one_frame is not None and len(plan.seqlens) == 1
+
     def _frame_forward(self) -> None:
         """The whole forward of a one-frame pack: the pieces, with each block's attention over the frame's rows."""
         for i in range(len(self.tower.blocks) + 1):
@@ -306,7 +310,7 @@ class _Bucket:
         n = plan.num_tokens
         tower = self.tower
         tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
-        one_frame = self.one_frame is not None and len(plan.seqlens) == 1
+        one_frame = self.runs_whole(plan)
         if self.statics.plan is not plan:  # else the buffers hold this plan's values already
             for static, value in ((self.cos, plan.cos), (self.sin, plan.sin), (self.index, plan.interp_index),
                                   (self.weight, plan.interp_weight)):
@@ -412,5 +416,5 @@ class BucketedTower:
         self.bucketed += 1
         self.padded_tokens += tokens - plan.num_tokens
         bucket = self._buckets[tokens]
-        self.whole_forwards += bucket.one_frame is not None and len(plan.seqlens) == 1
+        self.whole_forwards += bucket.runs_whole(plan)
         return bucket.run(pixel_values, plan)
