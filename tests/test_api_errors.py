@@ -171,3 +171,32 @@ def test_video_frame_limit():
     with serve(max_video_frames=10) as (url, _):
         _err(httpx.post(f"{url}/embed", content=make_video(11, 32, 32), headers={"content-type": "video/mp4"}), 413,
              "video_too_long", 0, "11 frames exceeds the limit of 10")
+
+
+def test_base64_accepts_and_refuses_exactly_what_the_standard_library_does():
+    """The SIMD decoder of JSON inputs against `base64.b64decode(validate=True)` on random strings of base64
+    characters, padding, whitespace, URL-safe and non-ASCII characters, valid and not: the same bytes, or a 422 that
+    quotes the standard library's reason."""
+    import binascii
+    import random
+
+    from service.http.parsing import decode_base64_input
+    from service.http.status import HTTPError
+
+    rng = random.Random(5)
+    alphabet = "ABCXYZabcxyz0189+/" * 4 + "==" + " \n-_é$"
+    cases = [base64.b64encode(rng.randbytes(n)).decode() for n in (0, 1, 2, 3, 4, 5, 131, 1023, 75_000)]
+    cases += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 24))) for _ in range(3000)]
+    cases += [c[:-1] for c in cases[1:9]] + [c + "=" for c in cases[1:9]] + [c + "\n" for c in cases[1:9]]
+    accepted = 0
+    for case in cases:
+        try:
+            expected = base64.b64decode(case, validate=True)
+        except (binascii.Error, ValueError) as e:
+            with pytest.raises(HTTPError) as info:
+                decode_base64_input(case, 3)
+            assert info.value.status == 422 and info.value.index == 3 and str(e) in info.value.message, case
+        else:
+            assert decode_base64_input(case, 3) == expected, case
+            accepted += 1
+    assert 20 < accepted < len(cases) - 1000  # both kinds were exercised

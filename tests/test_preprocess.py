@@ -158,3 +158,84 @@ def test_pack_pixels_equal_each_item_patchified_alone():
     got = enc.pixels(items)
     expected = torch.cat([torch.from_numpy(it.pixel_values) for it in items])
     assert torch.equal(got, expected)
+
+
+def _jpeg_corpus() -> dict[str, bytes]:
+    """JPEGs of every layout a camera, an editor or a web pipeline writes: chroma subsampling 4:4:4/4:2:2/4:2:0,
+    baseline and progressive, optimised Huffman tables, restart markers, RGB stored without YCbCr (Adobe), awkward
+    sizes from 1x1 up; photo content and noise."""
+    import skimage.data as data
+
+    rng = np.random.default_rng(11)
+    photo = Image.fromarray(data.astronaut())
+    out = {}
+    for w, h in ((1, 1), (7, 131), (131, 7), (1023, 17), (17, 1023), (448, 448), (601, 333)):
+        crop = photo.resize((w, h), Image.Resampling.BILINEAR)
+        noise = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for sub in (0, 1, 2):
+            quality = int(rng.integers(30, 100))
+            out[f"{w}x{h}-sub{sub}-q{quality}"] = encode_bytes(crop, "JPEG", quality=quality, subsampling=sub)
+            out[f"{w}x{h}-sub{sub}-progressive"] = encode_bytes(crop, "JPEG", subsampling=sub, progressive=True)
+            out[f"{w}x{h}-sub{sub}-noise"] = encode_bytes(noise, "JPEG", quality=95, subsampling=sub)
+        out[f"{w}x{h}-optimized"] = encode_bytes(crop, "JPEG", quality=85, optimize=True)
+        out[f"{w}x{h}-restart"] = encode_bytes(crop, "JPEG", restart_marker_blocks=3)
+        out[f"{w}x{h}-keep-rgb"] = encode_bytes(crop, "JPEG", keep_rgb=True)
+    return out
+
+
+@pytest.mark.parametrize("name", list(_jpeg_corpus()))
+def test_plain_jpeg_decoded_into_an_array_as_pil_decodes_it(name, monkeypatch):
+    """The array decoder (libjpeg-turbo through simplejpeg) takes every plain RGB JPEG and gives PIL's pixels, bit
+    for bit (transformers' processor decodes with PIL)."""
+    from service.model import preprocess
+
+    data = _jpeg_corpus()[name]
+    calls, decode = [], preprocess.simplejpeg.decode_jpeg
+    monkeypatch.setattr(preprocess.simplejpeg, "decode_jpeg", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    got = preprocess.decode_image(data, 10**8)
+    assert isinstance(got, np.ndarray) and calls == [1]
+    np.testing.assert_array_equal(got, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+def _jpeg_oddities() -> dict[str, bytes]:
+    img = photos()["chelsea"]
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    plain = encode_bytes(img, "JPEG")
+    sos = plain.index(b"\xff\xda")
+    return {
+        "grayscale": encode_bytes(photos()["camera_gray"], "JPEG"),
+        "cmyk": encode_bytes(img.convert("CMYK"), "JPEG"),
+        "exif-rotated": encode_bytes(img, "JPEG", exif=exif.tobytes()),
+        "exif-upright": encode_bytes(img, "JPEG", exif=Image.Exif().tobytes()),
+        "truncated": plain[: len(plain) * 2 // 3],
+        "cut-in-header": plain[:sos + 4],
+        "trailing-garbage": plain + b"\x00garbage" * 100,
+        "extraneous-bytes-before-marker": plain[:-2] + b"\x00\x00\x00" + plain[-2:],
+        "corrupt-scan": plain[:sos + 600] + bytes(range(256)) * 4 + plain[sos + 1624:],
+    }
+
+
+@pytest.mark.parametrize("name", list(_jpeg_oddities()))
+def test_odd_jpegs_get_what_pil_alone_gives(name, monkeypatch):
+    """Grayscale, CMYK, EXIF-turned, truncated or damaged JPEGs: the same pixels, or the same error, as when PIL
+    decodes everything."""
+    from service.model import preprocess
+
+    data = _jpeg_oddities()[name]
+
+    def run():
+        try:
+            got = PRE(data)
+        except UnsupportedImage as e:
+            return str(e)
+        return got.grid_thw, got.frames
+
+    fast = run()
+    monkeypatch.setattr(preprocess, "simplejpeg", None)
+    pil = run()
+    if isinstance(pil, str):
+        assert fast == pil
+    else:
+        assert fast[0] == pil[0]
+        np.testing.assert_array_equal(fast[1], pil[1])

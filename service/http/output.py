@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import base64
 from typing import Any
 
 import numpy as np
 import orjson
+import pybase64
 import torch
 from fastapi.responses import Response
 from safetensors.torch import save as safetensors_save
@@ -28,7 +28,7 @@ def encode_array(t: torch.Tensor, encoding: str, dtype: str | None):
         return np.ascontiguousarray(t.float().numpy())
     tt = t.to(getattr(torch, dtype)).contiguous()
     raw = (tt.view(torch.int16) if dtype == "bfloat16" else tt).numpy().tobytes()
-    return base64.b64encode(raw).decode("ascii")
+    return pybase64.b64encode(raw).decode("ascii")
 
 
 def pooled(results: list[EncodeResult], normalize: bool) -> list[torch.Tensor]:

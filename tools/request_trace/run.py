@@ -2,19 +2,23 @@
 
 Starts `qwen3vl-encoder serve` with its defaults (plus any QWEN3VL_* variables in the environment) and the tracer
 of `sitecustomize.py` in every process, posts one 448 px JPEG at a time with curl (as `benchmarks.bench_service`'s
-single-image figure does, 5 unmeasured then 40), and prints the median time of each step: from one mark to the
-next, in the order the first request took them, with the process and thread that reached the later mark.
+single-image figures do, 5 unmeasured then 40), first to the pooled-only `/embed`, then to `/v1/embeddings`, and
+prints for each route the median time of each step: from one mark to the next, in the order the first request
+took them.
 `--root` runs another checkout's server (an A/B of two revisions on one machine, in turn).
 
-Usage: python -m tools.request_trace.run NAME [--root DIR] [--out DIR]   (CUDA; writes NAME.trace and NAME.json)
+Usage: python -m tools.request_trace.run NAME [--root DIR] [--out DIR]
+(CUDA; writes NAME.json, and the marks in NAME.trace, NAME.embed.trace and NAME.v1.trace)
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import collections
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,33 +61,45 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     root = os.path.abspath(args.root)
+    jpeg = photo_jpegs([(448, 448)])[0]
+    bodies = {}
+    for route, path, ctype, body in (
+            ("embed", "/embed?embeddings=false&pooling=mean", "image/jpeg", jpeg),
+            ("v1", "/v1/embeddings", "application/json",
+             json.dumps({"input": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()}).encode())):
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            f.write(body)
+        bodies[route] = (path, ctype, f.name)
     trace = os.path.join(args.out, args.name + ".trace")
-    with tempfile.NamedTemporaryFile(suffix=".jpg", delete=False) as f:
-        f.write(photo_jpegs([(448, 448)])[0])
     env = {**os.environ, "QWEN3VL_PORT": "18999", "QWEN3VL_HOST": "127.0.0.1", "TRACE_FILE": trace,
            "PYTHONPATH": os.pathsep.join([HERE, root, os.environ.get("PYTHONPATH", "")])}
     start = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, cwd=root,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = {"benchmark": "request_trace", "name": args.name, "root": root}
     try:
         if not wait_until_ready("http://127.0.0.1:18999", server, timeout_s=600, interval_s=0.2):
             raise RuntimeError("server did not become ready")
-        ready = time.perf_counter() - start
+        result["ready_s"] = time.perf_counter() - start
         time.sleep(2)
-        open(trace, "w").close()  # start-up marks are not requests
-        curl = curl_p50("http://127.0.0.1:18999", "/embed?embeddings=false&pooling=mean", f.name, "image/jpeg")
+        for route, (path, ctype, body_file) in bodies.items():
+            open(trace, "w").close()  # start-up marks, and the previous route's, are not this route's requests (the
+            # processes append to this file: it is truncated, never replaced)
+            curl = curl_p50("http://127.0.0.1:18999", path, body_file, ctype)
+            shutil.copyfile(trace, os.path.join(args.out, f"{args.name}.{route}.trace"))
+            table, total = steps(os.path.join(args.out, f"{args.name}.{route}.trace"))
+            print(f"-- {path}")
+            for a, b, us in table:
+                print(f"{a:>10} -> {b:<12} {us:8.1f} us")
+            print(f"server total {total:.0f} us; curl p50 {curl['p50_ms']:.2f} ms")
+            result[route] = {"path": path, "curl": curl, "server_total_us": total, "steps_us": table}
     finally:
         server.terminate()
         server.wait()
-    table, total = steps(trace)
-    for a, b, us in table:
-        print(f"{a:>10} -> {b:<12} {us:8.1f} us")
-    print(f"server total {total:.0f} us; curl p50 {curl['p50_ms']:.2f} ms; ready after {ready:.1f} s")
     from benchmarks.common import environment
 
     with open(os.path.join(args.out, args.name + ".json"), "w") as out:
-        json.dump({"benchmark": "request_trace", "name": args.name, "env": environment(), "root": root,
-                   "curl": curl, "server_total_us": total, "steps_us": table}, out, indent=1)
+        json.dump({**result, "env": environment()}, out, indent=1)
 
 
 if __name__ == "__main__":

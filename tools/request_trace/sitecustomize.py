@@ -57,7 +57,8 @@ if os.environ.get("TRACE_FILE"):
     PATCHES = {
         "service.http.middleware": lambda m: wrap(m.ObserveMiddleware, "__call__", "http"),
         "service.http.app": lambda m: (wrap(m.Service, "encode", "encode"), wrap(m, "embed_response", "respond"),
-                                       wrap(m, "parse_embed", "parse")),
+                                       wrap(m, "openai_response", "respond"), wrap(m, "parse_embed", "parse"),
+                                       wrap(m, "parse_openai", "parse")),
         "service.engine.remote": lambda m: (wrap(m.EnginePool, "preprocess", "pre"),
                                             wrap(m.RemoteEngine, "submit", "rsubmit"),
                                             after(m, "read_message", "f-read"), before(m, "write_message", "f-write")),
