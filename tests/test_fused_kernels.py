@@ -1,5 +1,5 @@
-"""The tower's smaller fused kernels (in-place QKV RoPE, residual add + LayerNorm), run by Triton's
-interpreter on CPU against their PyTorch references; the GPU tower tests cover them at full size."""
+"""The tower's smaller fused kernels (in-place QKV RoPE, residual add + LayerNorm, position embeddings, patchify), run
+by Triton's interpreter on CPU against their PyTorch references; the GPU tower tests cover them at full size."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.add_layernorm import add_layernorm, layernorm_offset, reference_add_layernorm, reference_layernorm_offset
+from kernels.patchify import patchify, reference_patchify
 from kernels.pos_embed import pos_embed_add_, reference_pos_embed
 from kernels.qkv_rope import qkv_rope_
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
@@ -257,3 +258,40 @@ def test_qkv_rope_linear_falls_back():
     cos, sin = vision_rope_cos_sin(torch.randint(0, 9, (9, 2)), vision_rope_inv_freq(72))
     assert not fused_qkv_rope_supported(x, w, 2)
     assert torch.equal(qkv_rope_linear(x, w, b, cos, sin, 2), reference_qkv_rope_linear(x, w, b, cos, sin, 2))
+
+
+@pytest.mark.parametrize("batch,frames,height,width,channels,patch", [
+    (1, 1, 32, 32, 3, 16),  # one merge block
+    (1, 1, 64, 160, 3, 16),  # not square
+    (3, 1, 96, 32, 3, 16),  # a run of same-sized images
+    (1, 3, 56, 84, 3, 14),  # a video with an odd frame count: the last frame fills its temporal patch
+    (2, 4, 28, 56, 3, 14),
+    (1, 5, 32, 64, 1, 16),  # one channel
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_patchify_kernel(batch, frames, height, width, channels, patch, dtype):
+    """uint8 frames -> normalised rows in merge-block order: the kernel's rows equal the PyTorch lookup and
+    permutation's exactly (both copy table entries), every row and column written."""
+    g = torch.Generator().manual_seed(height * width + frames)
+    pixels = torch.randint(0, 256, (batch, frames, height, width, channels), generator=g, dtype=torch.uint8)
+    table = torch.randn(256, channels, generator=g).to(dtype)
+    rows = batch * -(-frames // 2) * (height // patch) * (width // patch)
+    expected = reference_patchify(pixels, table, torch.empty(rows, channels * 2 * patch * patch, dtype=dtype), 2,
+                                  patch, 2)
+    got = patchify(pixels, table, torch.full_like(expected, float("nan")), 2, patch, 2, use_triton=True)
+    assert torch.equal(got, expected)
+    # the reference itself, on one item: the value of pixel (y, x, c) of frame f sits in its patch's row
+    item = pixels[-1]
+    t, y, x, c = frames - 1, height - 1, patch + 3, channels - 1
+    block_w = width // patch // 2
+    gy, gx = y // patch, x // patch
+    row = (((t // 2) * (height // patch // 2) + gy // 2) * block_w + gx // 2) * 4 + (gy % 2) * 2 + gx % 2
+    col = ((c * 2 + t % 2) * patch + y % patch) * patch + x % patch
+    per_item = rows // batch
+    assert expected[(batch - 1) * per_item + row, col] == table[item[t, y, x, c].long(), c]
+
+
+def test_patchify_refuses_what_does_not_fit():
+    frames = torch.zeros(1, 1, 32, 48, 3, dtype=torch.uint8)  # 48 is not a multiple of patch * merge
+    with pytest.raises(ValueError, match="do not fit"):
+        patchify(frames, torch.zeros(256, 3), torch.empty(6, 1536), 2, 16, 2)

@@ -30,7 +30,7 @@ from .. import errors
 from .batching import BatchStats, Engine
 from .build import build_engine, warmup
 from .protocol import error_header, raw_bytes, read_message, write_message
-from .shm import attach
+from .shm import attach, page_lock, page_unlock
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ class EngineServer:
         closed = False
         tasks: set[asyncio.Task] = set()
         arena = None  # the front-end's frame arena (`shm`), mapped read-only
+        locked = None  # its address where it is page-locked for the GPU
+        device = self.engine.encoder.device
 
         def abandoned_fn(rid):
             return lambda: closed or rid in gone
@@ -83,6 +85,8 @@ class EngineServer:
                             arena = attach(header["arena"])
                         except (OSError, ValueError) as e:
                             log.warning("cannot map the front-end's frame arena (%s); frames come over the socket", e)
+                        else:
+                            locked = page_lock(arena, device) if device.type == "cuda" else None
                     self._reply(writer, {"op": "hello", "id": header["id"], "info": self.info,
                                          "arena": arena is not None})
                 elif op == "stats":
@@ -95,6 +99,8 @@ class EngineServer:
             closed = True
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if locked is not None:
+                page_unlock(locked, device)
             writer.close()
 
     async def _submit(self, header, payload, writer, abandoned, arena=None):

@@ -39,6 +39,8 @@ class Encoder:
         self.device, self.dtype = p.device, p.dtype
         self.config = tower.config
         self._luts: dict[bytes, torch.Tensor] = {}  # preprocessing LUTs, on the device
+        # CUDA events of finished forwards, recorded again by later ones (creating one costs 20-100 us of host time)
+        self._events: list[torch.cuda.Event] = []
 
     @classmethod
     def load(cls, model: str, device="cpu", dtype="float32", options: TowerOptions = TowerOptions(),
@@ -60,16 +62,28 @@ class Encoder:
         return self.preprocessor(data, min_pixels, max_pixels, fps, num_frames)
 
     def pixels(self, items: list[Preprocessed]) -> torch.Tensor:
-        """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over in one copy, then are
-        normalised and patchified there, each run of consecutive items of one shape in one pass (a pack of
-        same-sized images is a handful of launches, not a handful per image)."""
+        """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over, then are normalised and
+        patchified there, each run of consecutive items of one shape in one pass (a pack of same-sized images is
+        one kernel, not one per image).
+
+        Frames in page-locked host memory (an engine's mapping of a front-end's shared arena, registered with CUDA:
+        `service.engine.shm`) are read by the copy engine where they lie; the others are gathered into one pinned
+        buffer first, each run of them copied over at once."""
         sizes = [it.frames.size for it in items]
-        staging = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        offset = 0
+        frames = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        cuda = self.device.type == "cuda"
+        staged, offset = [], 0  # (offset, frames) of those in pageable memory
         for it, n in zip(items, sizes):
-            staging[offset:offset + n].copy_(torch.from_numpy(it.frames.reshape(-1)))
+            source = torch.from_numpy(it.frames.reshape(-1))
+            if not cuda:
+                frames[offset:offset + n].copy_(source)
+            elif source.is_pinned():
+                frames[offset:offset + n].copy_(source, non_blocking=True)
+            else:
+                staged.append((offset, source))
             offset += n
-        frames = staging.to(self.device, non_blocking=True)
+        if staged:
+            self._stage(frames, staged)
         out = torch.empty((sum(it.num_patches for it in items), self.config.patch_dim), dtype=self.dtype,
                           device=self.device)
         offset, row, i = 0, 0, 0
@@ -85,6 +99,24 @@ class Encoder:
             offset, row, i = offset + n, row + rows, j
         return out
 
+    @staticmethod
+    def _stage(frames: torch.Tensor, staged: list[tuple[int, torch.Tensor]]) -> None:
+        """Copy pageable `staged` (offset in `frames`, bytes) to the device through one pinned buffer: one transfer
+        per run of adjacent offsets."""
+        staging = torch.empty(sum(source.numel() for _, source in staged), dtype=torch.uint8, pin_memory=True)
+        runs: list[list[int]] = []  # [offset in frames, offset in staging, length]
+        at = 0
+        for offset, source in staged:
+            n = source.numel()
+            staging[at:at + n].copy_(source)
+            if runs and runs[-1][0] + runs[-1][2] == offset:
+                runs[-1][2] += n
+            else:
+                runs.append([offset, at, n])
+            at += n
+        for offset, at, n in runs:
+            frames[offset:offset + n].copy_(staging[at:at + n], non_blocking=True)
+
     def _lut(self, item: Preprocessed) -> torch.Tensor:
         key = item.lut.tobytes()
         table = self._luts.get(key)
@@ -97,10 +129,10 @@ class Encoder:
         """Dispatch one packed forward, the per-item mean of its merged tokens, and the copies of the outputs asked
         for (`tokens`: the merged tokens, `deepstack`: the DeepStack features; the pooled vectors always) to pinned
         host memory, without waiting for the GPU. `finish` waits and splits the outputs per item."""
-        started = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
+        started = self._event() if self.device.type == "cuda" else None
         if started is not None:
             started.record()
-        merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items])
+        merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items], deepstack)
         counts = [it.num_patches // self.config.merge_unit for it in items]
         pooled = _segment_mean(merged, counts)
         outputs = [merged if tokens else None, ds if deepstack else None, pooled]
@@ -112,13 +144,22 @@ class Encoder:
                 copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 t = copy.copy_(t, non_blocking=True)
             host.append(t)
-        done = torch.cuda.Event(enable_timing=True)
+        done = self._event()
         done.record()
         return Pending(items, counts, *host, done, started)
+
+    def _event(self) -> "torch.cuda.Event":
+        try:
+            return self._events.pop()
+        except IndexError:
+            return torch.cuda.Event(enable_timing=True)
 
     def finish(self, pending: "Pending") -> list[EncodeResult]:
         if pending.done is not None:
             pending.done.synchronize()  # releases the GIL while the GPU finishes
+            pending.gpu_s = pending.started.elapsed_time(pending.done) / 1000
+            self._events += (pending.started, pending.done)
+            pending.started = pending.done = None
         merged, ds, pooled = pending.merged, pending.deepstack, pending.pooled
         width = pooled.shape[1]
         out, start = [], 0
@@ -150,10 +191,11 @@ class Pending:
     pooled: torch.Tensor
     done: "torch.cuda.Event | None"
     started: "torch.cuda.Event | None" = None  # recorded before the forward: done - started is its GPU time
+    gpu_s: float | None = None  # that time, read by `Encoder.finish` (None on the CPU)
 
     def gpu_seconds(self) -> float | None:
         """The GPU time from the forward's start to its outputs on the host (after `finish`); None on the CPU."""
-        return None if self.started is None else self.started.elapsed_time(self.done) / 1000
+        return self.gpu_s
 
 
 def _segment_mean(merged: torch.Tensor, counts: list[int]) -> torch.Tensor:

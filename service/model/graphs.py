@@ -306,7 +306,8 @@ class _Bucket:
                 self._frame_forward()
             self.whole_merged, self.merged = self.merged, merged
 
-    def run(self, pixel_values: torch.Tensor, plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, pixel_values: torch.Tensor, plan: PackPlan,
+            deepstack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = plan.num_tokens
         tower = self.tower
         tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
@@ -338,7 +339,8 @@ class _Bucket:
         unit = tower.config.merge_unit
         merged = merged[:n // unit]
         restored = tower.restore_order(merged, plan)
-        return restored.clone() if restored is merged else restored, self.deepstack[:, :n // unit].clone()
+        return (restored.clone() if restored is merged else restored,
+                self.deepstack[:, :n // unit].clone() if deepstack else None)
 
 
 def _eager_pass(forward, device) -> None:
@@ -405,7 +407,9 @@ class BucketedTower:
     def bucket_for(self, tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= tokens), None) if self._buckets else None
 
-    def __call__(self, pixel_values: torch.Tensor, grids) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, pixel_values: torch.Tensor, grids,
+                 deepstack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The merged tokens and (unless `deepstack` is False: None) the DeepStack features."""
         plan = self.plan(grids)
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
@@ -417,4 +421,4 @@ class BucketedTower:
         self.padded_tokens += tokens - plan.num_tokens
         bucket = self._buckets[tokens]
         self.whole_forwards += bucket.runs_whole(plan)
-        return bucket.run(pixel_values, plan)
+        return bucket.run(pixel_values, plan, deepstack)

@@ -133,27 +133,14 @@ def patchify(frames, table, config: "PreprocessConfig", out):
     """uint8 `[F, H, W, C]` -> `out` `[t*h*w, C*T*P*P]`: normalised through `table` (`lut_table`), merge-block order.
     A batch of items of one shape, `[B, F, H, W, C]`, fills `out` `[B*t*h*w, C*T*P*P]` item after item, in one pass.
 
-    A trailing odd frame is repeated to fill the temporal patch (a single image becomes two equal
-    frames), as transformers does (an image's one frame is read for both, not copied). Runs on whatever device the
-    tensors are on.
+    A trailing odd frame is repeated to fill the temporal patch (a single image becomes two equal frames), as
+    transformers does. Runs on whatever device the tensors are on: one kernel on a GPU (`kernels.patchify`).
     """
-    import torch
+    from kernels.patchify import patchify as patchify_frames  # lazily: decoding workers never import torch
 
-    tp, p, m = config.temporal_patch_size, config.patch_size, config.merge_size
     if frames.dim() == 4:
         frames = frames.unsqueeze(0)
-    batch, n_frames, height, width, channels = frames.shape
-    x = table[frames.long(), torch.arange(channels, device=frames.device)]  # [B, F, H, W, C] normalised
-    if n_frames == 1:  # an image: both temporal halves of each patch read the one frame
-        x = x.expand(batch, tp, height, width, channels)
-    elif n_frames % tp:
-        x = torch.cat([x, x[:, -1:].expand(-1, tp - n_frames % tp, -1, -1, -1)], dim=1)
-    t, gh, gw = x.shape[1] // tp, height // p, width // p
-    x = x.view(batch, t, tp, gh // m, m, p, gw // m, m, p, channels)
-    # -> (B, t, gh/m, gw/m, m, m, C, tp, p, p): merge blocks outermost, each patch flattened as (C, tp, p, p)
-    x = x.permute(0, 1, 3, 6, 4, 7, 9, 2, 5, 8)
-    out.view(batch, t, gh // m, gw // m, m, m, channels, tp, p, p).copy_(x)
-    return out
+    return patchify_frames(frames, table, out, config.temporal_patch_size, config.patch_size, config.merge_size)
 
 
 def lut_table(lut, dtype, device=None):

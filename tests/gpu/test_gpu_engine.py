@@ -1,0 +1,55 @@
+"""The engine's way in on a GPU: frames read from a page-locked shared arena, and the patchify kernel in bfloat16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.patchify import patchify, reference_patchify
+from service.engine.shm import Arena, attach, page_lock, page_unlock
+from service.model.encoder import Encoder
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("batch,frames,height,width,patch", [(1, 1, 448, 448, 16), (5, 1, 224, 640, 16),
+                                                            (1, 3, 56, 84, 14), (2, 16, 448, 252, 14)])
+def test_patchify_kernel_bf16(batch, frames, height, width, patch):
+    g = torch.Generator(device="cuda").manual_seed(height + frames)
+    pixels = torch.randint(0, 256, (batch, frames, height, width, 3), generator=g, dtype=torch.uint8, device="cuda")
+    table = torch.randn(256, 3, generator=g, device="cuda").to(torch.bfloat16)
+    rows = batch * -(-frames // 2) * (height // patch) * (width // patch)
+    expected = reference_patchify(pixels, table, torch.empty(rows, 6 * patch * patch, dtype=torch.bfloat16,
+                                                             device="cuda"), 2, patch, 2)
+    got = patchify(pixels, table, torch.full_like(expected, float("nan")), 2, patch, 2)
+    assert torch.equal(got, expected)
+
+
+def test_frames_from_a_page_locked_arena_equal_staged_ones():
+    """Items whose frames lie in the engine's page-locked mapping of a front-end's arena (copied by the GPU from
+    there) give the pack the same rows as the same frames in pageable memory (staged through pinned memory), mixed
+    in one pack."""
+    enc = Encoder.load("random:tiny", "cuda", "bfloat16")
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((64, 64), (64, 64), (32, 96), (448, 448))]
+    items = [enc.preprocess(img) for img in images]
+    arena = Arena(8 << 20)
+    try:
+        offsets = [arena.put(np.ascontiguousarray(it.frames)) for it in items]
+        mapping = attach(arena.path)
+        locked = page_lock(mapping, enc.device)
+        assert locked is not None
+        try:
+            mapped = [enc.preprocessor.item(np.frombuffer(mapping, np.uint8, it.frames.size, at).reshape(
+                it.frames.shape), it.grid_thw, it.meta) for it, at in zip(items, offsets)]
+            assert torch.from_numpy(mapped[0].frames.reshape(-1)).is_pinned()
+            pack = [mapped[0], items[1], mapped[2], mapped[3], items[0]]  # locked and pageable, interleaved
+            got = enc.pixels(pack)
+            expected = torch.cat([torch.from_numpy(it.pixel_values) for it in pack]).to("cuda", torch.bfloat16)
+            assert torch.equal(got, expected)
+        finally:
+            page_unlock(locked, enc.device)
+        assert not torch.from_numpy(mapped[0].frames.reshape(-1)).is_pinned()
+    finally:
+        arena.close()
