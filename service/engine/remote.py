@@ -211,12 +211,12 @@ class _Link:
             while True:
                 header, payload = await read_message(reader)
                 self.engine.reported_patches = header.get("queued_patches", 0)
-                if self.on_batch is not None:
-                    for stats in header.get("batches", ()):
-                        self.on_batch(BatchStats(*stats))
                 fut = self.pending.pop(header["id"], None)
                 if fut is not None and not fut.done():
                     fut.set_result((header, payload))
+                if self.on_batch is not None and header.get("batches"):
+                    # metrics after the request this reply wakes, which then runs up to writing its response
+                    asyncio.get_running_loop().call_soon(self._observe, header["batches"])
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             self.broken = f"the engine process closed the connection ({type(e).__name__})"
         finally:
@@ -227,6 +227,10 @@ class _Link:
                 if not fut.done():
                     fut.set_exception(err)
             self.pending.clear()
+
+    def _observe(self, batches) -> None:
+        for stats in batches:
+            self.on_batch(BatchStats(*stats))
 
     def send(self, header: dict, buffers=()) -> asyncio.Future:
         if self.broken is not None:
