@@ -137,6 +137,9 @@ class SimulatedForward:
     def gpu_seconds(self) -> float:
         return self.seconds
 
+    def ready(self) -> bool:
+        return time.perf_counter() >= self.done
+
 
 def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_time(tiny):
     """With the GPU idle, a request is dispatched at once (no waiting to fill); the requests that arrive while its
@@ -186,18 +189,23 @@ def test_abandoned_items_are_dropped_before_compute(tiny):
 
 def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_forward_thread(tiny):
     """With `inline_launch` (on by default with CUDA, where a launch returns before the GPU is done), a pack with
-    nothing in flight and nothing queued behind it is dispatched from the event loop's thread; while one is in
-    flight, packs go to the forward thread. Results are the same either way."""
+    nothing in flight and nothing queued behind it is dispatched from the event loop's thread, and the loop polls
+    for its end until other work arrives (then the finisher thread waits); while one is in flight, packs go to the
+    forward thread and the finisher thread. Results are the same either way."""
     items = [tiny.preprocess(img) for img in _images(4, seed=6)]
     device = SimulatedDevice(tiny, seconds=0.2)
-    threads = []
-    launch = device.launch
+    threads, finished_on = [], []
+    launch, finish = device.launch, device.finish
 
     def recording(batch, deepstack=True, tokens=True):
         threads.append(threading.current_thread() is threading.main_thread())
         return launch(batch, deepstack, tokens)
 
-    device.launch = recording
+    def finishing(pending):
+        finished_on.append(threading.current_thread() is threading.main_thread())
+        return finish(pending)
+
+    device.launch, device.finish = recording, finishing
 
     async def go():
         eng = _engine(device, max_wait_ms=0)
@@ -214,6 +222,7 @@ def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_f
 
     alone, behind = asyncio.run(go())
     assert threads == [True, True, False]
+    assert finished_on == [True, False, False]  # `first` stopped being polled when `behind` arrived
     for it, r in zip(items[:1] + items[2:], alone[0] + behind[0]):
         assert rel_err(r.embeds, tiny.encode([it])[0].embeds) <= 1e-5
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from kernels.patchify import patchify, reference_patchify
 from service.engine.shm import Arena, attach, page_lock, page_unlock
@@ -33,7 +34,7 @@ def test_frames_from_a_page_locked_arena_equal_staged_ones():
     enc = Encoder.load("random:tiny", "cuda", "bfloat16")
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((64, 64), (64, 64), (32, 96), (448, 448))]
-    items = [enc.preprocess(img) for img in images]
+    items = [enc.preprocess(Image.fromarray(img)) for img in images]
     arena = Arena(8 << 20)
     try:
         offsets = [arena.put(np.ascontiguousarray(it.frames)) for it in items]
