@@ -329,3 +329,44 @@ def test_wire_format_round_trip():
     got = torch.frombuffer(bytearray(payload[:t.numel() * 2]), dtype=torch.bfloat16).view(5, 7)
     assert torch.equal(got, t)
     assert payload[t.numel() * 2:] == frames.tobytes()
+
+
+def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool():
+    """`EnginePool.preprocess`: the only input of the only request, a JPEG of up to INLINE_MAX_PIXELS, is decoded on
+    the loop's thread; a larger JPEG, another format, or an input with company goes to the pool's threads. The
+    result is the same either way."""
+    from types import SimpleNamespace
+
+    from service.engine.remote import INLINE_MAX_PIXELS, EnginePool
+    from service.errors import UnsupportedImage
+    from service.model.preprocess import Preprocessor, PreprocessConfig
+
+    pre = Preprocessor(PreprocessConfig())
+    threads = []
+
+    def recording(*args):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return pre(*args)
+
+    engine = SimpleNamespace(alive=True, encoder=SimpleNamespace(preprocessor=recording))
+    pool = EnginePool([engine], preprocess_workers=2)
+    rng = np.random.default_rng(8)
+    small = encode_bytes(Image.fromarray(rng.integers(0, 256, (448, 320, 3), dtype=np.uint8)), "JPEG")
+    side = int(INLINE_MAX_PIXELS ** 0.5) + 16
+    large = encode_bytes(Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)), "JPEG")
+    png = encode_bytes(Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)), "PNG")
+
+    async def go():
+        items = [await pool.preprocess(data, alone=alone) for data, alone in
+                 ((small, True), (small, False), (large, True), (png, True))]
+        with pytest.raises(UnsupportedImage):  # a JPEG signature on garbage: the pool's decoder names it
+            await pool.preprocess(b"\xff\xd8 not a JPEG", alone=True)
+        return items
+
+    try:
+        items = asyncio.run(go())
+    finally:
+        pool._pool.shutdown()
+    assert threads == [True, False, False, False, False]
+    np.testing.assert_array_equal(items[0].frames, items[1].frames)
+    assert items[0].grid_thw == items[1].grid_thw

@@ -159,8 +159,10 @@ class Engine:
 
     # -- API -----------------------------------------------------------------------------------------
 
-    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None) -> Preprocessed:
-        """Decode and resize one image or video in the pool (`fps`/`num_frames`: video frame sampling)."""
+    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None,
+                         alone: bool = False) -> Preprocessed:
+        """Decode and resize one image or video in the pool (`fps`/`num_frames`: video frame sampling). `alone` is
+        the front-ends' hint (`EnginePool.preprocess`); here the loop dispatches the GPU too, so the pool decodes."""
         loop = asyncio.get_running_loop()
         args = (data, min_pixels, max_pixels, fps, num_frames)
         if self.sandbox is not None and is_video(data):

@@ -47,6 +47,7 @@ class Service:
         self.engine: Engine | EnginePool | None = None
         self.ready = False
         self._link_tasks: list[asyncio.Task] = []
+        self._encoding = 0  # requests in `encode`
 
     async def start(self):
         """Single process: load and warm the model, then serve. Front-end process: serve at once (/health answers,
@@ -134,7 +135,15 @@ class Service:
         check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames,
                      bool(eng.encoder.config.deepstack_visual_indexes))
         arrival = time.perf_counter()
-        items = await asyncio.gather(*(self._preprocess(eng, i, data, opts) for i, data in enumerate(inputs)))
+        self._encoding += 1
+        try:
+            return await self._encode(eng, request, inputs, opts, arrival)
+        finally:
+            self._encoding -= 1
+
+    async def _encode(self, eng, request: Request, inputs: list[bytes], opts: EmbedOptions, arrival: float):
+        alone = self._encoding == 1 and len(inputs) == 1
+        items = await asyncio.gather(*(self._preprocess(eng, i, data, opts, alone) for i, data in enumerate(inputs)))
         preprocessed = time.perf_counter()
         disconnected = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
@@ -154,10 +163,11 @@ class Service:
                    "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
         return results, items, headers
 
-    async def _preprocess(self, eng, index: int, data: bytes, opts: EmbedOptions):
+    async def _preprocess(self, eng, index: int, data: bytes, opts: EmbedOptions, alone: bool):
         start = time.perf_counter()
         try:
-            item = await eng.preprocess(data, opts.min_pixels, opts.max_pixels, opts.fps, opts.num_frames)
+            item = await eng.preprocess(data, opts.min_pixels, opts.max_pixels, opts.fps, opts.num_frames,
+                                        alone=alone)
         except InvalidInput as e:
             raise e.at(index) from e.__cause__
         self.metrics.preprocess_time.observe(time.perf_counter() - start)

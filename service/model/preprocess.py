@@ -185,6 +185,17 @@ def decode_image(data: bytes, max_image_pixels: int) -> Image.Image | np.ndarray
     return to_rgb(img)
 
 
+def jpeg_pixels(data: bytes) -> int | None:
+    """Width x height of a JPEG from its header (a few microseconds), or None for anything else."""
+    if simplejpeg is None or not data.startswith(b"\xff\xd8"):
+        return None
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    except Exception:  # noqa: BLE001 - not a JPEG simplejpeg can read: the caller treats it as any other input
+        return None
+    return height * width
+
+
 def _decode_plain_jpeg(img: Image.Image, data: bytes) -> np.ndarray | None:
     """A 3-channel JPEG with no EXIF turn (`img`: its header, opened by PIL) decoded by libjpeg-turbo into an array:
     PIL's decoder runs the same library with the same settings (accurate integer IDCT, smooth chroma upsampling),
