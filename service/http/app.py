@@ -218,6 +218,7 @@ async def _watch_disconnect(request: Request, disconnected: asyncio.Event):
 
 
 router = APIRouter()
+OPENAI_OPTIONS = EmbedOptions(pooling="mean", embeddings=False)  # what /v1/embeddings computes: the pooled vector
 
 
 def _service(request: Request) -> Service:
@@ -245,7 +246,7 @@ async def openai_embeddings(request: Request):
     svc = _service(request)
     svc.check_auth(request)
     inputs, req = await parse_openai(request, svc.settings)
-    results, _, headers = await svc.encode(request, inputs, EmbedOptions(pooling="mean", embeddings=False))
+    results, _, headers = await svc.encode(request, inputs, OPENAI_OPTIONS)
     return openai_response(results, req.model or svc.settings.model, req.encoding_format, headers)
 
 
