@@ -67,29 +67,6 @@ def test_one_frame_packs_run_whole_over_the_bucket(backend):
     assert bucketed.whole_forwards == 5 and bucketed.bucketed == 7  # two packs of two frames ran the pieces
 
 
-def test_rows_written_into_the_bucket_and_outputs_read_in_place(tower):
-    """`input_rows`: a pack's rows written straight into its bucket's input give the plain forward's outputs, as
-    views of the bucket's buffers with `copy=False` (equal to the copies); beyond every bucket there are none."""
-    bucketed = BucketedTower(tower, (16, 64, 128))
-    bucketed.capture()
-    gen = torch.Generator().manual_seed(4)
-    with torch.inference_mode():
-        for grids in PACKS:
-            tokens = sum(t * h * w for t, h, w in grids)
-            pixels = torch.randn(tokens, tower.config.patch_dim, generator=gen)
-            rows = bucketed.input_rows(grids)
-            if bucketed.bucket_for(tokens) is None:
-                assert rows is None
-                continue
-            rows.copy_(pixels)
-            merged, ds = bucketed(rows, grids, copy=False)
-            ref_merged, ref_ds = tower(pixels, tower.plan(grids))
-            assert rel_err(merged, ref_merged) <= 1e-5 and rel_err(ds, ref_ds) <= 1e-5, grids
-            copied, copied_ds = bucketed(pixels, grids)
-            assert torch.equal(copied, merged) and torch.equal(copied_ds, ds)
-            assert copied.data_ptr() != merged.data_ptr()
-
-
 def test_without_capture_or_buckets_every_pack_runs_eagerly(tower):
     bucketed = BucketedTower(tower, (64,))
     pixels = torch.randn(16, tower.config.patch_dim)

@@ -61,10 +61,10 @@ class Encoder:
                    num_frames: int | None = None) -> Preprocessed:
         return self.preprocessor(data, min_pixels, max_pixels, fps, num_frames)
 
-    def pixels(self, items: list[Preprocessed], out: torch.Tensor | None = None) -> torch.Tensor:
+    def pixels(self, items: list[Preprocessed]) -> torch.Tensor:
         """Patch rows of the pack, in the tower's dtype on its device: uint8 frames go over, then are normalised and
         patchified there, each run of consecutive items of one shape in one pass (a pack of same-sized images is
-        one kernel, not one per image); into `out` if given.
+        one kernel, not one per image).
 
         Frames in page-locked host memory (an engine's mapping of a front-end's shared arena, registered with CUDA:
         `service.engine.shm`) are read by the copy engine where they lie; the others are gathered into one pinned
@@ -84,9 +84,8 @@ class Encoder:
             offset += n
         if staged:
             self._stage(frames, staged)
-        if out is None:
-            out = torch.empty((sum(it.num_patches for it in items), self.config.patch_dim), dtype=self.dtype,
-                              device=self.device)
+        out = torch.empty((sum(it.num_patches for it in items), self.config.patch_dim), dtype=self.dtype,
+                          device=self.device)
         offset, row, i = 0, 0, 0
         while i < len(items):
             first = items[i]
@@ -133,11 +132,7 @@ class Encoder:
         started = self._event() if self.device.type == "cuda" else None
         if started is not None:
             started.record()
-        grids = [it.grid_thw for it in items]
-        # the rows straight into the bucket's graph input, the outputs read from its buffers: every read of them is
-        # queued below, on this stream, before the next pack can overwrite them
-        merged, ds = self.forward(self.pixels(items, self.forward.input_rows(grids)), grids, deepstack,
-                                  copy=started is None)
+        merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items], deepstack)
         counts = [it.num_patches // self.config.merge_unit for it in items]
         pooled = _segment_mean(merged, counts)
         outputs = [merged if tokens else None, ds if deepstack else None, pooled]

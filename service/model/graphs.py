@@ -306,12 +306,11 @@ class _Bucket:
                 self._frame_forward()
             self.whole_merged, self.merged = self.merged, merged
 
-    def run(self, pixel_values: torch.Tensor, plan: PackPlan, deepstack: bool = True,
-            copy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, pixel_values: torch.Tensor, plan: PackPlan,
+            deepstack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = plan.num_tokens
         tower = self.tower
-        if pixel_values.data_ptr() != self.pixels.data_ptr():  # else written in place (`BucketedTower.input_rows`)
-            tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
+        tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
         one_frame = self.runs_whole(plan)
         if self.statics.plan is not plan:  # else the buffers hold this plan's values already
             for static, value in ((self.cos, plan.cos), (self.sin, plan.sin), (self.index, plan.interp_index),
@@ -340,8 +339,6 @@ class _Bucket:
         unit = tower.config.merge_unit
         merged = merged[:n // unit]
         restored = tower.restore_order(merged, plan)
-        if not copy:
-            return restored, self.deepstack[:, :n // unit] if deepstack else None
         return (restored.clone() if restored is merged else restored,
                 self.deepstack[:, :n // unit].clone() if deepstack else None)
 
@@ -410,20 +407,9 @@ class BucketedTower:
     def bucket_for(self, tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= tokens), None) if self._buckets else None
 
-    def input_rows(self, grids) -> torch.Tensor | None:
-        """Where the pack of `grids` may write its patch rows for `__call__` to read in place: its bucket's static
-        input, where the tower keeps the pack's token order (no windows); else None."""
-        plan = self.plan(grids)
-        tokens = self.bucket_for(plan.num_tokens)
-        if tokens is None or plan.token_order is not None:
-            return None
-        return self._buckets[tokens].pixels[:plan.num_tokens]
-
-    def __call__(self, pixel_values: torch.Tensor, grids, deepstack: bool = True,
-                 copy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The merged tokens and (unless `deepstack` is False: None) the DeepStack features. `copy=False`: a pack
-        run in a bucket may return views of the bucket's buffers, valid until the next pack is queued on the stream
-        (for a caller that queues its reads of them first)."""
+    def __call__(self, pixel_values: torch.Tensor, grids,
+                 deepstack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The merged tokens and (unless `deepstack` is False: None) the DeepStack features."""
         plan = self.plan(grids)
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
@@ -435,4 +421,4 @@ class BucketedTower:
         self.padded_tokens += tokens - plan.num_tokens
         bucket = self._buckets[tokens]
         self.whole_forwards += bucket.runs_whole(plan)
-        return bucket.run(pixel_values, plan, deepstack, copy)
+        return bucket.run(pixel_values, plan, deepstack)
