@@ -332,9 +332,9 @@ def test_wire_format_round_trip():
 
 
 def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool():
-    """`EnginePool.preprocess`: the only input of the only request, a JPEG of up to INLINE_MAX_PIXELS, is decoded on
-    the loop's thread; a larger JPEG, another format, or an input with company goes to the pool's threads. The
-    result is the same either way."""
+    """`EnginePool.preprocess`: the only input of the only request, a JPEG of up to INLINE_MAX_PIXELS before and after
+    resizing, is decoded on the loop's thread; a larger JPEG (or one resized larger), another format, or an input
+    with company goes to the pool's threads. The result is the same either way."""
     from types import SimpleNamespace
 
     from service.engine.remote import INLINE_MAX_PIXELS, EnginePool
@@ -348,6 +348,7 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
         threads.append(threading.current_thread() is threading.main_thread())
         return pre(*args)
 
+    recording.target_size = pre.target_size
     engine = SimpleNamespace(alive=True, encoder=SimpleNamespace(preprocessor=recording))
     pool = EnginePool([engine], preprocess_workers=2)
     rng = np.random.default_rng(8)
@@ -359,6 +360,7 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
     async def go():
         items = [await pool.preprocess(data, alone=alone) for data, alone in
                  ((small, True), (small, False), (large, True), (png, True))]
+        await pool.preprocess(small, min_pixels=INLINE_MAX_PIXELS * 2, alone=True)  # resized beyond the bound
         with pytest.raises(UnsupportedImage):  # a JPEG signature on garbage: the pool's decoder names it
             await pool.preprocess(b"\xff\xd8 not a JPEG", alone=True)
         return items
@@ -367,6 +369,6 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
         items = asyncio.run(go())
     finally:
         pool._pool.shutdown()
-    assert threads == [True, False, False, False, False]
+    assert threads == [True, False, False, False, False, False]
     np.testing.assert_array_equal(items[0].frames, items[1].frames)
     assert items[0].grid_thw == items[1].grid_thw

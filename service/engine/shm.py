@@ -139,8 +139,8 @@ def page_lock(mapping: mmap.mmap, device) -> int | None:
     driver = _driver()
     if driver is None:
         return None
-    torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())  # its primary
-    # context, current on this thread
+    # the device's primary context, current on this thread (the driver registers memory in the current context)
+    torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
     address = np.frombuffer(mapping, np.uint8).ctypes.data
     result = driver.cuMemHostRegister_v2(ctypes.c_void_p(address), ctypes.c_size_t(len(mapping)),
                                          ctypes.c_uint(_LOCK_FLAGS))

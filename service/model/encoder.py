@@ -66,9 +66,9 @@ class Encoder:
         patchified there, each run of consecutive items of one shape in one pass (a pack of same-sized images is
         one kernel, not one per image).
 
-        Frames in page-locked host memory (an engine's mapping of a front-end's shared arena, registered with CUDA:
-        `service.engine.shm`) are read by the copy engine where they lie; the others are gathered into one pinned
-        buffer first, each run of them copied over at once."""
+        Frames in page-locked host memory (the engine process's mapping of a front-end's shared arena, registered
+        with CUDA) are read by the copy engine where they lie; the others are gathered into one pinned buffer first,
+        each run of them copied over at once."""
         sizes = [it.frames.size for it in items]
         frames = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         cuda = self.device.type == "cuda"

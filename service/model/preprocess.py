@@ -185,15 +185,15 @@ def decode_image(data: bytes, max_image_pixels: int) -> Image.Image | np.ndarray
     return to_rgb(img)
 
 
-def jpeg_pixels(data: bytes) -> int | None:
-    """Width x height of a JPEG from its header (a few microseconds), or None for anything else."""
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) of a JPEG from its header (a few microseconds), or None for anything else."""
     if simplejpeg is None or not data.startswith(b"\xff\xd8"):
         return None
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     except Exception:  # noqa: BLE001 - not a JPEG simplejpeg can read: the caller treats it as any other input
         return None
-    return height * width
+    return height, width
 
 
 def _decode_plain_jpeg(img: Image.Image, data: bytes) -> np.ndarray | None:
