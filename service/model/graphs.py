@@ -145,12 +145,7 @@ class GraphedTower:
             plan = tower.plan(key)
             for attention in choices:
                 pixels = pixel_values.clone()
-                # one eager run on a side stream first: kernel autotuning, lazy library initialisation
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    tower(pixels, plan, attention)
-                torch.cuda.current_stream(device).wait_stream(side)
+                _eager_pass(lambda: tower(pixels, plan, attention), device)  # kernel tuning, lazy initialisation
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
