@@ -372,3 +372,86 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
     assert threads == [True, False, False, False, False, False]
     np.testing.assert_array_equal(items[0].frames, items[1].frames)
     assert items[0].grid_thw == items[1].grid_thw
+
+
+def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_cancels_it(tmp_path, monkeypatch):
+    """`RemoteEngine.submit` against a scripted engine on a real socket: the reply's tensors come back whether the
+    front-end polls (`poll`, a lone request: the loop keeps turning, other tasks still run) or sleeps; polling stops
+    when `poll` turns false; a client that goes away (`abandoned`) and a reply that never comes (past the deadline
+    and REPLY_GRACE_S) both end the wait and tell the engine to drop the request."""
+    import pickle
+
+    from service.engine import remote
+    from service.errors import DeadlineExceeded
+    from service.model.preprocess import Preprocessor, PreprocessConfig
+
+    monkeypatch.setattr(remote, "REPLY_GRACE_S", 0.2)
+    pre = Preprocessor(PreprocessConfig())
+    item = pre(encode_bytes(Image.fromarray(np.zeros((64, 96, 3), np.uint8)), "PNG"))
+    pooled = torch.randn(8)
+    path = str(tmp_path / "engine.sock")
+    seen: list[tuple[str, int]] = []
+    hold: set[int] = set()  # submit ids the engine never answers
+
+    async def engine(reader, writer):
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                header, _ = await read_message(reader)
+                seen.append((header["op"], header["id"]))
+                if header["op"] == "hello":
+                    info = {"config": None, "preprocess": pre.config, "device": "cpu", "dtype": "float32",
+                            "backend": "sdpa"}
+                    write_message(writer, {"op": "hello", "id": header["id"], "info": info, "arena": False})
+                elif header["op"] == "submit" and header["id"] not in hold:
+                    await asyncio.sleep(0.05)  # the forward
+                    write_message(writer, {"op": "result", "id": header["id"], "timing": (0.0, 0.05),
+                                           "results": [(item.grid_thw, 12, "float32", (0, 8), (0, 12, 8), (8,))]},
+                                  [pooled.numpy()])
+
+    async def go():
+        server = await asyncio.start_unix_server(engine, path)
+        eng = remote.RemoteEngine(path)
+        await eng.connect()
+        turns = 0
+
+        async def other():  # another task on the loop: it runs while a reply is polled for
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(other())
+        polls = 0
+
+        def alone():
+            nonlocal polls
+            polls += 1
+            return True
+
+        polled, _ = await eng.submit([item], timeout_s=5, poll=alone)
+        busy_turns, turns = turns, 0
+        ticker.cancel()
+        slept, timing = await eng.submit([item], timeout_s=5)
+        stops = iter([True, True, False])
+        stopped, _ = await eng.submit([item], timeout_s=5, poll=lambda: next(stops))
+
+        hold.update({4, 5})  # ids after the hello (0) and the three answered
+        gone = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.05, gone.set)
+        with pytest.raises(asyncio.CancelledError):
+            await eng.submit([item], timeout_s=5, abandoned=gone, poll=alone)
+        with pytest.raises(DeadlineExceeded):
+            await eng.submit([item], timeout_s=0.05, abandoned=asyncio.Event())
+        await asyncio.sleep(0.05)  # the cancels reach the engine
+        await eng.stop()
+        server.close()
+        return polled, slept, stopped, timing, polls, busy_turns
+
+    polled, slept, stopped, timing, polls, busy_turns = asyncio.run(go())
+    for results in (polled, slept, stopped):
+        assert torch.equal(results[0].pooled, pooled) and results[0].num_tokens == 12
+        assert results[0].embeds.shape == (0, 8) and results[0].grid_thw == item.grid_thw
+    assert timing.inference_s == 0.05
+    assert polls > 10 and busy_turns > 10  # the loop turned while polling, and other tasks ran each turn
+    assert [s for s in seen if s[0] == "cancel"] == [("cancel", 4), ("cancel", 5)]
+    assert [s for s in seen if s[0] == "submit"] == [("submit", i) for i in range(1, 6)]

@@ -185,11 +185,13 @@ class Engine:
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float,
                      abandoned: "Callable[[], bool] | asyncio.Event | None" = None,
-                     deepstack: bool = True, tokens: bool = True) -> tuple[list[EncodeResult], Timing]:
+                     deepstack: bool = True, tokens: bool = True,
+                     poll: Callable[[], bool] | None = None) -> tuple[list[EncodeResult], Timing]:
         """Encode `items` in whatever packs the batcher forms. `abandoned` (a predicate, or an event set when
         the client has gone) drops the request's items before compute; `deepstack=False` and `tokens=False` let a
         pack skip copying the DeepStack features and the merged tokens back when none of its requests wants them
-        (the pooled vectors always come back)."""
+        (the pooled vectors always come back). `poll` is the front-ends' hint (`RemoteEngine.submit`); here the
+        batcher polls a lone forward from this loop already."""
         if isinstance(abandoned, asyncio.Event):
             abandoned = abandoned.is_set
         abandoned = abandoned or (lambda: False)

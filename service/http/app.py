@@ -142,7 +142,7 @@ class Service:
             self._encoding -= 1
 
     async def _encode(self, eng, request: Request, inputs: list[bytes], opts: EmbedOptions, arrival: float):
-        alone = self._encoding == 1 and len(inputs) == 1
+        alone = self._alone() and len(inputs) == 1
         items = await asyncio.gather(*(self._preprocess(eng, i, data, opts, alone) for i, data in enumerate(inputs)))
         preprocessed = time.perf_counter()
         disconnected = asyncio.Event()
@@ -152,7 +152,8 @@ class Service:
             if eng.local:
                 self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth + len(items))
             results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
-                                               deepstack=wants_deepstack(opts), tokens=opts.embeddings)
+                                               deepstack=wants_deepstack(opts), tokens=opts.embeddings,
+                                               poll=self._alone if alone else None)
         finally:
             watcher.cancel()
             if eng.local:
@@ -162,6 +163,10 @@ class Service:
                    "X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
                    "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
         return results, items, headers
+
+    def _alone(self) -> bool:
+        """Whether one request is being encoded in this process."""
+        return self._encoding == 1
 
     async def _preprocess(self, eng, index: int, data: bytes, opts: EmbedOptions, alone: bool):
         start = time.perf_counter()
