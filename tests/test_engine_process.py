@@ -333,8 +333,8 @@ def test_wire_format_round_trip():
 
 def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool():
     """`EnginePool.preprocess`: the only input of the only request, a JPEG of up to INLINE_MAX_PIXELS before and after
-    resizing, is decoded on the loop's thread; a larger JPEG (or one resized larger), another format, or an input
-    with company goes to the pool's threads. The result is the same either way."""
+    resizing, is decoded on the loop's thread, the engine told to expect it first; a larger JPEG (or one resized
+    larger), another format, or an input with company goes to the pool's threads. The result is the same either way."""
     from types import SimpleNamespace
 
     from service.engine.remote import INLINE_MAX_PIXELS, EnginePool
@@ -349,7 +349,9 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
         return pre(*args)
 
     recording.target_size = pre.target_size
-    engine = SimpleNamespace(alive=True, encoder=SimpleNamespace(preprocessor=recording))
+    expected = []  # the engine told to expect a submit, before each decode on the loop
+    engine = SimpleNamespace(alive=True, load=0, encoder=SimpleNamespace(preprocessor=recording),
+                             expect=lambda: expected.append(len(threads)))
     pool = EnginePool([engine], preprocess_workers=2)
     rng = np.random.default_rng(8)
     small = encode_bytes(Image.fromarray(rng.integers(0, 256, (448, 320, 3), dtype=np.uint8)), "JPEG")
@@ -370,6 +372,7 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
     finally:
         pool._pool.shutdown()
     assert threads == [True, False, False, False, False, False]
+    assert expected == [0]
     np.testing.assert_array_equal(items[0].frames, items[1].frames)
     assert items[0].grid_thw == items[1].grid_thw
 
@@ -455,3 +458,56 @@ def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_c
     assert polls > 10 and busy_turns > 10  # the loop turned while polling, and other tasks ran each turn
     assert [s for s in seen if s[0] == "cancel"] == [("cancel", 4), ("cancel", 5)]
     assert [s for s in seen if s[0] == "submit"] == [("submit", i) for i in range(1, 6)]
+
+
+def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(monkeypatch):
+    """`EngineServer.expect`: an idle engine keeps its loop turning until the expected submit arrives (then stops at
+    once, whatever is left of EXPECT_S) or until EXPECT_S passes without one; a busy engine does not spin."""
+    from types import SimpleNamespace
+
+    from service.engine import process
+    from service.engine.batching import Timing
+    from service.model.encoder import EncodeResult
+    from service.model.preprocess import Preprocessor, PreprocessConfig
+
+    pre = Preprocessor(PreprocessConfig())
+    item = pre(encode_bytes(Image.fromarray(np.zeros((64, 64, 3), np.uint8)), "PNG"))
+
+    async def submit(items, **kwargs):
+        return [EncodeResult(torch.zeros(0, 4), torch.zeros(0, 4, 4), it.grid_thw, torch.ones(4), 4)
+                for it in items], Timing()
+
+    engine = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0, submit=submit,
+                             encoder=SimpleNamespace(preprocessor=pre, device=torch.device("cpu")))
+    server = process.EngineServer(engine, {})
+
+    async def go():
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=b)
+        served = asyncio.create_task(server._connection(reader, writer))
+        client_reader, client = await asyncio.open_connection(sock=a)
+        monkeypatch.setattr(process, "EXPECT_S", 5.0)
+        write_message(client, {"op": "expect", "id": -1})
+        for _ in range(100):
+            await asyncio.sleep(0)
+        spinning = server._spinner is not None and not server._spinner.done()
+        started = time.perf_counter()
+        frames = np.ascontiguousarray(item.frames)
+        write_message(client, {"op": "submit", "id": 1, "timeout_s": 5, "deepstack": False, "tokens": False,
+                               "items": [(frames.shape, item.grid_thw, item.meta, None)]}, [frames])
+        reply, _ = await read_message(client_reader)
+        await asyncio.wait_for(server._spinner, 1.0)  # the submit ended the spin long before EXPECT_S
+        ended_s = time.perf_counter() - started
+        monkeypatch.setattr(process, "EXPECT_S", 0.05)
+        server.expect()
+        await asyncio.wait_for(server._spinner, 1.0)  # no submit: EXPECT_S bounds it
+        engine.in_flight = 1
+        server.expect()
+        busy_spinner = server._spinner
+        client.close()
+        await served
+        return spinning, reply, ended_s, busy_spinner
+
+    spinning, reply, ended_s, busy_spinner = asyncio.run(go())
+    assert spinning and reply["op"] == "result" and ended_s < 1.0
+    assert busy_spinner.done()  # the one that ran out of time; none new while busy

@@ -2,7 +2,8 @@
 
 A message is a 12-byte prefix (header length u32, payload length u64), a pickled header dict, then a raw
 payload: the uint8 frames going in, the embeddings coming back, no per-element encoding.
-Front-end -> engine ops: `hello`, `submit`, `cancel`, `stats`. The engine answers `hello` (the model's
+Front-end -> engine ops: `hello`, `submit`, `cancel`, `stats`, and `expect` (no reply: a lone request's submit
+is on its way, `EngineServer.expect`). The engine answers `hello` (the model's
 description), `result` or `error` (with the typed error's class, message, index and retry-after), `stats`. Any
 reply may carry `batches`: the stats of forwards finished since the last reply, for the front-end's metrics.
 """
