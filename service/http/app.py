@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 
@@ -222,7 +223,18 @@ async def _watch_disconnect(request: Request, disconnected: asyncio.Event):
             return
 
 
+class RequestRoute(APIRoute):
+    """A route whose endpoint takes the `Request` alone and returns a `Response`: in the OpenAPI schema like any
+    other, but called as it is, without FastAPI's per-request parameter resolution and response serialisation
+    (there is nothing for them to do; they cost 70 us a request on FastAPI 0.165, a tenth of a lone image's host
+    time). Errors still reach the handlers of `status.py`."""
+
+    def get_route_handler(self):
+        return self.endpoint
+
+
 router = APIRouter()
+encoding_router = APIRouter(route_class=RequestRoute)  # the routes that serve traffic
 OPENAI_OPTIONS = EmbedOptions(pooling="mean", embeddings=False)  # what /v1/embeddings computes: the pooled vector
 
 
@@ -230,7 +242,7 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
-@router.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features and pooled "
+@encoding_router.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features and pooled "
                                "vectors",
              openapi_extra={"requestBody": {"content": {
                  "multipart/form-data": {"schema": {"type": "object", "properties": {
@@ -246,7 +258,7 @@ async def embed(request: Request):
     return embed_response(results, items, opts, svc.settings.model, svc.encoder.config.out_hidden_size, headers)
 
 
-@router.post("/v1/embeddings", summary="OpenAI-compatible: mean-pooled, L2-normalised image embeddings")
+@encoding_router.post("/v1/embeddings", summary="OpenAI-compatible: mean-pooled, L2-normalised image embeddings")
 async def openai_embeddings(request: Request):
     svc = _service(request)
     svc.check_auth(request)
@@ -301,6 +313,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
     app = FastAPI(title="Qwen3-VL vision encoder", version=__version__, lifespan=lifespan)
     install_error_handlers(app, metrics)
     app.add_middleware(ObserveMiddleware, metrics=metrics)
+    app.include_router(encoding_router)
     app.include_router(router)
     app.state.metrics = metrics
     app.state.service = service
