@@ -162,6 +162,22 @@ def bench(fn, warmup_ms=100, rep_ms=500) -> float:
     return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def host() -> dict:
+    """The CPU the host timings ran on (a lease's host shifts a lone request's latency by up to 0.5 ms)."""
+    model, virtual = platform.processor(), False
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    virtual = "hypervisor" in line.split()
+                    break
+    except OSError:
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "virtual_machine": virtual}
+
+
 def environment() -> dict:
     import transformers
     import triton
@@ -179,6 +195,7 @@ def environment() -> dict:
         "transformers": transformers.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "host": host(),
         "git_revision": os.environ.get("GIT_REVISION", rev),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {k: v for k, v in os.environ.items() if k.startswith(("QWEN3VL_", "CUBLAS"))},

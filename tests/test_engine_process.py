@@ -382,8 +382,6 @@ def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_c
     front-end polls (`poll`, a lone request: the loop keeps turning, other tasks still run) or sleeps; polling stops
     when `poll` turns false; a client that goes away (`abandoned`) and a reply that never comes (past the deadline
     and REPLY_GRACE_S) both end the wait and tell the engine to drop the request."""
-    import pickle
-
     from service.engine import remote
     from service.errors import DeadlineExceeded
     from service.model.preprocess import Preprocessor, PreprocessConfig
