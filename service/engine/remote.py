@@ -158,7 +158,7 @@ class RemoteEngine:
         client disconnects) cancels the request there. `poll`: while it is true (this request is the front-end's
         only one), the reply is awaited by turning the event loop over rather than sleeping in it, so the reply is
         read the moment it lands and the response is built on a core that is still running at speed: a lone
-        request's process otherwise sleeps through the forward and wakes on an idle core (0.3-0.5 ms on the H100
+        request's process otherwise sleeps through the forward and wakes on an idle core (0.1-0.2 ms on the H100
         hosts). Other requests still run: each turn yields to them."""
         link = self._live_link()
         rid = next(self._ids)
@@ -167,18 +167,14 @@ class RemoteEngine:
         placed = [link.arena.put(f) if link.arena is not None else None for f in frames]
         header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack, "tokens": tokens,
                   "items": [(f.shape, it.grid_thw, it.meta, at) for f, it, at in zip(frames, items, placed)]}
-        try:
-            fut = link.send(header, [f for f, at in zip(frames, placed) if at is None])
-        except BaseException:
-            _release(link.arena, placed)
-            raise
         patches = sum(it.num_patches for it in items)
         self.sent_patches += patches
-        waiter = None
-        if abandoned is not None:  # the client went away: stop waiting, and the engine drops the request
-            waiter = asyncio.ensure_future(abandoned.wait())
-            waiter.add_done_callback(lambda w: fut.cancel() if not w.cancelled() else None)
+        fut = waiter = None
         try:
+            fut = link.send(header, [f for f, at in zip(frames, placed) if at is None])
+            if abandoned is not None:  # the client went away: stop waiting, and the engine drops the request
+                waiter = asyncio.ensure_future(abandoned.wait())
+                waiter.add_done_callback(lambda w: fut.cancel() if not w.cancelled() else None)
             await link.drain()
             # the reply is awaited directly (one wake-up); the reader's metrics run after it
             async with asyncio.timeout(timeout_s + REPLY_GRACE_S):
@@ -186,7 +182,7 @@ class RemoteEngine:
                     await asyncio.sleep(0)
                 reply, payload = await fut
         except BaseException as e:
-            if not fut.done() or fut.cancelled():
+            if fut is not None and (not fut.done() or fut.cancelled()):
                 link.cancel(rid)
             if isinstance(e, TimeoutError):
                 raise errors.DeadlineExceeded(f"request not served within {timeout_s:.1f} s") from None
@@ -194,7 +190,8 @@ class RemoteEngine:
         finally:
             self.sent_patches -= patches
             _release(link.arena, placed)
-            link.forget(rid, fut)
+            if fut is not None:
+                link.forget(rid, fut)
             if waiter is not None:
                 waiter.cancel()
         if reply["op"] == "error":
