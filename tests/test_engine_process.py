@@ -509,3 +509,19 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
     spinning, reply, ended_s, busy_spinner = asyncio.run(go())
     assert spinning and reply["op"] == "result" and ended_s < 1.0
     assert busy_spinner.done()  # the one that ran out of time; none new while busy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_tensors_read_from_a_reply_equal_what_was_sent(dtype):
+    """`tensor_at` over a payload of several tensors back to back (as the engine writes them), empty ones included:
+    each comes back with its dtype, shape and values, and the offsets line up."""
+    from service.engine.protocol import raw_bytes, tensor_at
+
+    g = torch.Generator().manual_seed(3)
+    sent = [torch.randn(shape, generator=g).to(dtype) for shape in ((0, 8), (3, 5), (0, 3, 5), (7,), (1, 1, 1))]
+    payload = b"".join(raw_bytes(t).tobytes() for t in sent)
+    offset = 0
+    for t in sent:
+        got, offset = tensor_at(payload, offset, tuple(t.shape), dtype)
+        assert got.dtype == dtype and got.shape == t.shape and torch.equal(got, t)
+    assert offset == len(payload)
