@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.common import hf_tower
 from conftest import encode_bytes, make_video, photos, rel_err
 from service.model.config import preset
 from service.model.encoder import Encoder
@@ -21,20 +22,6 @@ from service.model.tower import TowerOptions
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PRE = Preprocessor(PreprocessConfig.for_family("qwen2_5_vl"))
-
-
-def hf_tower(cfg, state, dtype):
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    hf_cfg = Qwen2_5_VLVisionConfig(
-        depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
-        out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
-        fullatt_block_indexes=list(cfg.fullatt_block_indexes), patch_size=cfg.patch_size)
-    with torch.device("cuda"):
-        model = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg)
-    model.load_state_dict(state)
-    return model.to(dtype).eval()
 
 
 def hf_merged(model, pixels, grids):

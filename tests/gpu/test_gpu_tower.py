@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.common import hf_tower
 from conftest import encode_bytes, hf_tower_outputs, make_video, photos, rel_err
 from service.model.config import preset
 from service.model.encoder import Encoder
@@ -17,21 +18,6 @@ from service.model.tower import TowerOptions
 from service.model.preprocess import Preprocessor, PreprocessConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def hf_tower(cfg, state, dtype):
-    from transformers import Qwen3VLVisionConfig, Qwen3VLVisionModel
-
-    hf_cfg = Qwen3VLVisionConfig(
-        depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size,
-        deepstack_visual_indexes=list(cfg.deepstack_visual_indexes),
-        num_position_embeddings=cfg.num_position_embeddings,
-    )
-    with torch.device("cuda"):
-        model = Qwen3VLVisionModel(hf_cfg)
-    model.load_state_dict(state)
-    return model.to(dtype).eval()
 
 
 @pytest.fixture(scope="module", params=["qwen3-vl-2b", "qwen3-vl-8b"])
