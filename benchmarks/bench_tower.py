@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from benchmarks.common import ClockLog, bench, environment, hf_tower, print_table, write_results
+from benchmarks.common import ClockLog, bench, environment, print_table, write_results
 from kernels.qkv_rope import gemm_candidates
 from service.model.config import preset
 from service.model.graphs import GraphedTower
@@ -106,6 +106,31 @@ def _group(lengths):
     for n in lengths:
         out[n] = out.get(n, 0) + 1
     return out
+
+
+def hf_tower(cfg, state):
+    if cfg.windowed:
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        hf_cfg = Qwen2_5_VLVisionConfig(
+            depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
+            fullatt_block_indexes=list(cfg.fullatt_block_indexes), patch_size=cfg.patch_size)
+        with torch.device("cuda"):
+            model = Qwen2_5_VisionTransformerPretrainedModel(hf_cfg)
+        model.load_state_dict(state)
+        return model.to(torch.bfloat16).eval()
+    from transformers import Qwen3VLVisionConfig, Qwen3VLVisionModel
+
+    hf_cfg = Qwen3VLVisionConfig(
+        depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size,
+        deepstack_visual_indexes=list(cfg.deepstack_visual_indexes), num_position_embeddings=cfg.num_position_embeddings)
+    with torch.device("cuda"):
+        model = Qwen3VLVisionModel(hf_cfg)
+    model.load_state_dict(state)
+    return model.to(torch.bfloat16).eval()
 
 
 def run_preset(name, workloads, compile_hf):

@@ -147,3 +147,30 @@ def make_video(n_frames: int, width: int, height: int, fmt: str = "mp4", codec: 
         frame[: min(8, height), x:x + 8] = 255
         frames.append(frame)
     return encode_video(frames, rate, fmt, codec, faststart)
+
+
+def hf_tower(cfg, state: dict, dtype: torch.dtype, device: str = "cuda"):
+    """transformers' vision tower of `cfg`'s family and shape (`Qwen3VLVisionModel`, or
+    `Qwen2_5_VisionTransformerPretrainedModel` for a windowed tower) holding `state` (our tower's state dict: the
+    parameter names are the same), in `dtype` and eval mode: the GPU tests' reference."""
+    if cfg.windowed:
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        hf_cfg, cls = Qwen2_5_VLVisionConfig(
+            depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size, window_size=cfg.window_size,
+            fullatt_block_indexes=list(cfg.fullatt_block_indexes),
+            patch_size=cfg.patch_size), Qwen2_5_VisionTransformerPretrainedModel
+    else:
+        from transformers import Qwen3VLVisionConfig, Qwen3VLVisionModel
+
+        hf_cfg, cls = Qwen3VLVisionConfig(
+            depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads, out_hidden_size=cfg.out_hidden_size,
+            deepstack_visual_indexes=list(cfg.deepstack_visual_indexes),
+            num_position_embeddings=cfg.num_position_embeddings), Qwen3VLVisionModel
+    with torch.device(device):
+        model = cls(hf_cfg)
+    model.load_state_dict(state)
+    return model.to(dtype).eval()

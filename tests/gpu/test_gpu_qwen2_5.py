@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.common import hf_tower
-from conftest import encode_bytes, make_video, photos, rel_err
+from conftest import encode_bytes, hf_tower, make_video, photos, rel_err
 from service.model.config import preset
 from service.model.encoder import Encoder
 from service.model.graphs import BucketedTower, GraphedTower

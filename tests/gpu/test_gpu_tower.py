@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.common import hf_tower
-from conftest import encode_bytes, hf_tower_outputs, make_video, photos, rel_err
+from conftest import encode_bytes, hf_tower, hf_tower_outputs, make_video, photos, rel_err
 from service.model.config import preset
 from service.model.encoder import Encoder
 from service.model.loader import random_tower
