@@ -1,0 +1,29 @@
+"""`tools.request_trace.compare`: the stage table of a lone request's trace (docs/PERFORMANCE.md's tables)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.request_trace.compare import STAGES, stages
+
+
+def _steps(marks: list[tuple[str, float]]) -> list[list]:
+    return [[a, b, us] for (a, _), (b, us) in zip([("http<", 0)] + marks, marks)]
+
+
+@pytest.mark.parametrize("expect", [False, True])
+def test_stages_split_a_trace_at_its_marks(expect):
+    """Each stage is the sum of the steps between its marks; with `expect` the engine reads twice and the frames'
+    way to the engine ends at the second read (the submit), not at the heads-up."""
+    before = [("parse<", 200), ("parse>", 100), ("decode<", 50)]
+    decode = [("e-read", 100), ("decode>", 1400)] if expect else [("decode>", 1500)]
+    after = [("f-write", 150), ("e-read#2" if expect else "e-read", 150), ("esubmit<", 80), ("pixels<", 120),
+             ("pixels>", 300), ("launch>", 250), ("efinish<", 40), ("complete<", 1800), ("finish<", 10),
+             ("finish>", 60), ("f-read", 200), ("respond<", 150), ("http>", 400)]
+    steps = _steps(before + decode + after)
+    got = stages(steps)
+    assert [name for name, *_ in STAGES] == list(got)
+    want = [0.35, 1.5, 0.3, 0.5, 0.25, 1.87, 0.75]
+    assert list(got.values()) == pytest.approx(want)
+    # every step but one is in a stage: the launch's tail, from `launch>` to `efinish<`
+    assert sum(got.values()) == pytest.approx((sum(us for *_, us in steps) - 40) / 1e3)
