@@ -142,10 +142,9 @@ class RemoteEngine:
 
     def expect(self) -> None:
         """Tell the engine that a lone request's submit follows shortly (no reply; `EngineServer.expect`)."""
-        link = self._link
-        if link is not None and link.broken is None:
+        if self.alive:
             with contextlib.suppress(Exception):  # a closing link: the submit that follows reports it
-                write_message(link.writer, {"op": "expect", "id": -1})
+                write_message(self._link.writer, {"op": "expect", "id": -1})
 
     async def stats(self) -> dict:
         header, _ = await self._request({"op": "stats"})
@@ -316,11 +315,9 @@ class EnginePool:
     def encoder(self) -> RemoteEncoder | None:
         return next((e.encoder for e in self.engines if e.encoder is not None), None)
 
-    def _live(self) -> list[RemoteEngine]:
-        live = [e for e in self.engines if e.alive]
-        if not live:
-            raise errors.EngineUnavailable("no engine process is running (restarting)", retry_after=2.0)
-        return live
+    def _least_loaded(self) -> RemoteEngine | None:
+        """The live engine with the fewest patches ahead of a new request (where it goes), or None."""
+        return min((e for e in self.engines if e.alive), key=lambda e: e.load, default=None)
 
     async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None,
                          alone: bool = False) -> Preprocessed:
@@ -333,14 +330,16 @@ class EnginePool:
         if self.sandbox is not None and is_video(data):
             return await self.sandbox.preprocess(pre, *args)
         if alone and _small_jpeg(pre, data, min_pixels, max_pixels):
-            live = [e for e in self.engines if e.alive]
-            if live:  # the engine `submit` will pick wakes while this decodes
-                min(live, key=lambda e: e.load).expect()
+            engine = self._least_loaded()
+            if engine is not None:  # the engine `submit` will pick wakes while this decodes
+                engine.expect()
             return pre(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, pre, *args)
 
     async def submit(self, items: list[Preprocessed], **kwargs) -> tuple[list[EncodeResult], Timing]:
-        engine = min(self._live(), key=lambda e: e.load)
+        engine = self._least_loaded()
+        if engine is None:
+            raise errors.EngineUnavailable("no engine process is running (restarting)", retry_after=2.0)
         return await engine.submit(items, **kwargs)
 
     async def stats(self) -> dict:
