@@ -132,10 +132,7 @@ class SimulatedDevice:
 class SimulatedForward:
     results: list
     done: float  # time.perf_counter() at which the simulated device has finished it
-    seconds: float
-
-    def gpu_seconds(self) -> float:
-        return self.seconds
+    gpu_s: float  # its simulated GPU time
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.done

@@ -380,7 +380,7 @@ class Engine:
         """In the finisher thread: wait for a forward's outputs; them, the time they were ready, and the GPU time of
         the forward (None where it cannot be read)."""
         results = self.encoder.finish(pending)
-        return results, time.perf_counter(), pending.gpu_seconds()
+        return results, time.perf_counter(), pending.gpu_s
 
     def _fault(self, batch: list[_Work], e: BaseException) -> None:
         first = self.faulted is None

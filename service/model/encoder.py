@@ -191,15 +191,11 @@ class Pending:
     pooled: torch.Tensor
     done: "torch.cuda.Event | None"
     started: "torch.cuda.Event | None" = None  # recorded before the forward: done - started is its GPU time
-    gpu_s: float | None = None  # that time, read by `Encoder.finish` (None on the CPU)
+    gpu_s: float | None = None  # that time in seconds, set by `Encoder.finish` (None on the CPU)
 
     def ready(self) -> bool:
         """Whether the outputs are on the host already (`Encoder.finish` would not wait)."""
         return self.done is None or self.done.query()
-
-    def gpu_seconds(self) -> float | None:
-        """The GPU time from the forward's start to its outputs on the host (after `finish`); None on the CPU."""
-        return self.gpu_s
 
 
 def _segment_mean(merged: torch.Tensor, counts: list[int]) -> torch.Tensor:
