@@ -242,14 +242,14 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
-@encoding_router.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features and pooled "
-                               "vectors",
-             openapi_extra={"requestBody": {"content": {
-                 "multipart/form-data": {"schema": {"type": "object", "properties": {
-                     "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
-                 "image/*": {"schema": {"type": "string", "format": "binary"}},
-                 "video/*": {"schema": {"type": "string", "format": "binary"}},
-                 "application/json": {"schema": EmbedJSON.model_json_schema()}}}})
+@encoding_router.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features and "
+                                        "pooled vectors",
+                      openapi_extra={"requestBody": {"content": {
+                          "multipart/form-data": {"schema": {"type": "object", "properties": {
+                              "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
+                          "image/*": {"schema": {"type": "string", "format": "binary"}},
+                          "video/*": {"schema": {"type": "string", "format": "binary"}},
+                          "application/json": {"schema": EmbedJSON.model_json_schema()}}}})
 async def embed(request: Request):
     svc = _service(request)
     svc.check_auth(request)

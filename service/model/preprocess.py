@@ -4,12 +4,12 @@ Images follow the Qwen2-VL PIL image processor (Qwen3-VL's and Qwen2.5-VL's, wit
 videos (sniffed by their container signature) follow the family's video processor (`service.video`).
 
 The steps are the processor's own: decode (a plain RGB JPEG by libjpeg-turbo directly into an array, the same
-library and settings as PIL's decoder, so the same pixels; anything else by PIL), EXIF orientation, RGB conversion (anything with alpha is
-composited on white), `smart_resize` to multiples of patch*merge, a PIL bicubic resize in uint8, then
-rescale+normalise and the merge-block patch order the tower expects. Rescale and normalise map each
-uint8 value to one float32 per channel, so they are done with a 256-entry lookup table that holds
-exactly the values transformers computes (float64 rescale, float32 normalise). The lookup and the
-patch reordering run on the tower's device (`patchify`); the CPU only decodes and resizes.
+library and settings as PIL's decoder, so the same pixels; anything else by PIL), EXIF orientation, RGB
+conversion (anything with alpha is composited on white), `smart_resize` to multiples of patch*merge, a PIL bicubic
+resize in uint8, then rescale+normalise and the merge-block patch order the tower expects. Rescale and normalise
+map each uint8 value to one float32 per channel, so they are done with a 256-entry lookup table that holds exactly
+the values transformers computes (float64 rescale, float32 normalise). The lookup and the patch reordering run on
+the tower's device (`patchify`); the CPU only decodes and resizes.
 """
 
 from __future__ import annotations
