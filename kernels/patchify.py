@@ -43,11 +43,9 @@ def reference_patchify(frames: torch.Tensor, table: torch.Tensor, out: torch.Ten
 if triton is not None:
 
     @triton.jit
-    def _patchify_kernel(FRAMES, TABLE, OUT, n_rows, n_frames, height, width, grid_w, rows_per_frame,
-                         C: tl.constexpr, TP: tl.constexpr, P: tl.constexpr, M: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _patchify_rows(FRAMES, TABLE, OUT, rows, n_rows, n_frames, height, width, grid_w, rows_per_frame,
+                       C: tl.constexpr, TP: tl.constexpr, P: tl.constexpr, M: tl.constexpr, BLOCK_C: tl.constexpr):
         # rows: item b, temporal patch t, merge block (bh, bw), patch (mh, mw) within it; rows_per_frame = h * w
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)
@@ -72,6 +70,34 @@ if triton is not None:
         normalised = tl.load(TABLE + value * C + c[None, :], mask=mask)
         tl.store(OUT + rows64[:, None] * (C * TP * P * P) + cols[None, :], normalised, mask=mask)
 
+    @triton.jit
+    def _patchify_kernel(FRAMES, TABLE, OUT, n_rows, n_frames, height, width, grid_w, rows_per_frame,
+                         C: tl.constexpr, TP: tl.constexpr, P: tl.constexpr, M: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        _patchify_rows(FRAMES, TABLE, OUT, rows, n_rows, n_frames, height, width, grid_w, rows_per_frame, C, TP, P,
+                       M, BLOCK_C)
+
+    @triton.jit
+    def _patchify_dims_kernel(FRAMES, TABLE, OUT, DIMS, C: tl.constexpr, TP: tl.constexpr, P: tl.constexpr,
+                              M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # one item whose frame count, height and width are read from DIMS on the device (a CUDA graph replays this
+        # launch for any frame); programs past its rows exit
+        n_frames, height, width = tl.load(DIMS), tl.load(DIMS + 1), tl.load(DIMS + 2)
+        grid_w = width // P
+        rows_per_frame = (height // P) * grid_w
+        n_rows = rows_per_frame * ((n_frames + TP - 1) // TP)
+        first = tl.program_id(0) * BLOCK_R
+        if first < n_rows:
+            rows = first + tl.arange(0, BLOCK_R)
+            _patchify_rows(FRAMES, TABLE, OUT, rows, n_rows, n_frames, height, width, grid_w, rows_per_frame, C, TP,
+                           P, M, BLOCK_C)
+
+
+def _tiles(cols: int) -> tuple[int, int]:
+    block_c = next_power_of_2(cols)
+    return max(1, 4096 // block_c), block_c
+
 
 def patchify(frames: torch.Tensor, table: torch.Tensor, out: torch.Tensor, temporal: int, patch: int, merge: int,
              use_triton: bool | None = None) -> torch.Tensor:
@@ -88,9 +114,32 @@ def patchify(frames: torch.Tensor, table: torch.Tensor, out: torch.Tensor, tempo
         use_triton = triton is not None and out.is_cuda
     if not use_triton or not (frames.is_contiguous() and out.is_contiguous()):
         return reference_patchify(frames, table, out, temporal, patch, merge)
-    block_c = next_power_of_2(cols)
-    block_r = max(1, 4096 // block_c)
+    block_r, block_c = _tiles(cols)
     launch(_patchify_kernel, (cdiv(rows, block_r),), frames, table.contiguous(), out, rows, n_frames, height, width,
            width // patch, (height // patch) * (width // patch), C=channels, TP=temporal, P=patch, M=merge,
            BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def patchify_dims(frames: torch.Tensor, dims: torch.Tensor, table: torch.Tensor, out: torch.Tensor, temporal: int,
+                  patch: int, merge: int, use_triton: bool | None = None) -> torch.Tensor:
+    """`patchify` of one item whose shape is data: `frames` a flat uint8 buffer holding its `[F, H, W, C]` frames
+    first, `dims` an int32 tensor (F, H, W) on the same device. The kernel reads the shape there, so one launch,
+    captured in a CUDA graph, serves any item; it writes the item's rows of `out` (`[max_rows, C*T*P*P]`, max_rows
+    bounding every item it is given) and leaves the rest. Elsewhere the shape is read to the host and
+    `reference_patchify` fills the same rows."""
+    cols, channels = out.shape[1], table.shape[1]
+    if frames.dtype != torch.uint8 or dims.dtype != torch.int32 or cols != channels * temporal * patch * patch:
+        raise ValueError(f"patchify_dims: frames {frames.dtype}, dims {dims.dtype}, table {tuple(table.shape)}, out "
+                         f"{tuple(out.shape)} do not fit patch {patch}, temporal {temporal}")
+    if use_triton is None:
+        use_triton = triton is not None and out.is_cuda
+    if not use_triton:
+        n_frames, height, width = (int(v) for v in dims.tolist())
+        rows = -(-n_frames // temporal) * (height // patch) * (width // patch)
+        item = frames[:n_frames * height * width * channels].view(1, n_frames, height, width, channels)
+        return reference_patchify(item, table, out[:rows], temporal, patch, merge)
+    block_r, block_c = _tiles(cols)
+    launch(_patchify_dims_kernel, (cdiv(out.shape[0], block_r),), frames, table, out, dims, C=channels, TP=temporal,
+           P=patch, M=merge, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out

@@ -7,8 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from .errors import EncoderError
 from .settings import Settings
 
@@ -16,6 +14,7 @@ log = logging.getLogger("qwen3vl_encoder")
 
 
 def encode_main(args) -> int:
+    import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
 

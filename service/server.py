@@ -157,7 +157,6 @@ def run_with_engine_process(settings: Settings) -> int:
 
     import uvicorn
 
-    from .engine.protocol import settings_env
     from .engine.supervisor import EngineSupervisor
 
     workdir = tempfile.mkdtemp(prefix="qwen3vl-")
@@ -174,7 +173,7 @@ def run_with_engine_process(settings: Settings) -> int:
     settings = settings.model_copy(update={"engine_socket": ",".join(sockets), "devices": ",".join(devices),
                                            "http_workers": settings.resolved_http_workers(),
                                            "cuda_graphs": settings.resolved_cuda_graphs()})
-    env = {**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    env = {**settings.as_env(), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     os.environ.update(env)  # the spawned front-ends rebuild their Settings from it
 
     # after PROMETHEUS_MULTIPROC_DIR is set: the counter is written where the front-ends' /metrics reads

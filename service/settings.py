@@ -3,6 +3,10 @@ defaults, validated at start-up with messages that say what to change."""
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import os
+import sys
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -24,10 +28,39 @@ def parse_buckets(spec: str) -> tuple[int, ...]:
     return tuple(buckets)
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices this process can use, as `torch.cuda.device_count()` counts them where torch is built with
+    CUDA (0 where it is not, or there is no driver or device; CUDA_VISIBLE_DEVICES applies), without importing
+    torch where it is not imported yet: the server's main process decides how many engine processes to start, and
+    importing torch first (3-5 s) would delay every one of them. It asks the driver, which creates no context."""
+    if "torch" in sys.modules:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return 0
+    version = importlib.util.spec_from_file_location(  # torch/version.py: no imports but typing
+        "_torch_version", os.path.join(spec.submodule_search_locations[0], "version.py"))
+    build = importlib.util.module_from_spec(version)
+    try:
+        version.loader.exec_module(build)
+    except OSError:
+        return 0
+    if not getattr(build, "cuda", None):
+        return 0
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
 def default_cache_dir() -> str:
     """The user's cache directory (XDG_CACHE_HOME, else ~/.cache), then qwen3vl-encoder."""
-    import os
-
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen3vl-encoder")
 
 
@@ -150,28 +183,34 @@ class Settings(BaseSettings):
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if cuda_device_count() else "cpu"
 
     def resolved_devices(self) -> list[str]:
         """The engine processes' devices, one engine each."""
         spec = (self.devices or "").strip()
         if spec and spec != "all":
             return [f"cuda:{d}" if d.isdigit() else d for d in (part.strip() for part in spec.split(",")) if d]
-        import torch
-
-        if (spec == "all" or self.device in ("auto", "cuda")) and torch.cuda.is_available():
-            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        count = cuda_device_count()
+        if (spec == "all" or self.device in ("auto", "cuda")) and count:
+            return [f"cuda:{i}" for i in range(count)]
         return [self.resolved_device()]
+
+    def as_env(self) -> dict[str, str]:
+        """The settings as QWEN3VL_* environment variables, for processes that rebuild them with Settings()."""
+        env: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if hasattr(value, "get_secret_value"):
+                value = value.get_secret_value()
+            env[f"QWEN3VL_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+        return env
 
     def resolved_http_workers(self) -> int:
         if self.http_workers is not None:
             return self.http_workers
         if not self.resolved_device().startswith("cuda"):
             return 1 if self.devices and len(self.resolved_devices()) > 1 else 0
-        import os
-
         return max(1, min(4, (os.cpu_count() or 4) // 4))
 
     def resolved_cuda_graphs(self) -> bool:

@@ -513,13 +513,32 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 def test_tensors_read_from_a_reply_equal_what_was_sent(dtype):
-    """`tensor_at` over a payload of several tensors back to back (as the engine writes them), empty ones included:
-    each comes back with its dtype, shape and values, and the offsets line up."""
+    """A message of several tensors back to back, as the engine writes them (`raw_bytes`, `write_message`), empty and
+    non-contiguous ones included, read with `read_message` and `tensor_at`: each comes back with its dtype, shape and
+    values, and the offsets line up."""
     from service.engine.protocol import raw_bytes, tensor_at
 
     g = torch.Generator().manual_seed(3)
     sent = [torch.randn(shape, generator=g).to(dtype) for shape in ((0, 8), (3, 5), (0, 3, 5), (7,), (1, 1, 1))]
-    payload = b"".join(raw_bytes(t).tobytes() for t in sent)
+    sent.append(torch.randn(4, 6, generator=g).to(dtype).t())  # a transposed view
+
+    class Writer:
+        data = b""
+
+        def write(self, b):
+            self.data += bytes(b)
+
+    writer = Writer()
+    write_message(writer, {"op": "result"}, [raw_bytes(t) for t in sent])
+
+    async def read():
+        reader = asyncio.StreamReader()
+        reader.feed_data(writer.data)
+        reader.feed_eof()
+        return await read_message(reader)
+
+    header, payload = asyncio.run(read())
+    assert header == {"op": "result"}
     offset = 0
     for t in sent:
         got, offset = tensor_at(payload, offset, tuple(t.shape), dtype)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.add_layernorm import add_layernorm, layernorm_offset, reference_add_layernorm, reference_layernorm_offset
-from kernels.patchify import patchify, reference_patchify
+from kernels.patchify import patchify, patchify_dims, reference_patchify
 from kernels.pos_embed import pos_embed_add_, reference_pos_embed
 from kernels.qkv_rope import qkv_rope_
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
@@ -289,6 +289,33 @@ def test_patchify_kernel(batch, frames, height, width, channels, patch, dtype):
     col = ((c * 2 + t % 2) * patch + y % patch) * patch + x % patch
     per_item = rows // batch
     assert expected[(batch - 1) * per_item + row, col] == table[item[t, y, x, c].long(), c]
+
+
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_patchify_dims_reads_each_items_shape_from_the_device(use_triton):
+    """One launch configuration (the CUDA graph of a lone frame's way in) for items of any shape: frame count, height
+    and width read from `dims`, written into the first rows of one large buffer, equal to `patchify` of the item;
+    rows past the item's keep what they held (NaN here), including after a larger item wrote them."""
+    g = torch.Generator().manual_seed(7)
+    patch, channels, max_rows = 14, 3, 96
+    cols = channels * 2 * patch * patch
+    table = torch.randn(256, channels, generator=g)
+    out = torch.full((max_rows, cols), float("nan"))
+    buffer = torch.zeros(max_rows * cols, dtype=torch.uint8)
+    for n_frames, height, width in [(1, 56, 84), (1, 28, 28), (2, 112, 56), (1, 84, 56), (1, 28, 392), (2, 56, 56)]:
+        frames = torch.randint(0, 256, (1, n_frames, height, width, channels), generator=g, dtype=torch.uint8)
+        buffer[:frames.numel()] = frames.view(-1)
+        rows = (height // patch) * (width // patch)
+        stale = out[rows:].clone()
+        got = patchify_dims(buffer, torch.tensor([n_frames, height, width], dtype=torch.int32), table, out, 2, patch,
+                            2, use_triton=use_triton)
+        assert got is out or got.data_ptr() == out.data_ptr()
+        expected = patchify(frames, table, torch.empty(rows, cols), 2, patch, 2)
+        assert torch.equal(out[:rows], expected), (n_frames, height, width)
+        assert torch.equal(out[rows:].isnan(), stale.isnan()) and torch.equal(out[rows:].nan_to_num(),
+                                                                              stale.nan_to_num())
+    with pytest.raises(ValueError, match="do not fit"):
+        patchify_dims(buffer, torch.tensor([1, 28, 28]), table, out, 2, patch, 2)
 
 
 def test_patchify_refuses_what_does_not_fit():

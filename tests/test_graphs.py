@@ -4,6 +4,9 @@ forward in float32 (the GPU test, tests/gpu, checks the captured graphs)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +68,45 @@ def test_one_frame_packs_run_whole_over_the_bucket(backend):
             ref_merged, ref_ds = tower(pixels, tower.plan(grids))
             assert rel_err(merged, ref_merged) <= 1e-5 and rel_err(ds, ref_ds) <= 1e-5, grids
     assert bucketed.whole_forwards == 5 and bucketed.bucketed == 7  # two packs of two frames ran the pieces
+
+
+def test_a_lone_frame_enters_from_its_frames_and_equals_the_plain_encoder(monkeypatch):
+    """`Encoder.launch` of one frame within a whole-forward bucket goes in through `BucketedTower.frame` (its uint8
+    frames copied to the static buffer, patchified with their shape read from there), never `Encoder.pixels`, and
+    gives what an encoder without buckets gives: tokens, DeepStack features and the pooled vector, for images of
+    other sizes one after another (the shape, positions and table in the buffers replaced or kept), a two-frame
+    video, and a pack of two, which takes the pixel rows' way."""
+    from PIL import Image
+
+    from service.model.encoder import Encoder
+
+    plain = Encoder.load("random:tiny")
+    enc = Encoder.load("random:tiny", graph_buckets=(256, 512, 1024, 2048))
+    enc.forward.capture()
+    calls = []
+    pixels = enc.pixels
+    monkeypatch.setattr(enc, "pixels", lambda items: calls.append(len(items)) or pixels(items))
+    rng = np.random.default_rng(4)
+
+    def image(h, w):
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    # two frames of a video: one temporal patch, one segment
+    video = enc.preprocessor.item(rng.integers(0, 256, (2, 64, 96, 3), dtype=np.uint8), (1, 4, 6), {"kind": "video"})
+    # another normalisation (another checkpoint's preprocessor would have one): another lookup table
+    other = dataclasses.replace(enc.preprocess(image(64, 96)), lut=enc.preprocessor.lut * 0.5 + 0.25)
+    shots = [[image(64, 96)], [image(64, 96)], [image(200, 40)], [image(128, 128)], [other], [image(32, 32)], [video],
+             [image(64, 64), image(32, 96)], [image(64, 96)]]
+    with torch.inference_mode():
+        for shot in shots:
+            items = [x if not isinstance(x, Image.Image) else enc.preprocess(x) for x in shot]
+            got, want = enc.encode(items), plain.encode(items)
+            for g, w in zip(got, want):
+                assert g.grid_thw == w.grid_thw and g.num_tokens == w.num_tokens
+                assert rel_err(g.embeds, w.embeds) <= 1e-5 and rel_err(g.deepstack, w.deepstack) <= 1e-5, g.grid_thw
+                assert rel_err(g.pooled, w.pooled) <= 1e-5
+    assert calls == [2]  # only the pack of two made pixel rows on the host
+    assert enc.forward.whole_forwards == len(shots) - 1
 
 
 def test_without_capture_or_buckets_every_pack_runs_eagerly(tower):

@@ -27,3 +27,15 @@ def test_stages_split_a_trace_at_its_marks(expect):
     assert list(got.values()) == pytest.approx(want)
     # every step but one is in a stage: the launch's tail, from `launch>` to `efinish<`
     assert sum(got.values()) == pytest.approx((sum(us for *_, us in steps) - 40) / 1e3)
+
+
+def test_a_lone_frame_without_pixel_rows_launches_from_the_start_of_the_launch():
+    """A lone frame goes in through `BucketedTower.frame` (no `Encoder.pixels` marks): the engine's queue ends where
+    `Encoder.launch` starts, and launching runs from there to its end."""
+    marks = [("decode<", 100), ("decode>", 1500), ("e-read", 300), ("esubmit<", 80), ("launch<", 120),
+             ("frame<", 20), ("frame>", 200), ("launch>", 50), ("efinish<", 40), ("complete<", 1800),
+             ("finish>", 70), ("http>", 800)]
+    got = stages(_steps(marks))
+    assert got["engine: queue to launch, pixels to the GPU"] == pytest.approx(0.2)
+    assert got["launching the forward"] == pytest.approx(0.27)
+    assert got["frames to the engine process"] == pytest.approx(0.3)

@@ -47,8 +47,17 @@ async def read_message(reader: asyncio.StreamReader) -> tuple[dict, bytes]:
     return header, payload
 
 
+_EMPTY = np.empty(0, np.uint8)
+
+
 def raw_bytes(t: torch.Tensor) -> np.ndarray:
-    """A tensor's bytes (any dtype, bfloat16 included) as a uint8 array, without a copy when contiguous."""
+    """A tensor's bytes (any dtype, bfloat16 included) as a buffer, without a copy when contiguous: one torch call
+    for an empty tensor (the outputs a request did not ask for) or a contiguous one of a dtype numpy has (the pooled
+    vectors), four otherwise."""
+    if not t.numel():
+        return _EMPTY
+    if t.dtype != torch.bfloat16 and t.is_contiguous():
+        return t.numpy().reshape(-1)
     return t.contiguous().view(torch.uint8).numpy().reshape(-1)
 
 
@@ -80,14 +89,3 @@ def rebuild_error(header: dict) -> errors.EncoderError:
         return cls(header["message"], retry_after=header["retry_after"] or 1.0)
     return cls(header["message"])
 
-
-def settings_env(settings) -> dict[str, str]:
-    """The settings as QWEN3VL_* environment variables, for processes that rebuild them with Settings()."""
-    env: dict[str, str] = {}
-    for name, value in settings.model_dump().items():
-        if value is None:
-            continue
-        if hasattr(value, "get_secret_value"):
-            value = value.get_secret_value()
-        env[f"QWEN3VL_{name.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
-    return env

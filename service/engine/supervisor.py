@@ -31,12 +31,19 @@ import threading
 import time
 from typing import Callable
 
-from .process import engine_process_main
 
 log = logging.getLogger(__name__)
 
 LOAD_ERROR_EXIT = 2
 CRASH_LOOP_EXIT = 3
+
+
+def _engine_main(conn, env: dict[str, str]) -> int:
+    """The engine process's entry point: `process.engine_process_main`, imported there rather than here, so the main
+    process never imports torch (seconds, before any engine could start)."""
+    from .process import engine_process_main
+
+    return engine_process_main(conn, env)
 
 
 class EngineSupervisor:
@@ -94,7 +101,7 @@ class EngineSupervisor:
 
     def _spawn(self):
         conn, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=engine_process_main, args=(child, self.env), name="qwen3vl-engine")
+        proc = self._ctx.Process(target=_engine_main, args=(child, self.env), name="qwen3vl-engine")
         proc.start()
         child.close()
         return proc, conn

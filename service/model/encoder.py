@@ -132,7 +132,9 @@ class Encoder:
         started = self._event() if self.device.type == "cuda" else None
         if started is not None:
             started.record()
-        merged, ds = self.forward(self.pixels(items), [it.grid_thw for it in items], deepstack)
+        lone = self.forward.frame(torch.from_numpy(items[0].frames), self._lut(items[0]), items[0].grid_thw,
+                                  deepstack) if len(items) == 1 and self.forward.takes_frames else None
+        merged, ds = lone or self.forward(self.pixels(items), [it.grid_thw for it in items], deepstack)
         counts = [it.num_patches // self.config.merge_unit for it in items]
         pooled = _segment_mean(merged, counts)
         outputs = [merged if tokens else None, ds if deepstack else None, pooled]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import sdpa_gathers
+from kernels.patchify import patchify_dims
 
 from .tower import PackPlan, VisionTower, layer_segments
 
@@ -219,6 +220,9 @@ class _Statics:
         self.attended = torch.zeros((tokens, cfg.hidden_size), dtype=dtype, device=device)
         self.deepstack = tower.new_deepstack(tokens, device)
         self.cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32, device=device)  # a one-frame pack's segment
+        # a lone frame's way in (`BucketedTower.frame`): its uint8 frames, their (F, H, W) and the lookup table that
+        # normalises them, read by the patchify launch of the frame graph
+        self.frames = self.dims = self.table = None
         # the plan whose positions (and, for one frame, segment) the buffers hold: the same grids again (same-sized
         # images one after another) skip copying them
         self.plan: PackPlan | None = None
@@ -301,11 +305,14 @@ class _Bucket:
                 self._frame_forward()
             self.whole_merged, self.merged = self.merged, merged
 
-    def run(self, pixel_values: torch.Tensor, plan: PackPlan,
+    def run(self, pixel_values: torch.Tensor | None, plan: PackPlan,
             deepstack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pack's merged tokens and DeepStack features; `pixel_values` None: its rows are in the static input
+        already, in the tower's order (`BucketedTower.frame`)."""
         n = plan.num_tokens
         tower = self.tower
-        tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
+        if pixel_values is not None:
+            tower.order_tokens(pixel_values, plan, out=self.pixels[:n])
         one_frame = self.runs_whole(plan)
         if self.statics.plan is not plan:  # else the buffers hold this plan's values already
             for static, value in ((self.cos, plan.cos), (self.sin, plan.sin), (self.index, plan.interp_index),
@@ -366,6 +373,13 @@ class BucketedTower:
         self.padded_tokens = 0  # tokens computed as padding, for the benchmarks
         self.bucketed = self.eager = 0
         self.whole_forwards = 0  # bucketed packs of one frame, run as one graph
+        self._statics: _Statics | None = None
+        # a lone frame's way in (`frame`): the graph of its patchify, the most rows it takes (the largest bucket
+        # with a whole forward), and the shape and table its static inputs hold
+        self._framer: torch.cuda.CUDAGraph | None = None
+        self._frame_rows: int | None = None
+        self._dims: tuple[int, int, int] | None = None
+        self._table: torch.Tensor | None = None
 
     @property
     def captured(self) -> bool:
@@ -377,7 +391,7 @@ class BucketedTower:
         tower = self.tower
         offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
-        statics = _Statics(tower, self.buckets[-1])
+        statics = self._statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
             # a whole forward needs the Triton kernel on a GPU (SDPA reads the segments back to the host)
             whole = not tower.config.windowed and tokens <= WHOLE_MAX_TOKENS and (pool is None
@@ -386,7 +400,63 @@ class BucketedTower:
             if pool is not None:
                 bucket.capture(pool)
             self._buckets[tokens] = bucket
+        wholes = [tokens for tokens, bucket in self._buckets.items() if bucket.one_frame is not None]
+        if wholes:
+            cfg, device = tower.config, tower.device
+            self._frame_rows = max(wholes)
+            side = cfg.patch_size * cfg.spatial_merge_size  # the capture's frame: the smallest image
+            statics.frames = torch.zeros(self._frame_rows * cfg.patch_dim, dtype=torch.uint8, device=device)
+            statics.dims = torch.tensor([1, side, side], dtype=torch.int32, device=device)
+            statics.table = torch.zeros((256, cfg.in_channels), dtype=tower.dtype, device=device)
+            if pool is not None:
+                _eager_pass(self._patchify_frame, device)
+                self._framer = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self._framer, pool=pool):
+                    self._patchify_frame()
         log.info("CUDA graphs captured for %d token buckets up to %d", len(self.buckets), self.buckets[-1])
+
+    @property
+    def takes_frames(self) -> bool:
+        """Whether `frame` may take a lone frame (buckets with whole forwards are set up)."""
+        return self._frame_rows is not None
+
+    def _patchify_frame(self) -> None:
+        """The static frames -> the first rows of the static patch rows, their shape read on the device."""
+        cfg, statics = self.tower.config, self._statics
+        patchify_dims(statics.frames, statics.dims, statics.table, statics.pixels[:self._frame_rows],
+                      cfg.temporal_patch_size, cfg.patch_size, cfg.spatial_merge_size)
+
+    def frame(self, frames: torch.Tensor, table: torch.Tensor, grid,
+              deepstack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """`__call__` for a pack of one item of one frame (a lone image), from its uint8 frames `[F, H, W, C]` in host
+        memory and its lookup table on the device (`preprocess.lut_table`): the frames are copied into a static
+        buffer (by the copy engine, from where they lie if page-locked) and one graph patchifies them into the whole
+        forward's input, reading their shape on the device. Before the forward's own graph the host then issues a
+        copy and a replay, where `__call__` takes a patchify launch and the ops around it. None where the pack does
+        not run as a whole forward (no bucket holds it with one, or it has more than one frame's segment)."""
+        if self._frame_rows is None:
+            return None
+        plan = self.plan([grid])
+        tokens = self.bucket_for(plan.num_tokens) if plan.num_tokens <= self._frame_rows else None
+        if tokens is None or not self._buckets[tokens].runs_whole(plan):
+            return None
+        statics = self._statics
+        statics.frames[:frames.numel()].copy_(frames.reshape(-1), non_blocking=True)
+        dims = tuple(frames.shape[:3])
+        if dims != self._dims:  # from pageable memory: staged at once, so the next call may build another
+            statics.dims.copy_(torch.tensor(dims, dtype=torch.int32), non_blocking=True)
+            self._dims = dims
+        if table is not self._table:
+            statics.table.copy_(table)
+            self._table = table
+        if self._framer is not None:
+            self._framer.replay()
+        else:  # not captured (no CUDA): the same patchify, eagerly
+            self._patchify_frame()
+        self.bucketed += 1
+        self.whole_forwards += 1
+        self.padded_tokens += tokens - plan.num_tokens
+        return self._buckets[tokens].run(None, plan, deepstack)
 
     def plan(self, grids) -> PackPlan:
         key = _signature(grids)

@@ -42,19 +42,21 @@ def set_cublaslt_workspace(kib: int | None) -> None:
 def random_tower(cfg: TowerConfig, device, dtype, seed: int = 0, options: TowerOptions = TowerOptions()
                  ) -> VisionTower:
     """Random weights at a realistic scale (std 0.02, like the checkpoints' init), drawn on `device` itself (a 2B
-    tower's 400M values take seconds on a CPU): deterministic for a seed and device type."""
+    tower's 400M values take seconds on a CPU): deterministic for a seed and device type. The tower is built on the
+    meta device and given its weights as a checkpoint's are (`to_empty` would run torch's Python reference of
+    `empty_like`, which imports sympy: seconds of a start)."""
     device = torch.device(device)
     with torch.device("meta"):
         tower = VisionTower(cfg, options)
-    tower = tower.to_empty(device=device).to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     norms = {f"{name}.weight" for name, m in tower.named_modules() if isinstance(m, (torch.nn.LayerNorm, RMSNorm))}
-    with torch.no_grad():
-        for name, p in tower.named_parameters():
-            noise = 0.02 * torch.randn(p.shape, generator=gen, device=device)
-            if name in norms:
-                noise += 1.0
-            p.copy_(noise)
+    state = {}
+    for name, p in tower.named_parameters():
+        noise = 0.02 * torch.randn(p.shape, generator=gen, device=device)
+        if name in norms:
+            noise += 1.0
+        state[name] = noise.to(dtype)
+    tower.load_state_dict(state, assign=True, strict=True)
     return tower.eval()
 
 

@@ -430,7 +430,10 @@ class VisionTower(nn.Module):
         self.options = options
         self.patch_embed = PatchEmbed(cfg)
         if not cfg.windowed:
-            self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+            # built without nn.Embedding's own init: the loader fills every weight, and normal_ on the meta device
+            # (where the loader builds the tower) imports torch._dynamo, seconds of every start
+            self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size,
+                                          _weight=torch.empty(cfg.num_position_embeddings, cfg.hidden_size))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.merger = WindowMerger(cfg) if cfg.windowed else PatchMerger(cfg, postshuffle_norm=False)
         self.deepstack_merger_list = nn.ModuleList(

@@ -54,3 +54,38 @@ def test_frames_from_a_page_locked_arena_equal_staged_ones():
         assert not torch.from_numpy(mapped[0].frames.reshape(-1)).is_pinned()
     finally:
         arena.close()
+
+
+def test_a_lone_frame_from_its_frames_equals_its_pixel_rows_path():
+    """A lone image or two-frame video enters the whole-forward graph through `BucketedTower.frame` (its frames
+    copied to the device, from a page-locked arena or pageable memory, and patchified inside a graph that reads their
+    shape there): the same tokens, DeepStack features and pooled vector, bit for bit, as the same item through its
+    patch rows (`Encoder.pixels`, then the bucket's graph), for sizes in turn and after a pack of two."""
+    enc = Encoder.load("random:qwen3-vl-2b", "cuda", "bfloat16", graph_buckets=(256, 800, 2048, 4096))
+    enc.capture_graphs()
+    rng = np.random.default_rng(5)
+    sizes = [(448, 448), (448, 448), (224, 672), (1024, 512), (32, 32), (896, 1024)]
+    items = [enc.preprocess(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))) for h, w in sizes]
+    items.append(enc.preprocessor.item(rng.integers(0, 256, (2, 256, 384, 3), dtype=np.uint8), (1, 16, 24),
+                                       {"kind": "video"}))
+    arena = Arena(32 << 20)
+    mapping = attach(arena.path)
+    locked = page_lock(mapping, enc.device)
+    try:
+        for k, it in enumerate(items):
+            if k % 2:  # every other one from the page-locked arena, as the engine reads them
+                at = arena.put(np.ascontiguousarray(it.frames))
+                it = enc.preprocessor.item(np.frombuffer(mapping, np.uint8, it.frames.size, at).reshape(
+                    it.frames.shape), it.grid_thw, it.meta)
+            before = enc.forward.whole_forwards
+            got = enc.encode([it], deepstack=True, tokens=True)[0]
+            assert enc.forward.whole_forwards == before + 1, it.grid_thw
+            with torch.inference_mode():
+                merged, ds = enc.forward(enc.pixels([it]), [it.grid_thw], True)
+            assert torch.equal(got.embeds, merged.cpu()) and torch.equal(got.deepstack, ds.cpu()), it.grid_thw
+            assert torch.equal(got.pooled, merged.float().mean(0).cpu())
+            if k == 3:
+                enc.encode(items[:2])  # a pack of two in between: the pieces' way
+    finally:
+        page_unlock(locked, enc.device)
+        arena.close()

@@ -3,7 +3,8 @@ docs/PERFORMANCE.md's "Single image" tables show.
 
 A stage is the time between two marks of the first request's order (medians of each step between them, summed):
 HTTP in to the decoder, the decode, the frames' way to the engine process (to the engine's read of the submit;
-with `expect`, its second read), the engine's queue to the frames on the GPU, launching the forward, waiting for
+with `expect`, its second read), the engine's queue to the frames on the GPU, launching the forward (from the start
+of `Encoder.launch` where a lone frame goes in through `BucketedTower.frame`, not `Encoder.pixels`), waiting for
 it (to the end of `Encoder.finish`, which waits in a thread or finds it done when the loop polled), and everything
 after, to the response's last byte.
 
@@ -38,6 +39,7 @@ def stages(steps: list[list]) -> dict[str, float]:
         at.setdefault(label, t)
         if label in ("decode>", "pixels>", "launch>", "finish>", "http>"):
             at[label] = t
+    at.setdefault("pixels>", at.get("launch<"))  # a lone frame that skips Encoder.pixels: launching from the start
     return {name: (at[b] - at[a]) / 1e3 for name, a, b in STAGES}
 
 

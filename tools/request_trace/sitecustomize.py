@@ -70,6 +70,7 @@ if os.environ.get("TRACE_FILE"):
                                               wrap(m.Engine, "_complete", "complete")),
         "service.model.encoder": lambda m: (wrap(m.Encoder, "launch", "launch"), wrap(m.Encoder, "finish", "finish"),
                                             wrap(m.Encoder, "pixels", "pixels")),
+        "service.model.graphs": lambda m: wrap(m.BucketedTower, "frame", "frame"),
     }
 
     class _Hook:

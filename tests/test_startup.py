@@ -1,0 +1,56 @@
+"""What a start must not do: each of these once cost seconds of every start on the H100 host
+(docs/PERFORMANCE.md, "Start-up"). The server's main process decides how many engine processes to start without
+importing torch, and loading a tower (a checkpoint or a random preset) imports neither torch._dynamo nor sympy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+
+from test_engine_process import server
+
+
+def _run(code: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _maps_torch(pid: int) -> bool:
+    return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps(grouped=True))
+
+
+def test_the_main_process_starts_its_engines_without_torch():
+    """The parent of a multi-process server never maps libtorch; its engine process does (the check can fail)."""
+    with server(1) as (url, proc):
+        import httpx
+
+        engine = httpx.get(f"{url}/info").json()["engine"]["pid"]
+        assert _maps_torch(engine)
+        assert not _maps_torch(proc.pid)
+
+
+def test_the_device_count_without_torch_is_torchs():
+    """`cuda_device_count` before torch is imported (the driver's count, if torch is built with CUDA) and after
+    (torch's own) agree: 0 on a CPU build, the GPUs on a GPU host."""
+    code = ("import json, sys; {pre}from service.settings import cuda_device_count, Settings; "
+            "print(json.dumps({{'n': cuda_device_count(), 'torch': 'torch' in sys.modules, "
+            "'devices': Settings().resolved_devices()}}))")
+    without = _run(code.format(pre=""))
+    with_torch = _run(code.format(pre="import torch; "))
+    assert not without["torch"] and with_torch["torch"]
+    assert without["n"] == with_torch["n"] and without["devices"] == with_torch["devices"]
+
+
+def test_loading_a_tower_imports_neither_dynamo_nor_sympy(full_checkpoint):
+    """Built on the meta device and given its weights, from a checkpoint and from a random preset: torch's Python
+    references of meta-device ops (nn.Embedding's normal_, Module.to_empty's empty_like) import torch._dynamo and
+    sympy."""
+    code = ("import json, sys; from service.model.loader import load_tower; "
+            f"a, _ = load_tower({str(full_checkpoint)!r}); b, _ = load_tower('random:tiny'); "
+            "print(json.dumps({m: m in sys.modules for m in ('torch._dynamo', 'sympy')} | "
+            "{'loaded': sum(p.numel() for p in a.parameters()) > 0 and not any(p.is_meta for p in b.parameters())}))")
+    assert _run(code) == {"torch._dynamo": False, "sympy": False, "loaded": True}
