@@ -19,7 +19,9 @@ if os.environ.get("TRACE_FILE"):
         os.write(_fd, f"{time.perf_counter_ns()} {os.getpid()} {threading.get_native_id()} {label}\n".encode())
 
     def wrap(owner, name, label):
-        f = getattr(owner, name)
+        f = getattr(owner, name, None)
+        if f is None:  # another revision's server (`run --root`) may not have it
+            return
         if inspect.iscoroutinefunction(f):
             async def g(*a, **k):
                 mark(label + "<")
