@@ -48,9 +48,12 @@ def test_the_device_count_without_torch_is_torchs():
 def test_loading_a_tower_imports_neither_dynamo_nor_sympy(full_checkpoint):
     """Built on the meta device and given its weights, from a checkpoint and from a random preset: torch's Python
     references of meta-device ops (nn.Embedding's normal_, Module.to_empty's empty_like) import torch._dynamo and
-    sympy."""
-    code = ("import json, sys; from service.model.loader import load_tower; "
+    sympy. transformers' config classes (which read a checkpoint's config.json) are imported first: what they
+    import is theirs (some versions import both)."""
+    code = ("import json, sys; from transformers import Qwen3VLConfig; from service.model.loader import load_tower; "
+            "seen = lambda: {m: m in sys.modules for m in ('torch._dynamo', 'sympy')}; before = seen(); "
             f"a, _ = load_tower({str(full_checkpoint)!r}); b, _ = load_tower('random:tiny'); "
-            "print(json.dumps({m: m in sys.modules for m in ('torch._dynamo', 'sympy')} | "
-            "{'loaded': sum(p.numel() for p in a.parameters()) > 0 and not any(p.is_meta for p in b.parameters())}))")
-    assert _run(code) == {"torch._dynamo": False, "sympy": False, "loaded": True}
+            "print(json.dumps({'before': before, 'after': seen(), "
+            "'loaded': sum(p.numel() for p in a.parameters()) > 0 and not any(p.is_meta for p in b.parameters())}))")
+    got = _run(code)
+    assert got["loaded"] and got["after"] == got["before"], got

@@ -39,6 +39,7 @@ class Encoder:
         self.device, self.dtype = p.device, p.dtype
         self.config = tower.config
         self._luts: dict[bytes, torch.Tensor] = {}  # preprocessing LUTs, on the device
+        self._last_lut: tuple = (None, None)  # the last LUT array asked for, and its table
         # CUDA events of finished forwards, recorded again by later ones (creating one costs 20-100 us of host time)
         self._events: list[torch.cuda.Event] = []
 
@@ -118,10 +119,13 @@ class Encoder:
             frames[offset:offset + n].copy_(staging[at:at + n], non_blocking=True)
 
     def _lut(self, item: Preprocessed) -> torch.Tensor:
+        if item.lut is self._last_lut[0]:  # the preprocessor's own array, shared by its images
+            return self._last_lut[1]
         key = item.lut.tobytes()
         table = self._luts.get(key)
         if table is None:
             table = self._luts[key] = lut_table(item.lut, self.dtype, self.device)
+        self._last_lut = (item.lut, table)
         return table
 
     @torch.inference_mode()
