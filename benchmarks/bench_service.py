@@ -19,7 +19,8 @@ then start 2 on the same cache (`ready_s_second`), and on it the same single ima
 nothing else (`single_image_fresh_p50_ms`), then, twice: SIGKILL of the engine process, then seconds until /ready
 answers 200 again and an image is served (`recovery_s`, the front-ends up throughout).
 
-`--startup-only` runs the starts and recoveries alone (results in `service_startup.json`).
+`--startup-only` runs the starts, the single image on the fresh server and the recoveries alone, then that image's
+forward in-process (results in `service_startup.json`).
 
 Ratios: uniform images/s over the forward's images/s at 32 x 448 px; mixed patches/s over the forward's patches/s
 on the same photos.
@@ -328,6 +329,8 @@ def recovery_s(url: str, body: bytes, kills: int = 2, settle_s: float = 10.0) ->
 
 
 def startup(model: str, port: int, body: bytes) -> dict:
+    """Two starts on one cache directory, the single image on the second (fresh) server, the engine's recoveries;
+    then, the server gone, that image's forward in this process (as `forward_rates` times it)."""
     cache_dir = tempfile.mkdtemp(prefix="qwen3vl-cache-")
     server, url, first = start_server(model, port, cache_dir)
     print(f"ready after {first:.1f} s (empty cache)", flush=True)
@@ -335,10 +338,31 @@ def startup(model: str, port: int, body: bytes) -> dict:
     server, url, second = start_server(model, port, cache_dir)
     print(f"ready after {second:.1f} s (second start, same cache)", flush=True)
     try:
+        single_fresh = single_image(url, body)
+        print(f"single image, fresh server: {single_fresh}", flush=True)
         recoveries = recovery_s(url, body)
     finally:
         stop_server(server)
-    return {"ready_s_first": first, "ready_s_second": second, "recovery_s": recoveries}
+    forward_ms = single_forward_ms(model, body)
+    fresh_p50 = max(single_fresh["v1_embeddings"]["p50_ms"], single_fresh["embed_pooled"]["p50_ms"])
+    return {"ready_s_first": first, "ready_s_second": second, "recovery_s": recoveries,
+            "single_image_fresh": single_fresh, "single_image_fresh_p50_ms": fresh_p50,
+            "single_image_forward_ms": forward_ms}
+
+
+def single_forward_ms(model: str, body: bytes, rep_ms: float = 300.0) -> float:
+    """One image's forward, ms, as a CUDA graph of its signature: `forward_rates`' single_image_forward_ms."""
+    import torch
+
+    from service.engine.build import configure_runtime
+    from service.model.encoder import Encoder
+    from service.settings import Settings
+
+    configure_runtime(Settings(model=model))
+    enc = Encoder.load(model, "cuda", "bfloat16")
+    with torch.inference_mode():
+        one = enc.preprocess(body)
+        return _pack_ms(enc.tower, {}, enc.pixels([one]), [one.grid_thw], rep_ms)["graph"]
 
 
 def stop_server(server):
