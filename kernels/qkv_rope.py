@@ -209,6 +209,21 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def linear_then_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, heads: int, *, out: torch.Tensor | None = None,
+                     use_triton: bool | None = None, k_only: bool = False) -> torch.Tensor:
+    """What `qkv_rope_linear` fuses, in two steps: the projection (into `out`'s storage if given) and `qkv_rope_`
+    in place on it; `use_triton` and `k_only` as `qkv_rope_` takes them. Returns `(T, 3, H, D)`."""
+    tokens, n = x.shape[0], weight.shape[0]
+    if out is None:
+        qkv = F.linear(x, weight, bias)
+    elif bias is None:
+        qkv = torch.mm(x, weight.t(), out=out.view(tokens, n))
+    else:
+        qkv = torch.addmm(bias, x, weight.t(), out=out.view(tokens, n))
+    return qkv_rope_(qkv.view(tokens, 3, heads, n // 3 // heads), cos, sin, use_triton=use_triton, k_only=k_only)
+
+
 def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, heads: int, *, tile: tuple | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,13 +240,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
         raise ValueError(f"out must be a contiguous {(tokens, 3, heads, head_dim)} tensor; got {tuple(out.shape)}")
     if not fused_qkv_rope_supported(x, weight, heads) or (
             tile is None and not interpreting() and not gemm_candidates(hidden, head_dim)):
-        if out is None:
-            qkv = F.linear(x, weight, bias)
-        elif bias is None:
-            qkv = torch.mm(x, weight.t(), out=out.view(tokens, n))
-        else:
-            qkv = torch.addmm(bias, x, weight.t(), out=out.view(tokens, n))
-        return qkv_rope_(qkv.view(tokens, 3, heads, head_dim), cos, sin)
+        return linear_then_rope(x, weight, bias, cos, sin, heads, out=out)
     out = torch.empty((tokens, n), dtype=x.dtype, device=x.device) if out is None else out.view(tokens, n)
 
     def run(c):

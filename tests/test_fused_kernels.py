@@ -260,6 +260,38 @@ def test_qkv_rope_linear_falls_back():
     assert torch.equal(qkv_rope_linear(x, w, b, cos, sin, 2), reference_qkv_rope_linear(x, w, b, cos, sin, 2))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 1, 64), (7, 2, 72), (131, 3, 80)])
+def test_linear_then_rope_into_a_buffer(tokens, heads, head_dim, bias):
+    """The unfused projection and rotation (the tower's path where the fused kernel does not run): into a
+    given buffer, it equals the allocating call bit for bit, and both are within float32 rounding of a float64
+    computation; `k_only` leaves Q as projected and rotates K the same."""
+    from kernels.qkv_rope import linear_then_rope
+
+    g = torch.Generator().manual_seed(tokens * head_dim)
+    hidden = heads * head_dim
+    x = torch.randn(tokens, hidden, generator=g)
+    w = torch.randn(3 * hidden, hidden, generator=g) / hidden**0.5
+    b = torch.randn(3 * hidden, generator=g) if bias else None
+    cos, sin = vision_rope_cos_sin(torch.randint(0, 40, (tokens, 2), generator=g), vision_rope_inv_freq(head_dim))
+    got = linear_then_rope(x, w, b, cos, sin, heads, use_triton=False)
+    buf = torch.full((tokens, 3, heads, head_dim), float("nan"))
+    into = linear_then_rope(x, w, b, cos, sin, heads, out=buf, use_triton=False)
+    assert into.data_ptr() == buf.data_ptr() and torch.equal(into, got)
+    lin = x.double() @ w.double().T + (b.double() if bias else 0)
+    lin = lin.view(tokens, 3, heads, head_dim)
+    c, s = cos.double()[:, None, :], sin.double()[:, None, :]
+    half = head_dim // 2
+    exact = lin.clone()
+    for i in (0, 1):
+        x1, x2 = lin[:, i, :, :half], lin[:, i, :, half:]
+        exact[:, i] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-4, atol=1e-4)
+    k_only = linear_then_rope(x, w, b, cos, sin, heads, use_triton=False, k_only=True)
+    torch.testing.assert_close(k_only[:, 0].double(), lin[:, 0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(k_only[:, 1:], got[:, 1:])
+
+
 @pytest.mark.parametrize("batch,frames,height,width,channels,patch", [
     (1, 1, 32, 32, 3, 16),  # one merge block
     (1, 1, 64, 160, 3, 16),  # not square

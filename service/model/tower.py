@@ -34,7 +34,7 @@ from kernels.attention import check_backend
 from kernels import resolve_backend, triton_supported, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.pos_embed import pos_embed_add_
-from kernels.qkv_rope import fused_qkv_rope_supported, qkv_rope_, qkv_rope_linear
+from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_linear
 
 from .config import TowerConfig
 
@@ -264,17 +264,14 @@ class Attention(nn.Module):
         """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated (only K where the attention kernel rotates Q),
         into `out` if given. `backend` is the tower's (it decides the fused projection), `attention` the attention
         call's."""
-        tokens = x.shape[0]
         q_in_kernel = attention == "triton" and options.rope_q_in_kernel
         if (backend == "triton" and options.fused_qkv_rope and not q_in_kernel
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             return qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out)
-        flat = self.qkv(x) if out is None else torch.addmm(self.qkv.bias, x, self.qkv.weight.t(),
-                                                            out=out.view(tokens, -1))
-        qkv = flat.view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3*H*D] -> [T, 3, H, D]
         # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per
         # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
-        return qkv_rope_(qkv, cos, sin, use_triton=_fused(backend), k_only=q_in_kernel)
+        return linear_then_rope(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out,
+                                use_triton=_fused(backend), k_only=q_in_kernel)
 
     def attend(self, qkv, plan: "PackPlan", options: TowerOptions, attention: str,
                out: torch.Tensor | None = None, windowed: bool = False) -> torch.Tensor:
