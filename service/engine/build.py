@@ -37,8 +37,25 @@ def configure_runtime(settings: Settings) -> None:
     into `cache_dir` (unless TRITON_CACHE_DIR names another place)."""
     set_cublaslt_workspace(settings.cublaslt_workspace_kib)
     configure_attention(tma_descriptors=settings.tma_descriptors, launch_plans=settings.launch_plans)
-    if settings.cache_dir:
-        os.environ.setdefault("TRITON_CACHE_DIR", str(Path(settings.cache_dir) / "triton"))
+    if settings.cache_dir and "TRITON_CACHE_DIR" not in os.environ:
+        os.environ["TRITON_CACHE_DIR"] = _writable_dir(Path(settings.cache_dir) / "triton")
+
+
+def _writable_dir(path: Path) -> str:
+    """`path`, created, where this process can write into it; else a fresh temporary directory, with a warning: a
+    cache volume that is read-only or owned by another user costs every start its compiles, not the start itself
+    (Triton fails every compile where it cannot write its cache)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+        return str(path)
+    except OSError as e:
+        fallback = tempfile.mkdtemp(prefix="qwen3vl-triton-")
+        log.warning("the kernel cache directory %s is not writable (%s); compiling into %s, which is not kept: every "
+                    "start compiles and tunes the kernels again. Mount a volume this user can write at "
+                    "QWEN3VL_CACHE_DIR.", path, e, fallback)
+        return fallback
 
 
 def tuning_cache(settings: Settings, device: torch.device) -> Path | None:
