@@ -453,10 +453,7 @@ class BucketedTower:
             self._framer.replay()
         else:  # not captured (no CUDA): the same patchify, eagerly
             self._patchify_frame()
-        self.bucketed += 1
-        self.whole_forwards += 1
-        self.padded_tokens += tokens - plan.num_tokens
-        return self._buckets[tokens].run(None, plan, deepstack)
+        return self._run_bucket(tokens, None, plan, deepstack)
 
     def plan(self, grids) -> PackPlan:
         key = _signature(grids)
@@ -482,6 +479,11 @@ class BucketedTower:
         if tokens is None:
             self.eager += 1
             return self.tower(pixel_values, plan)
+        return self._run_bucket(tokens, pixel_values, plan, deepstack)
+
+    def _run_bucket(self, tokens: int, pixel_values: torch.Tensor | None, plan: PackPlan,
+                    deepstack: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_Bucket.run` of the bucket of `tokens`, counted (`bucketed`, `whole_forwards`, `padded_tokens`)."""
         self.bucketed += 1
         self.padded_tokens += tokens - plan.num_tokens
         bucket = self._buckets[tokens]
