@@ -6,13 +6,20 @@ The same images go through two paths:
    faster: the ceiling the service can reach.
 2. Service: `qwen3vl-encoder serve` with nothing but the model, host and port set (every other setting its
    default), and a fresh cache directory. 64 concurrent clients in 4 load-generator processes each POST one JPEG
-   per request to /embed (format=safetensors, deepstack=false).
+   per request to /embed (format=safetensors, deepstack=false). Every request's bytes are its own (a JPEG comment
+   holding a counter: `unique`), so that, except where the cache is measured, nothing is answered from the
+   server's embedding cache.
 
 Phases, in order, against one server:
 - start 1 (empty cache): seconds from launch to /ready (`ready_s_first`);
 - mixed photos (224-1536 px per side, fixed seed): the first 30 s after ready (cold window), then 10 s of warm-up
   and 20 s measured (warm window), latency percentiles per size class;
 - uniform 448 px photos: 10 s warm-up, 20 s measured;
+- the encoder tier: the same photos asking for vLLM's layout (`format=vllm`: bfloat16, the merged tokens and the
+  DeepStack levels, 4x the bytes of the tokens alone), read by 8 generator processes; 10 s warm-up, 20 s measured,
+  with the generator's CPU per process (`epd_generator_max_cpu_fraction`: well under 1, it is not the limit);
+- the embedding cache: one client (curl), the same 448 px JPEG again and again, pooled vector only
+  (`cache_hit_p50_ms`), and the same image in new bytes each time (`cache_miss_p50_ms`);
 - one client, curl, a 448 px JPEG: /v1/embeddings and /embed?embeddings=false&pooling=mean, p50 of 40 requests
   (`single_image_p50_ms`: the slower route);
 then start 2 on the same cache (`ready_s_second`), and on it the same single image on a server that has served
@@ -50,6 +57,9 @@ from benchmarks.common import environment, wait_until_ready, write_results
 
 CLIENTS, PROCS = 64, 4
 PARAMS = {"format": "safetensors", "deepstack": "false"}
+# the encoder tier: vLLM's layout (bfloat16, the merged tokens and DeepStack levels), read by more generator
+# processes: each reply is 4x the bytes of the merged tokens alone
+EPD_PARAMS, EPD_PROCS = {"format": "vllm"}, 8
 # the server's own account of a request's time (X-*-Time-Ms), recorded per request
 TIMING_HEADERS = {name: f"x-{name}-time-ms" for name in ("preprocess", "queue", "inference", "total")}
 SIZE_CLASSES = (("small", 512), ("medium", 1024), ("large", 1 << 30))  # by the longer side, in pixels
@@ -70,6 +80,13 @@ def photo_jpegs(sizes, seed=0) -> list[bytes]:
         img.save(buf, "JPEG", quality=90)
         out.append(buf.getvalue())
     return out
+
+
+def unique(jpeg: bytes, n: int) -> bytes:
+    """`jpeg` with a comment segment holding `n`: the same pixels in other bytes, so that no request is answered
+    from the server's embedding cache (what a stream of distinct photos gets)."""
+    text = b"request %d" % n
+    return jpeg[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + jpeg[2:]
 
 
 def mixed_sizes(n: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -158,13 +175,14 @@ def _pack_ms(tower, paths: dict, px, grids, rep_ms: float) -> dict[str, float]:
 # -- load ------------------------------------------------------------------------------------------------------------
 
 
-def _client_proc(url, bodies, tags, clients, phases, conn):
-    """Closed-loop clients; `phases` is [(name, seconds)] run back to back. Sends back, per phase, the (tag,
-    latency) of every 200 completed inside it and the count of every other status."""
+def _client_proc(url, bodies, tags, clients, phases, conn, params, proc):
+    """Closed-loop clients; `phases` is [(name, seconds)] run back to back, each request's body one of `bodies` made
+    unique (`unique`). Sends back, per phase, the (tag, latency) of every 200 completed inside it, the count of every
+    other status, and this process's CPU seconds and reply bytes (the generator's own load)."""
     import aiohttp
 
     async def run():
-        records = {name: {"ok": [], "errors": {}} for name, _ in phases}
+        records = {name: {"ok": [], "errors": {}, "cpu_s": 0.0, "bytes": 0} for name, _ in phases}
         bounds, t = [], time.perf_counter()
         for name, seconds in phases:
             bounds.append((name, t, t + seconds))
@@ -175,11 +193,13 @@ def _client_proc(url, bodies, tags, clients, phases, conn):
             async def loop(k):
                 i = k
                 while time.perf_counter() < end:
+                    body = unique(bodies[i % len(bodies)], proc * 10**9 + i)
                     t0 = time.perf_counter()
+                    size = 0
                     try:
-                        async with s.post(f"{url}/embed", params=PARAMS, data=bodies[i % len(bodies)],
+                        async with s.post(f"{url}/embed", params=params, data=body,
                                           headers={"content-type": "image/jpeg"}) as r:
-                            await r.read()
+                            size = len(await r.read())
                             status = r.status
                             timing = [float(r.headers.get(h, "nan")) for h in TIMING_HEADERS.values()]
                     except aiohttp.ClientError as e:
@@ -188,12 +208,21 @@ def _client_proc(url, bodies, tags, clients, phases, conn):
                     for name, start, stop in bounds:
                         if start <= t0 and t1 <= stop:
                             rec = records[name]
+                            rec["bytes"] += size
                             if status == 200:
                                 rec["ok"].append((tags[i % len(bodies)], t1 - t0, *timing))
                             else:
                                 rec["errors"][str(status)] = rec["errors"].get(str(status), 0) + 1
                     i += clients
-            await asyncio.gather(*(loop(k) for k in range(clients)))
+
+            async def cpu_clock():  # this process's CPU seconds within each phase
+                for name, start, stop in bounds:
+                    await asyncio.sleep(max(0.0, start - time.perf_counter()))
+                    c0 = time.process_time()
+                    await asyncio.sleep(max(0.0, stop - time.perf_counter()))
+                    records[name]["cpu_s"] = time.process_time() - c0
+
+            await asyncio.gather(cpu_clock(), *(loop(k) for k in range(clients)))
         return records
 
     conn.send(asyncio.run(run()))
@@ -206,16 +235,17 @@ def _engine_counters(url) -> tuple[float, int, float]:
     return time.perf_counter(), engine["forwards"], engine["gpu_busy_s"]
 
 
-def load(url, bodies, tags, patches, phases) -> dict:
-    """`CLIENTS` closed-loop clients over `PROCS` processes through `phases`; per measured phase images/s, patches/s,
-    p50/p99 overall and per tag, errors, the medians of the server's timing headers, and the engine's forwards and
-    GPU busy fraction (from /info at the phase's bounds, as this process sees them)."""
+def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS) -> dict:
+    """`CLIENTS` closed-loop clients over `procs` processes through `phases`; per measured phase images/s, patches/s,
+    p50/p99 overall and per tag, errors, the medians of the server's timing headers, the engine's forwards and GPU
+    busy fraction (from /info at the phase's bounds, as this process sees them), and the load generator's own CPU
+    (the busiest process's fraction of a core) and reply bytes/s."""
     ctx = mp.get_context("spawn")
     pipes, workers = [], []
-    for p in range(PROCS):
+    for p in range(procs):
         a, b = ctx.Pipe()
-        w = ctx.Process(target=_client_proc, args=(url, bodies[p::PROCS], tags[p::PROCS], CLIENTS // PROCS, phases,
-                                                   b))
+        w = ctx.Process(target=_client_proc, args=(url, bodies[p::procs], tags[p::procs], CLIENTS // procs, phases,
+                                                   b, params, p))
         w.start()
         pipes.append(a)
         workers.append(w)
@@ -247,7 +277,10 @@ def load(url, bodies, tags, patches, phases) -> dict:
                "server_p50_ms": {name: float(np.nanmedian([r[2 + k] for r in ok]))
                                  for k, name in enumerate(TIMING_HEADERS)},
                "forwards": f1 - f0, "images_per_forward": len(ok) / max(1, f1 - f0),
-               "gpu_busy_fraction": (b1 - b0) / (t1 - t0)}
+               "gpu_busy_fraction": (b1 - b0) / (t1 - t0),
+               "generator": {"processes": procs, "reply_bytes_per_s": sum(o[name]["bytes"] for o in outs) / seconds,
+                             "max_cpu_fraction": max(o[name]["cpu_s"] for o in outs) / seconds,
+                             "cpu_fraction_per_process": [o[name]["cpu_s"] / seconds for o in outs]}}
         if size is not None:
             row["patches_per_s"] = sum(size[r[0]] for r in ok) / seconds
             by_class: dict[str, list[float]] = {}
@@ -260,16 +293,19 @@ def load(url, bodies, tags, patches, phases) -> dict:
     return result
 
 
-def curl_p50(url: str, path: str, body_file: str, ctype: str, n: int = 40) -> dict:
-    """p50/p99 of curl's total time for `n` requests (after 5 unmeasured), and the medians of the server's timing
-    headers: where the time goes."""
+def curl_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40, cache: str | None = "miss") -> dict:
+    """p50/p99 of curl's total time for `n` requests (after 5 unmeasured), request i sending `body_files[i % len]`,
+    and the medians of the server's timing headers: where the time goes. `cache`: the X-Cache every measured reply
+    must carry."""
     times, headers = [], {name: [] for name in TIMING_HEADERS}
     for i in range(n + 5):
         out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-D", "-", "-w", "%{http_code} %{time_total}", "-X",
-                              "POST", "-H", f"content-type: {ctype}", "--data-binary", f"@{body_file}",
-                              f"{url}{path}"], capture_output=True, text=True, check=True).stdout
+                              "POST", "-H", f"content-type: {ctype}", "--data-binary",
+                              f"@{body_files[i % len(body_files)]}", f"{url}{path}"],
+                             capture_output=True, text=True, check=True).stdout
         code, total = out.rsplit("\n", 1)[-1].split()
         assert code == "200", out
+        assert i < 5 or cache is None or f"x-cache: {cache}" in out.lower(), out
         if i >= 5:
             times.append(float(total) * 1000)
             got = dict(line.lower().split(": ", 1) for line in out.splitlines() if ": " in line)
@@ -279,15 +315,35 @@ def curl_p50(url: str, path: str, body_file: str, ctype: str, n: int = 40) -> di
             "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
 
 
-def single_image(url: str, jpeg: bytes) -> dict:
-    """One client posting one JPEG at a time: `curl_p50` of `/v1/embeddings` and of the pooled-only `/embed`."""
-    with tempfile.NamedTemporaryFile(suffix=".jpg") as jpg, tempfile.NamedTemporaryFile(suffix=".json") as js:
-        jpg.write(jpeg)
-        jpg.flush()
-        js.write(json.dumps({"input": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()}).encode())
-        js.flush()
-        return {"v1_embeddings": curl_p50(url, "/v1/embeddings", js.name, "application/json"),
-                "embed_pooled": curl_p50(url, "/embed?embeddings=false&pooling=mean", jpg.name, "image/jpeg")}
+def single_image(url: str, jpeg: bytes, n: int = 40) -> dict:
+    """One client posting one JPEG at a time, each request's bytes its own (`unique`: none answered from the cache):
+    `curl_p50` of `/v1/embeddings` and of the pooled-only `/embed`."""
+    with tempfile.TemporaryDirectory() as d:
+        jpgs, jsons = [], []
+        for i in range(n + 5):  # the two routes' results would be the same cache entries: bytes of their own too
+            jpgs.append(os.path.join(d, f"{i}.jpg"))
+            with open(jpgs[-1], "wb") as f:
+                f.write(unique(jpeg, 7_000_000 + i))
+            jsons.append(os.path.join(d, f"{i}.json"))
+            with open(jsons[-1], "wb") as f:
+                body = base64.b64encode(unique(jpeg, 7_500_000 + i)).decode()
+                f.write(json.dumps({"input": "data:image/jpeg;base64," + body}).encode())
+        return {"v1_embeddings": curl_p50(url, "/v1/embeddings", jsons, "application/json", n),
+                "embed_pooled": curl_p50(url, "/embed?embeddings=false&pooling=mean", jpgs, "image/jpeg", n)}
+
+
+def cache_latency(url: str, jpeg: bytes, n: int = 40) -> dict:
+    """One client (curl), a 448 px JPEG, the pooled vector alone: the same bytes again and again (`hit`: answered
+    from the embedding cache), and the same image in bytes of its own each time (`miss`)."""
+    path = "/embed?embeddings=false&pooling=mean"
+    with tempfile.TemporaryDirectory() as d:
+        files = []
+        for i in range(n + 5):
+            files.append(os.path.join(d, f"{i}.jpg"))
+            with open(files[-1], "wb") as f:
+                f.write(unique(jpeg, 8_000_000 + i))
+        return {"hit": curl_p50(url, path, files[:1], "image/jpeg", n, cache="hit"),
+                "miss": curl_p50(url, path, files, "image/jpeg", n, cache="miss")}
 
 
 def start_server(model: str, port: int, cache_dir: str):
@@ -308,7 +364,7 @@ def recovery_s(url: str, body: bytes, kills: int = 2, settle_s: float = 10.0) ->
     not a crash loop); each time, seconds until /ready is 200 and `body` is served."""
     import httpx
 
-    times = []
+    times, sent = [], 0
     for _ in range(kills):
         time.sleep(settle_s)
         pid = httpx.get(f"{url}/info").json()["engine"]["pid"]
@@ -316,8 +372,9 @@ def recovery_s(url: str, body: bytes, kills: int = 2, settle_s: float = 10.0) ->
         os.kill(pid, signal.SIGKILL)
         while True:
             try:
+                sent += 1
                 if httpx.get(f"{url}/ready", timeout=2).status_code == 200 and httpx.post(
-                        f"{url}/embed", content=body, headers={"content-type": "image/jpeg"},
+                        f"{url}/embed", content=unique(body, 9_000_000 + sent), headers={"content-type": "image/jpeg"},
                         params={"embeddings": "false", "pooling": "mean"}, timeout=30).status_code == 200:
                     break
             except httpx.TransportError as e:
@@ -385,6 +442,9 @@ def plot(d: dict, path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     bars = [("uniform 448 px, warm", d["uniform"]["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
              f"{d['uniform']['warm']['images_per_s']:.0f} / {fwd['uniform']['images_per_s']:.0f} img/s")]
+    if "epd" in d:
+        bars.append(("vLLM layout 448 px, warm", d["epd"]["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
+                     f"{d['epd']['warm']['images_per_s']:.0f} / {fwd['uniform']['images_per_s']:.0f} img/s"))
     for phase in ("cold", "warm"):
         row = d["mixed"][phase]
         bars.append((f"mixed, {phase}", row["patches_per_s"] / fwd["mixed"]["patches_per_s"],
@@ -468,6 +528,11 @@ def main():
                            [("_warmup", args.warmup_s), ("warm", args.measure_s)])
         if profiler is not None:
             profiler.wait(120)
+        epd_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))],
+                       [pre(uniform[0]).num_patches] * len(uniform),
+                       [("_warmup", args.warmup_s), ("warm", args.measure_s)], params=EPD_PARAMS, procs=EPD_PROCS)
+        cache = cache_latency(url, uniform[0])
+        print(f"embedding cache: {cache}", flush=True)
         single = single_image(url, uniform[0])
         print(f"single image, after the loads: {single}", flush=True)
         import httpx
@@ -489,6 +554,12 @@ def main():
         "uniform_ratio_to_forward": uniform_res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
         "mixed_ratio_to_forward": mixed_res["warm"]["patches_per_s"] / fwd["mixed"]["patches_per_s"],
         "warm_p99_over_p50": uniform_res["warm"]["p99_ms"] / uniform_res["warm"]["p50_ms"],
+        "epd_ratio_to_forward": epd_res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
+        "epd_images_per_s": epd_res["warm"]["images_per_s"],
+        "epd_reply_mb_per_s": epd_res["warm"]["generator"]["reply_bytes_per_s"] / 1e6,
+        "epd_generator_max_cpu_fraction": epd_res["warm"]["generator"]["max_cpu_fraction"],
+        "cache_hit_p50_ms": cache["hit"]["p50_ms"],
+        "cache_miss_p50_ms": cache["miss"]["p50_ms"],
         "mixed_warm_p99_over_p50": mixed_res["warm"]["p99_ms"] / mixed_res["warm"]["p50_ms"],
         "cold_p99_over_warm_p99": mixed_res["cold"]["p99_ms"] / mixed_res["warm"]["p99_ms"],
         "single_image_p50_ms": max(single["v1_embeddings"]["p50_ms"], single["embed_pooled"]["p50_ms"]),
@@ -502,7 +573,8 @@ def main():
     }
     payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": CLIENTS,
                "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd,
-               "uniform": uniform_res, "mixed": mixed_res, "single_image": single,
+               "uniform": uniform_res, "mixed": mixed_res, "epd": {"params": EPD_PARAMS, **epd_res},
+               "embedding_cache": cache, "single_image": single,
                "single_image_fresh": single_fresh,
                "server": {k: info.get(k) for k in ("http_workers", "cuda_graphs", "attention_backend", "limits")}}
     path = write_results("service", payload, args.out)

@@ -144,6 +144,9 @@ class Settings(BaseSettings):
                                  "host memory)")
     engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
+    embedding_cache_mib: int = Field(512, ge=0, description="per HTTP process: results of identical inputs (same "
+                                     "bytes and options) kept and answered without the engine; 0: none kept (identical "
+                                     "inputs in flight still share one encoding)")
     shared_memory_mib: int = Field(64, ge=0, description="per front-end process and engine: shared memory in "
                                    "/dev/shm through which decoded frames reach the engine (frames that do not fit go "
                                    "over the socket, as all do with 0). Containers need room for it: 4 front-ends "

@@ -24,13 +24,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 from .. import __version__, errors
 from ..engine.batching import Engine
 from ..engine.build import build_engine, video_sandbox, warmup
+from ..engine.cache import CachedItem, EncoderCache, cache_key
 from ..engine.remote import EnginePool, RemoteEngine
 from ..errors import InvalidInput
 from ..model.encoder import Encoder
 from ..settings import Settings
 from .metrics import Metrics
 from .middleware import ObserveMiddleware
-from .output import embed_response, openai_response, wants_deepstack
+from .output import LLM_LAYOUTS, embed_response, llm_response, openai_response, wants_deepstack
 from .parsing import check_limits, parse_embed, parse_openai
 from .schemas import EmbedJSON, EmbedOptions
 from .status import HTTPError, install_error_handlers
@@ -49,6 +50,7 @@ class Service:
         self.ready = False
         self._link_tasks: list[asyncio.Task] = []
         self._encoding = 0  # requests in `encode`
+        self.cache = EncoderCache(settings.embedding_cache_mib << 20)
 
     async def start(self):
         """Single process: load and warm the model, then serve. Front-end process: serve at once (/health answers,
@@ -133,8 +135,7 @@ class Service:
         """Preprocess and encode one request's inputs; the results, the items, and the timing headers."""
         eng = self.serving_engine()
         pre = eng.encoder.preprocessor.config
-        check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames,
-                     bool(eng.encoder.config.deepstack_visual_indexes))
+        check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames, self._has_deepstack(eng))
         arrival = time.perf_counter()
         self._encoding += 1
         try:
@@ -143,8 +144,60 @@ class Service:
             self._encoding -= 1
 
     async def _encode(self, eng, request: Request, inputs: list[bytes], opts: EmbedOptions, arrival: float):
+        """Each input from the cache, from an identical input in flight, or encoded here (the misses, preprocessed
+        and submitted together)."""
+        deepstack, tokens = wants_deepstack(opts, self._has_deepstack(eng)), opts.embeddings
+        variant = (self.settings.model, str(eng.encoder.dtype), opts.min_pixels, opts.max_pixels, opts.fps,
+                   opts.num_frames, deepstack, tokens)
+        keys = [cache_key(data, variant) for data in inputs]
+        served: list = [None] * len(inputs)  # (item, result) of each input
+        waits, misses = {}, []
+        for i, key in enumerate(keys):
+            if (hit := self.cache.get(key)) is not None:
+                served[i] = hit
+            elif (future := self.cache.in_flight(key)) is not None:
+                waits[i] = future
+            else:
+                self.cache.lead(key)
+                misses.append(i)
+        self.metrics.cache_items.labels("hit").inc(len(inputs) - len(misses) - len(waits))
+        self.metrics.cache_items.labels("shared").inc(len(waits))
+        self.metrics.cache_items.labels("miss").inc(len(misses))
+        timing, preprocessed = None, time.perf_counter()
+        if misses:
+            try:
+                items, results, timing, preprocessed = await self._encode_misses(
+                    eng, request, [inputs[i] for i in misses], misses, opts, arrival, deepstack, tokens)
+            except BaseException as e:
+                failed = e.index if isinstance(e, InvalidInput) else None
+                for i in misses:  # an input's own error is shared; any other failure, each waiter retries alone
+                    self.cache.finish(keys[i], error=e if i == failed else _Retry())
+                raise
+            for i, item, result in zip(misses, items, results):
+                served[i] = (item, result)
+                self.cache.finish(keys[i], (CachedItem(item.meta), result), shared_buffer=len(misses) > 1)
+            self.metrics.cache_bytes.set(self.cache.bytes)
+        for i, future in waits.items():
+            try:
+                served[i] = await asyncio.shield(future)
+            except InvalidInput as e:
+                raise e.at(i) from e.__cause__
+            except _Retry:
+                (item,), (result,), _, _ = await self._encode_misses(eng, request, [inputs[i]], [i], opts, arrival,
+                                                                     deepstack, tokens)
+                served[i] = (item, result)
+        items, results = [s[0] for s in served], [s[1] for s in served]
+        headers = {"X-Cache": "miss" if misses else "hit",
+                   "X-Preprocess-Time-Ms": f"{(preprocessed - arrival) * 1000:.2f}",
+                   "X-Queue-Time-Ms": f"{(timing.queue_s if timing else 0.0) * 1000:.2f}",
+                   "X-Inference-Time-Ms": f"{(timing.inference_s if timing else 0.0) * 1000:.2f}"}
+        return results, items, headers
+
+    async def _encode_misses(self, eng, request: Request, inputs: list[bytes], indices: list[int], opts: EmbedOptions,
+                             arrival: float, deepstack: bool, tokens: bool):
+        """Preprocess and encode `inputs` (items `indices` of the request) on the engine."""
         alone = self._alone() and len(inputs) == 1
-        items = await asyncio.gather(*(self._preprocess(eng, i, data, opts, alone) for i, data in enumerate(inputs)))
+        items = await asyncio.gather(*(self._preprocess(eng, i, data, opts, alone) for i, data in zip(indices, inputs)))
         preprocessed = time.perf_counter()
         disconnected = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
@@ -153,17 +206,18 @@ class Service:
             if eng.local:
                 self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth + len(items))
             results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
-                                               deepstack=wants_deepstack(opts), tokens=opts.embeddings,
+                                               deepstack=deepstack, tokens=tokens,
                                                poll=self._alone if alone else None)
         finally:
             watcher.cancel()
             if eng.local:
                 self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth)
         self.metrics.observe_request(items, results, timing.queue_s)
-        headers = {"X-Preprocess-Time-Ms": f"{(preprocessed - arrival) * 1000:.2f}",
-                   "X-Queue-Time-Ms": f"{timing.queue_s * 1000:.2f}",
-                   "X-Inference-Time-Ms": f"{timing.inference_s * 1000:.2f}"}
-        return results, items, headers
+        return items, results, timing, preprocessed
+
+    @staticmethod
+    def _has_deepstack(eng) -> bool:
+        return bool(eng.encoder.config.deepstack_visual_indexes)
 
     def _alone(self) -> bool:
         """Whether one request is being encoded in this process."""
@@ -216,6 +270,11 @@ class Service:
         return body
 
 
+class _Retry(Exception):
+    """Handed to the requests waiting on an identical input when its encoding failed for a reason of its own
+    request (a deadline, a disconnect, another input's error): each encodes it itself."""
+
+
 async def _watch_disconnect(request: Request, disconnected: asyncio.Event):
     while True:
         if (await request.receive())["type"] == "http.disconnect":
@@ -255,6 +314,8 @@ async def embed(request: Request):
     svc.check_auth(request)
     inputs, opts = await parse_embed(request, svc.settings)
     results, items, headers = await svc.encode(request, inputs, opts)
+    if opts.format in LLM_LAYOUTS:
+        return llm_response(results, items, opts, svc.settings.model, svc.encoder.config.out_hidden_size, headers)
     return embed_response(results, items, opts, svc.settings.model, svc.encoder.config.out_hidden_size, headers)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from typing import Any
 
@@ -46,9 +47,14 @@ def pooled(results: list[EncodeResult], normalize: bool) -> list[torch.Tensor]:
     return out
 
 
-def wants_deepstack(opts: EmbedOptions) -> bool:
-    """DeepStack features: asked for, or by default with safetensors (the CLI's layout) unless the token embeddings
-    are left out."""
+LLM_LAYOUTS = ("vllm", "sglang")  # formats a language model's server takes as precomputed vision features
+
+
+def wants_deepstack(opts: EmbedOptions, has_deepstack: bool) -> bool:
+    """DeepStack features: part of the LLM layouts where the tower has them; else asked for, or by default with
+    safetensors (the CLI's layout) unless the token embeddings are left out."""
+    if opts.format in LLM_LAYOUTS:
+        return has_deepstack
     return opts.deepstack if opts.deepstack is not None else opts.format == "safetensors" and opts.embeddings
 
 
@@ -57,8 +63,8 @@ def embed_response(results: list[EncodeResult], items: list[Preprocessed], opts:
     pools = pooled(results, opts.normalize) if opts.pooling == "mean" else None
     if opts.format == "safetensors":
         tensors = result_tensors(results, pooled=pools)
-        dropped = (() if wants_deepstack(opts) else ("deepstack.",)) + (() if opts.embeddings else ("embeds.",))
-        tensors = {k: v for k, v in tensors.items() if not k.startswith(dropped)}
+        if not opts.embeddings:
+            tensors = {k: v for k, v in tensors.items() if not k.startswith("embeds.")}
         if opts.dtype:
             tensors = {k: v.to(getattr(torch, opts.dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
         return Response(safetensors_save(tensors), media_type="application/octet-stream", headers=headers)
@@ -91,3 +97,84 @@ def openai_response(results: list[EncodeResult], model: str, encoding_format: st
     tokens = sum(r.num_tokens for r in results)
     return orjson_response({"object": "list", "data": data, "model": model,
                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
+
+
+def llm_features(r: EncodeResult, dtype: torch.dtype) -> torch.Tensor:
+    """`[num_tokens, (1 + levels) * out_hidden]` in `dtype`: the merged tokens, then each DeepStack level in order,
+    along the last dimension. vLLM's and SGLang's Qwen3-VL split a precomputed feature there at out_hidden
+    (Qwen2.5-VL: the merged tokens alone). Assembled in numpy (bfloat16 as its bits): torch's CPU `cat` of bfloat16
+    along the last dimension is an order of magnitude slower."""
+    pieces = [r.embeds, *r.deepstack]
+    as_numpy = (lambda t: t.to(dtype).view(torch.int16).numpy()) if dtype == torch.bfloat16 else (
+        lambda t: t.to(dtype).numpy())
+    n, width = r.embeds.shape
+    out = np.empty((n, len(pieces), width), dtype=as_numpy(r.embeds[:0]).dtype)
+    for level, t in enumerate(pieces):
+        out[:, level] = as_numpy(t)
+    features = torch.from_numpy(out.reshape(n, -1))
+    return features.view(torch.bfloat16) if dtype == torch.bfloat16 else features
+
+
+def torch_base64(t: torch.Tensor) -> bytes:
+    """base64 of `torch.save(t)`: how vLLM's embedding content parts carry a tensor (read back with
+    `torch.load(..., weights_only=True)`)."""
+    buf = io.BytesIO()
+    torch.save(t.contiguous(), buf)
+    return pybase64.b64encode(buf.getbuffer())
+
+
+class _Blob:
+    """A JSON string value written into the body as it is (base64: nothing to escape), not through orjson, which
+    would scan megabytes of it again."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+
+def _json_with_blobs(body: Any) -> bytes:
+    blobs: list[bytes] = []
+
+    def placeholder(obj):
+        if isinstance(obj, _Blob):
+            blobs.append(obj.data)
+            return f"\x00blob\x00{len(blobs) - 1}"
+        raise TypeError(type(obj).__name__)
+
+    pieces = orjson.dumps(body, default=placeholder, option=orjson.OPT_SERIALIZE_NUMPY).split(b'"\\u0000blob\\u0000')
+    out = [pieces[0]]
+    for piece in pieces[1:]:  # each starts with the blob's number and its closing quote
+        number, rest = piece.split(b'"', 1)
+        out += [b'"', blobs[int(number)], b'"', rest]
+    return b"".join(out)
+
+
+def llm_response(results: list[EncodeResult], items: list[Preprocessed], opts: EmbedOptions, model: str,
+                 out_hidden: int, headers: dict) -> Response:
+    """`format=vllm`: per input, the dict of a vLLM `image_embeds` content part (`{"image_embeds": B64,
+    "image_grid_thw": B64}`, each base64 of `torch.save`; a video's `video_embeds` / `video_grid_thw`, as vLLM's
+    `multi_modal_data` takes them). `format=sglang`: per input, SGLang's `precomputed_embedding` item (`feature` as
+    numbers, `image_grid_thw` / `video_grid_thw` as `[[t, h, w]]`) for its `image_data` / `video_data`. Features in
+    `dtype`, bfloat16 by default."""
+    dtype = getattr(torch, opts.dtype or "bfloat16")
+    data = []
+    for i, (it, r) in enumerate(zip(items, results)):
+        kind = it.kind
+        feature = llm_features(r, dtype)
+        entry: dict[str, Any] = {"index": i, "type": kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens,
+                                 "shape": list(feature.shape)}
+        if opts.format == "vllm":
+            grid = torch.tensor([r.grid_thw], dtype=torch.int64)
+            entry[f"{kind}_embeds"] = {f"{kind}_embeds": _Blob(torch_base64(feature)),
+                                       f"{kind}_grid_thw": _Blob(torch_base64(grid))}
+        else:
+            entry[f"{kind}_data"] = {"format": "precomputed_embedding", "feature": feature.float().numpy(),
+                                     f"{kind}_grid_thw": [list(r.grid_thw)]}
+        if kind == "video":
+            entry["video"] = {k: it.meta[k] for k in ("frame_indices", "timestamps", "source_frames", "source_fps")}
+        data.append(entry)
+    body = {"model": model, "format": opts.format, "dtype": str(dtype).removeprefix("torch."), "data": data,
+            "out_hidden_size": out_hidden, "deepstack_levels": int(results[0].deepstack.shape[0]) if results else 0,
+            "usage": {"images": sum(it.kind == "image" for it in items),
+                      "videos": sum(it.kind == "video" for it in items),
+                      "tokens": sum(r.num_tokens for r in results)}}
+    return Response(_json_with_blobs(body), media_type="application/json", headers=headers)

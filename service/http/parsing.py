@@ -146,6 +146,14 @@ def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_fr
                  has_deepstack: bool = True) -> None:
     """Options against the server's limits and model (`max_pixels`: the default upper bound of a request's
     max_pixels, `max_frames`: the video processor's, `has_deepstack`: whether the tower has DeepStack taps)."""
+    if opts.format in ("vllm", "sglang"):
+        asked = [name for name, on in (("pooling=mean", opts.pooling == "mean"), ("normalize", opts.normalize),
+                                       ("embeddings=false", not opts.embeddings),
+                                       ("deepstack=false", opts.deepstack is False and has_deepstack),
+                                       ("encoding=base64", opts.encoding == "base64")) if on]
+        if asked:
+            raise HTTPError(422, "invalid_options", f"format={opts.format} is that server's layout of the tokens "
+                                                    f"(and DeepStack features); {', '.join(asked)} does not apply")
     if opts.deepstack and not has_deepstack:
         raise HTTPError(422, "invalid_options", "deepstack=true: this model's tower has no DeepStack features "
                                                 "(Qwen2.5-VL returns the merged tokens and the pooled vector)")

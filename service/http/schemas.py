@@ -7,7 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class EmbedOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    format: str = Field("json", pattern="^(json|safetensors)$")
+    # vllm / sglang: per input, the precomputed-feature layout that server takes (service.http.output.llm_response)
+    format: str = Field("json", pattern="^(json|safetensors|vllm|sglang)$")
     encoding: str = Field("float", pattern="^(float|base64)$")
     dtype: str | None = Field(None, pattern="^(float32|float16|bfloat16)$")
     deepstack: bool | None = None  # default: false for JSON, true for safetensors (the CLI's layout)

@@ -1,0 +1,180 @@
+"""The embedding cache: identical inputs with identical options are answered without the engine, identical inputs in
+flight share one encoding, bad input is refused every time, and the byte budget holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+
+from conftest import encode_bytes, photos
+from servers import serve
+from service.engine.cache import CachedItem, EncoderCache, cache_key
+from service.model.encoder import EncodeResult
+
+PHOTO = encode_bytes(photos()["coffee"].resize((120, 90)), "JPEG")
+OTHER = encode_bytes(photos()["chelsea"].resize((90, 120)), "PNG")
+
+
+class Counting:
+    """Wraps the engine's preprocess and submit: how often each ran (and an optional delay, to overlap requests)."""
+
+    def __init__(self, monkeypatch, engine, delay_s: float = 0.0):
+        self.preprocessed, self.submitted = 0, 0
+        preprocess, submit = engine.preprocess, engine.submit
+
+        async def counted_preprocess(*a, **kw):
+            self.preprocessed += 1
+            await asyncio.sleep(delay_s)
+            return await preprocess(*a, **kw)
+
+        async def counted_submit(items, **kw):
+            self.submitted += len(items)
+            return await submit(items, **kw)
+
+        monkeypatch.setattr(engine, "preprocess", counted_preprocess)
+        monkeypatch.setattr(engine, "submit", counted_submit)
+
+
+@pytest.fixture
+def server(monkeypatch):
+    with serve(max_wait_ms=5) as (url, app):
+        yield url, Counting(monkeypatch, app.state.service.engine, delay_s=0.2)
+
+
+def _post(url, body, query="", ctype="image/jpeg"):
+    return httpx.post(f"{url}/embed{query}", content=body, headers={"content-type": ctype}, timeout=60)
+
+
+def test_a_hit_does_not_reach_the_engine(server):
+    url, counts = server
+    first = _post(url, PHOTO, "?pooling=mean")
+    assert first.status_code == 200 and first.headers["x-cache"] == "miss"
+    assert (counts.preprocessed, counts.submitted) == (1, 1)
+    again = _post(url, PHOTO, "?pooling=mean")
+    assert again.status_code == 200 and again.headers["x-cache"] == "hit"
+    assert (counts.preprocessed, counts.submitted) == (1, 1)
+    assert again.json()["data"] == first.json()["data"]
+    # other renderings of the same result are hits too; other options are not
+    assert _post(url, PHOTO, "?pooling=mean&encoding=base64&dtype=float16").headers["x-cache"] == "hit"
+    for query in ("?pooling=mean&max_pixels=4096", "?pooling=mean&embeddings=false", "?pooling=mean&deepstack=true"):
+        assert _post(url, PHOTO, query).headers["x-cache"] == "miss", query
+    assert counts.submitted == 4
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'qwen3vl_embedding_cache_items_total{result="hit"} 2.0' in metrics
+    assert 'qwen3vl_embedding_cache_items_total{result="miss"} 4.0' in metrics
+    assert "qwen3vl_embedding_cache_bytes" in metrics
+
+
+def test_a_request_of_hits_and_misses(server):
+    url, counts = server
+    assert _post(url, PHOTO).status_code == 200
+    files = [("file", ("a", PHOTO, "image/jpeg")), ("file", ("b", OTHER, "image/png")), ("file", ("c", PHOTO, "x/y"))]
+    r = httpx.post(f"{url}/embed", files=files, timeout=60)
+    assert r.status_code == 200 and r.headers["x-cache"] == "miss"
+    assert counts.submitted == 2  # the first photo, then only the other one
+    data = r.json()["data"]
+    assert data[0]["embeddings"] == data[2]["embeddings"] != data[1]["embeddings"]
+    assert [d["index"] for d in data] == [0, 1, 2]
+
+
+def test_identical_requests_in_flight_share_one_forward(server):
+    url, counts = server
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(c.post(f"{url}/embed", content=OTHER, headers={"content-type": "image/png"})
+                                          for _ in range(8)))
+
+    replies = asyncio.run(burst())
+    assert all(r.status_code == 200 for r in replies)
+    assert counts.submitted == 1 and counts.preprocessed == 1
+    assert sorted(r.headers["x-cache"] for r in replies) == ["hit"] * 7 + ["miss"]
+    assert len({r.content for r in replies}) == 1
+
+
+def test_bad_input_is_refused_every_time_with_its_own_index(server):
+    url, counts = server
+    bad = PHOTO[: len(PHOTO) // 3]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(
+                c.post(f"{url}/embed", content=bad, headers={"content-type": "image/jpeg"}),
+                c.post(f"{url}/embed", files=[("file", ("a", OTHER, "image/png")), ("file", ("b", bad, "x/y"))]))
+
+    for _ in range(2):
+        alone, second = asyncio.run(burst())
+        assert alone.status_code == second.status_code == 422
+        assert alone.json()["error"]["index"] == 0 and second.json()["error"]["index"] == 1
+    assert _post(url, OTHER, ctype="image/png").status_code == 200
+
+
+def test_an_input_shared_with_a_failing_request_is_still_served(server):
+    """A request whose other input is bad fails; the request waiting on its good input encodes that itself."""
+    url, _ = server
+
+    async def together():
+        async with httpx.AsyncClient(timeout=60) as c:
+            failing = asyncio.create_task(c.post(f"{url}/embed", files=[("file", ("a", OTHER, "image/png")),
+                                                                        ("file", ("b", b"not an image", "x/y"))]))
+            await asyncio.sleep(0.05)  # the first request leads OTHER's encoding
+            good = await c.post(f"{url}/embed", content=OTHER, headers={"content-type": "image/png"})
+            return await failing, good
+
+    failing, good = asyncio.run(together())
+    assert failing.status_code == 422 and failing.json()["error"]["index"] == 1
+    assert good.status_code == 200, good.text
+
+
+def _entry(n_bytes: int, fill: float = 0.0):
+    n = n_bytes // 4
+    result = EncodeResult(embeds=torch.full((n, 1), fill), deepstack=torch.empty(0, n, 1), grid_thw=(1, 2, 2),
+                          pooled=torch.empty(0), num_tokens=n)
+    return CachedItem({"kind": "image"}), result
+
+
+def test_byte_budget_least_recently_used_first_out():
+    async def run():
+        cache = EncoderCache(max_bytes=1000)
+        keys = [cache_key(bytes([i]), ("model", "opts")) for i in range(4)]
+        for k in keys[:3]:
+            cache.lead(k)
+            cache.finish(k, _entry(400))
+        assert len(cache) == 2 and cache.bytes == 800  # the third pushed the first out
+        assert cache.get(keys[0]) is None and cache.get(keys[1]) is not None  # keys[1] is now the most recent
+        cache.lead(keys[3])
+        cache.finish(keys[3], _entry(400))
+        assert cache.get(keys[2]) is None and cache.get(keys[1]) is not None and cache.bytes == 800
+        big = cache_key(b"big", ("model", "opts"))
+        cache.lead(big)
+        cache.finish(big, _entry(4000))  # larger than the budget: served, not kept
+        assert cache.get(big) is None and cache.bytes == 800
+        # a view of a larger reply buffer is copied, so that the entry holds only its own bytes
+        item, result = _entry(400)
+        result.embeds = torch.zeros(1000, 1)[:100]
+        view = cache_key(b"view", ("model", "opts"))
+        cache.lead(view)
+        cache.finish(view, (item, result))
+        assert cache.get(view)[1].embeds.untyped_storage().nbytes() == 400
+
+    asyncio.run(run())
+
+
+def test_keys_never_cross_models_or_options():
+    base = cache_key(PHOTO, ("model-a", "torch.bfloat16", None, None, None, None, True, True))
+    assert base == cache_key(PHOTO, ("model-a", "torch.bfloat16", None, None, None, None, True, True))
+    assert base != cache_key(PHOTO, ("model-b", "torch.bfloat16", None, None, None, None, True, True))
+    assert base != cache_key(PHOTO, ("model-a", "torch.float32", None, None, None, None, True, True))
+    assert base != cache_key(PHOTO, ("model-a", "torch.bfloat16", 256, None, None, None, True, True))
+    assert base != cache_key(OTHER, ("model-a", "torch.bfloat16", None, None, None, None, True, True))
+
+
+def test_no_budget_keeps_nothing(monkeypatch):
+    with serve(embedding_cache_mib=0) as (url, app):
+        counts = Counting(monkeypatch, app.state.service.engine)
+        assert _post(url, PHOTO).headers["x-cache"] == "miss"
+        assert _post(url, PHOTO).headers["x-cache"] == "miss"
+        assert counts.submitted == 2
