@@ -153,10 +153,12 @@ def run_with_engine_process(settings: Settings) -> int:
     finish their queues and exit; 0 when all of that went cleanly. When every engine has given up: 2 if the model
     could not be loaded, 3 if the engines crash-looped."""
     import os
+    import shutil
     import tempfile
 
     import uvicorn
 
+    from .engine.cache import make_cache_dir
     from .engine.supervisor import EngineSupervisor
 
     workdir = tempfile.mkdtemp(prefix="qwen3vl-")
@@ -170,7 +172,9 @@ def run_with_engine_process(settings: Settings) -> int:
         os.makedirs(metrics_dir)
     devices = settings.resolved_devices()
     sockets = [os.path.join(workdir, f"engine-{i}.sock") for i in range(len(devices))]
+    cache_dir = make_cache_dir() if settings.embedding_cache_mib else None  # shared by the front-ends
     settings = settings.model_copy(update={"engine_socket": ",".join(sockets), "devices": ",".join(devices),
+                                           "embedding_cache_path": cache_dir,
                                            "http_workers": settings.resolved_http_workers(),
                                            "cuda_graphs": settings.resolved_cuda_graphs()})
     env = {**settings.as_env(), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
@@ -207,6 +211,8 @@ def run_with_engine_process(settings: Settings) -> int:
         engine.start()
     frontends.run()  # returns on SIGTERM/SIGINT, or when every engine supervisor gave up, once the front-ends drained
     codes = [engine.stop(settings.graceful_shutdown_s + 30) for engine in engines]
+    if cache_dir:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     given_up = [e.exit_code for e in engines if e.exit_code is not None]
     if len(given_up) == len(engines):
         return max(given_up)

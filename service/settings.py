@@ -133,7 +133,7 @@ class Settings(BaseSettings):
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding one engine process that owns the model; 0: one process does "
-                                     "everything (service.engine.process). Default: 4 on CUDA (fewer on small hosts), 0 on CPU")
+                                     "everything (service.engine.process). Default: on CUDA one per two cores, at most 8; 0 on CPU")
     engine_restart_backoff_s: float = Field(0.5, ge=0, description="wait before restarting a dead engine process; "
                                             "doubles with each death inside the crash window")
     engine_max_restarts: int = Field(5, ge=0, description="engine deaths within engine_restart_window_s beyond "
@@ -144,9 +144,10 @@ class Settings(BaseSettings):
                                  "host memory)")
     engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
-    embedding_cache_mib: int = Field(512, ge=0, description="per HTTP process: results of identical inputs (same "
-                                     "bytes and options) kept and answered without the engine; 0: none kept (identical "
-                                     "inputs in flight still share one encoding)")
+    embedding_cache_mib: int = Field(512, ge=0, description="results of identical inputs (same bytes and options) kept "
+                                     "in shared memory, for every HTTP process, and answered without the engine; 0: "
+                                     "none kept (identical inputs in flight in one process still share one encoding)")
+    embedding_cache_path: str | None = Field(None, description="internal: the cache's directory, made by `serve`")
     shared_memory_mib: int = Field(64, ge=0, description="per front-end process and engine: shared memory in "
                                    "/dev/shm through which decoded frames reach the engine (frames that do not fit go "
                                    "over the socket, as all do with 0). Containers need room for it: 4 front-ends "
@@ -214,7 +215,7 @@ class Settings(BaseSettings):
             return self.http_workers
         if not self.resolved_device().startswith("cuda"):
             return 1 if self.devices and len(self.resolved_devices()) > 1 else 0
-        return max(1, min(4, (os.cpu_count() or 4) // 4))
+        return max(1, min(8, (os.cpu_count() or 4) // 2))
 
     def resolved_cuda_graphs(self) -> bool:
         """Graphs pay off once the engine's host work is not shared with HTTP handling (measured on H100: in one

@@ -160,10 +160,11 @@ def _bytes(size: str) -> int:
 
 
 def test_shared_memory_room_for_every_front_end():
-    """Decoded frames reach the engine through /dev/shm (`shared_memory_mib` per front-end): compose and the pod
-    give it room for the default front-ends' arenas, beyond Docker's and Kubernetes' 64 MiB default."""
+    """Decoded frames reach the engine through /dev/shm (`shared_memory_mib` per front-end and engine), and the
+    embedding cache lives there: compose and the pod give it room for the most front-ends a GPU host gets by default
+    and the cache, beyond Docker's and Kubernetes' 64 MiB default."""
     settings = Settings()
-    need = 4 * (settings.shared_memory_mib << 20)  # front-end processes on a GPU host
+    need = (8 + 1) * (settings.shared_memory_mib << 20) + (settings.embedding_cache_mib << 20) * 9 // 8
     assert _bytes(COMPOSE["services"]["encoder"]["shm_size"]) >= need
     pod = K8S_DOCS[("Deployment", "qwen3vl-encoder")]["spec"]["template"]["spec"]
     (container,) = pod["containers"]

@@ -4,6 +4,7 @@ flight share one encoding, bad input is refused every time, and the byte budget 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from conftest import encode_bytes, photos
 from servers import serve
-from service.engine.cache import CachedItem, EncoderCache, cache_key
+from service.engine.cache import CachedItem, EncoderCache, cache_key, encode_entry
 from service.model.encoder import EncodeResult
 
 PHOTO = encode_bytes(photos()["coffee"].resize((120, 90)), "JPEG")
@@ -129,38 +130,68 @@ def test_an_input_shared_with_a_failing_request_is_still_served(server):
     assert good.status_code == 200, good.text
 
 
-def _entry(n_bytes: int, fill: float = 0.0):
+def _entry(n_bytes: int, fill: float = 0.0, meta=None):
     n = n_bytes // 4
-    result = EncodeResult(embeds=torch.full((n, 1), fill), deepstack=torch.empty(0, n, 1), grid_thw=(1, 2, 2),
+    result = EncodeResult(embeds=torch.full((n, 1), float(fill)), deepstack=torch.empty(0, n, 1), grid_thw=(1, 2, 2),
                           pooled=torch.empty(0), num_tokens=n)
-    return CachedItem({"kind": "image"}), result
+    return CachedItem(meta or {"kind": "image"}), result
 
 
-def test_byte_budget_least_recently_used_first_out():
+def _put(cache, key, value):
     async def run():
-        cache = EncoderCache(max_bytes=1000)
-        keys = [cache_key(bytes([i]), ("model", "opts")) for i in range(4)]
-        for k in keys[:3]:
-            cache.lead(k)
-            cache.finish(k, _entry(400))
-        assert len(cache) == 2 and cache.bytes == 800  # the third pushed the first out
-        assert cache.get(keys[0]) is None and cache.get(keys[1]) is not None  # keys[1] is now the most recent
-        cache.lead(keys[3])
-        cache.finish(keys[3], _entry(400))
-        assert cache.get(keys[2]) is None and cache.get(keys[1]) is not None and cache.bytes == 800
-        big = cache_key(b"big", ("model", "opts"))
-        cache.lead(big)
-        cache.finish(big, _entry(4000))  # larger than the budget: served, not kept
-        assert cache.get(big) is None and cache.bytes == 800
-        # a view of a larger reply buffer is copied, so that the entry holds only its own bytes
-        item, result = _entry(400)
-        result.embeds = torch.zeros(1000, 1)[:100]
-        view = cache_key(b"view", ("model", "opts"))
-        cache.lead(view)
-        cache.finish(view, (item, result))
-        assert cache.get(view)[1].embeds.untyped_storage().nbytes() == 400
+        cache.lead(key)
+        cache.finish(key, value)
 
     asyncio.run(run())
+
+
+def test_entries_round_trip(tmp_path):
+    """Every dtype and shape a result holds, empty outputs and a video's description included."""
+    cache = EncoderCache(str(tmp_path), 1 << 20)
+    meta = {"kind": "video", "frame_indices": [0, 3, 6, 9], "timestamps": [0.25, 1.25], "source_frames": 10,
+            "source_fps": 8.0}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        result = EncodeResult(embeds=torch.randn(7, 48).to(dtype), deepstack=torch.randn(2, 7, 48).to(dtype),
+                              grid_thw=(2, 2, 14), pooled=torch.randn(48), num_tokens=7)
+        key = cache_key(str(dtype).encode(), ("m",))
+        _put(cache, key, (CachedItem(meta), result))
+        item, got = cache.get(key)
+        assert item.kind == "video" and item.meta == meta and got.grid_thw == (2, 2, 14) and got.num_tokens == 7
+        for name in ("embeds", "deepstack", "pooled"):
+            assert getattr(got, name).dtype == getattr(result, name).dtype
+            assert torch.equal(getattr(got, name), getattr(result, name)), (dtype, name)
+    empty = EncodeResult(embeds=torch.empty(0, 48), deepstack=torch.empty(0, 7, 48), grid_thw=(1, 2, 14),
+                         pooled=torch.randn(48), num_tokens=7)
+    _put(cache, "empty", (CachedItem({"kind": "image"}), empty))
+    assert cache.get("empty")[1].embeds.shape == (0, 48)
+    (tmp_path / "damaged").write_bytes(b"\x05\x00\x00\x00{}")  # a damaged entry is a miss, not an error
+    assert cache.get("damaged") is None and cache.get("absent") is None
+
+
+def test_processes_share_entries(tmp_path):
+    """Two caches on one directory (two front-end processes): what one wrote, the other reads."""
+    a, b = EncoderCache(str(tmp_path), 1 << 20), EncoderCache(str(tmp_path), 1 << 20)
+    key = cache_key(PHOTO, ("m",))
+    _put(a, key, _entry(400, fill=3.0))
+    assert b.get(key)[1].embeds[0, 0] == 3.0
+
+
+def test_byte_budget_least_recently_used_first_out(tmp_path):
+    entry = len(b"".join(bytes(memoryview(p)) for p in encode_entry(*_entry(10_000))))
+    cache = EncoderCache(str(tmp_path), 8 * entry + 100)  # an eighth of it: a pass after each write
+    keys = [cache_key(bytes([i]), ("model", "opts")) for i in range(12)]
+    for i, k in enumerate(keys):
+        _put(cache, k, _entry(10_000, fill=i))
+        os.utime(tmp_path / k, (1000 + i, 1000 + i))  # distinct times, whatever the clock's resolution
+        if i == 9:
+            assert cache.get(keys[0]) is None  # the oldest went first
+            assert cache.get(keys[5]) is not None  # used: now the most recent
+            os.utime(tmp_path / keys[5], (2000, 2000))
+    assert cache.bytes <= 8 * entry + 100
+    assert cache.get(keys[5]) is not None and cache.get(keys[11]) is not None
+    assert sum(f.stat().st_size for f in tmp_path.iterdir()) <= 8 * entry + 100
+    _put(cache, "big", _entry(8 * entry))  # over an eighth of the budget: served, not kept
+    assert cache.get("big") is None
 
 
 def test_keys_never_cross_models_or_options():

@@ -544,3 +544,32 @@ def test_tensors_read_from_a_reply_equal_what_was_sent(dtype):
         got, offset = tensor_at(payload, offset, tuple(t.shape), dtype)
         assert got.dtype == dtype and got.shape == t.shape and torch.equal(got, t)
     assert offset == len(payload)
+
+
+def test_the_embedding_cache_is_shared_by_every_front_end():
+    """One image encoded once, then asked for again on 24 new connections, which the kernel spreads over 4 front-ends:
+    every one a hit, and the engine ran no further forward; the cache's directory goes with the server."""
+    import http.client
+
+    body = _images(1, seed=21)[0]
+    with server(4) as (url, proc):
+        port = int(url.rsplit(":", 1)[1])
+
+        def post():
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            c.request("POST", "/embed?pooling=mean", body, {"content-type": "image/png"})
+            r = c.getresponse()
+            reply = (r.status, r.getheader("x-cache"), r.read())
+            c.close()
+            return reply
+
+        first = post()
+        assert first[:2] == (200, "miss")
+        forwards = httpx.get(f"{url}/info").json()["engine"]["forwards"]
+        again = [post() for _ in range(24)]
+        assert {(status, cache) for status, cache, _ in again} == {(200, "hit")}
+        assert {data for _, _, data in again} == {first[2]}
+        assert httpx.get(f"{url}/info").json()["engine"]["forwards"] == forwards
+        path = httpx.get(f"{url}/info").json()["embedding_cache"]["path"]
+        assert os.path.isdir(path) and os.listdir(path)
+    assert not os.path.exists(path)

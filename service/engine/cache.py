@@ -1,22 +1,44 @@
-"""A content-addressed cache of encoded items, in front of the engine.
+"""A content-addressed cache of encoded items, in front of the engine, shared by the server's HTTP processes.
 
-A chat resends its images on every turn. An item whose bytes, options and model match an earlier one is answered
-from here: neither decoded nor sent to the engine. Identical items in flight at once share one encoding: the first
-(the leader) encodes, the others wait for its result. Only results are kept; an input that fails fails each request
-that sends it, each with its own error.
+A chat resends its images on every turn, and its connections may reach any of the front-end processes. An item
+whose bytes, options and model match an earlier one is answered from here: neither decoded nor sent to the engine.
+Identical items in flight at once in one process share one encoding: the first (the leader) encodes, the others
+wait for its result. Only results are kept; an input that fails fails each request that sends it, each with its own
+error.
 
-The cache is per process (each HTTP front-end keeps its own), bounded in bytes, least recently used first out.
+Entries are files in one directory, in shared memory (/dev/shm) where there is one: a small header (the item's
+description, the result's shapes and dtypes) and the tensors' bytes. A writer renames a finished file into place,
+so a reader never sees half an entry. The directory is bounded in bytes, least recently used out: a hit refreshes
+an entry's time, and a process that has written an eighth of the budget since its last look evicts the oldest
+entries until the whole directory fits (so it may run over by an eighth per process in between).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections import OrderedDict
+import logging
+import os
+import struct
+import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Hashable
 
-import torch
+import orjson
+
+if TYPE_CHECKING:  # torch only where an entry is read or written: `serve`'s main process makes the directory alone
+    from ..model.encoder import EncodeResult
+
+log = logging.getLogger(__name__)
+_HEADER = struct.Struct("<I")
+_DTYPES = {"float32", "bfloat16", "float16", "int64"}
+_FIELDS = ("embeds", "deepstack", "pooled")
+_WRITE_INLINE = 256 << 10  # bytes of a result below which its entry is written on the event loop
+
+
+def _nbytes(result: EncodeResult) -> int:
+    return sum(getattr(result, name).nbytes for name in _FIELDS)
 
 
 @dataclass
@@ -31,85 +53,157 @@ class CachedItem:
         return self.meta.get("kind", "image")
 
 
-@dataclass(frozen=True)
-class CacheKey:
-    digest: bytes  # of the input's bytes
-    variant: Hashable  # everything else the result depends on: model, dtype, sizing and sampling options, outputs
+def cache_key(data: bytes, variant: Hashable) -> str:
+    """The entry's name: a digest of the input's bytes and of everything else its result depends on (`variant`:
+    the model, dtype, sizing and sampling options, the outputs asked for)."""
+    h = hashlib.blake2b(data, digest_size=20)
+    h.update(repr(variant).encode())
+    return h.hexdigest()
 
 
-def cache_key(data: bytes, variant: Hashable) -> CacheKey:
-    return CacheKey(hashlib.blake2b(data, digest_size=20).digest(), variant)
+def encode_entry(item: CachedItem, result: EncodeResult) -> list:
+    """An entry's file: header length, header, then the tensors' bytes."""
+    import torch
+
+    from .protocol import raw_bytes
+
+    tensors = [(name, getattr(result, name)) for name in _FIELDS]
+    header = orjson.dumps({"meta": item.meta, "grid_thw": list(result.grid_thw), "num_tokens": result.num_tokens,
+                           "tensors": [[name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+                                       for name, t in tensors]}, option=orjson.OPT_SERIALIZE_NUMPY)
+    assert all(isinstance(t, torch.Tensor) for _, t in tensors)
+    return [_HEADER.pack(len(header)), header, *(raw_bytes(t) for _, t in tensors)]
 
 
-def _nbytes(value: Any) -> int:
-    return sum(t.nbytes for t in vars(value).values() if isinstance(t, torch.Tensor))
+def decode_entry(data: bytes) -> tuple[CachedItem, EncodeResult]:
+    import torch
 
+    from ..model.encoder import EncodeResult
+    from .protocol import tensor_at
 
-def _own(value: Any, copy: bool) -> Any:
-    """`value` with its tensors copied where they are views of a larger buffer (`copy`: all of them, as when they
-    were read from the reply of several items), so that a cached item keeps only its own bytes alive."""
-    for name, t in vars(value).items():
-        if isinstance(t, torch.Tensor) and (copy or t.untyped_storage().nbytes() > t.nbytes):
-            setattr(value, name, t.clone())
-    return value
+    (n,) = _HEADER.unpack_from(data)
+    header = orjson.loads(data[_HEADER.size:_HEADER.size + n])
+    offset, fields = _HEADER.size + n, {}
+    for name, dtype, shape in header["tensors"]:
+        if name not in _FIELDS or dtype not in _DTYPES:
+            raise ValueError(f"unexpected tensor {name} of {dtype}")
+        fields[name], offset = tensor_at(data, offset, shape, getattr(torch, dtype))
+    if offset != len(data):
+        raise ValueError("entry of the wrong length")
+    return CachedItem(header["meta"]), EncodeResult(grid_thw=tuple(header["grid_thw"]),
+                                                    num_tokens=header["num_tokens"], **fields)
 
 
 class EncoderCache:
-    """`(CachedItem, result)` entries by `CacheKey`, within `max_bytes` of result tensors (0: nothing is kept, but
-    identical items in flight still share one encoding)."""
+    """Entries under `path` within `max_bytes` (0: nothing is kept, but identical items in flight still share one
+    encoding)."""
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[CacheKey, tuple[Any, int]] = OrderedDict()
-        self._in_flight: dict[CacheKey, asyncio.Future] = {}
+    def __init__(self, path: str | None, max_bytes: int):
+        self.path = path
+        self.max_bytes = max_bytes if path else 0
+        self.bytes = 0  # of the directory, at this process's last look
+        self._written = 0  # by this process since its last look
+        self._in_flight: dict[str, asyncio.Future] = {}
+        self._warned = False
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: CacheKey):
+    def get(self, key: str) -> tuple[CachedItem, EncodeResult] | None:
         """The cached value, or None."""
-        entry = self._entries.get(key)
-        if entry is None:
+        if not self.max_bytes:
             return None
-        self._entries.move_to_end(key)
-        return entry[0]
+        path = os.path.join(self.path, key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            os.utime(path)  # recently used
+            return decode_entry(data)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:  # evicted meanwhile, or damaged: a miss
+            log.debug("embedding cache entry %s unreadable: %s", key, e)
+            return None
 
-    def in_flight(self, key: CacheKey) -> asyncio.Future | None:
-        """The future of the identical item being encoded now, if any."""
+    def in_flight(self, key: str) -> asyncio.Future | None:
+        """The future of the identical item being encoded now in this process, if any."""
         return self._in_flight.get(key)
 
-    def lead(self, key: CacheKey) -> asyncio.Future:
+    def lead(self, key: str) -> asyncio.Future:
         """Mark `key` as being encoded by the caller, who must `finish` it."""
         future = asyncio.get_running_loop().create_future()
         self._in_flight[key] = future
         return future
 
-    def finish(self, key: CacheKey, value: Any = None, error: BaseException | None = None,
-               shared_buffer: bool = False) -> None:
-        """The leader's outcome: `value` is cached and handed to the waiters, or `error` is raised in them.
-        `shared_buffer`: the result's tensors are views of a buffer shared with other results (copied if kept)."""
+    def finish(self, key: str, value: tuple[CachedItem, EncodeResult] | None = None,
+               error: BaseException | None = None) -> None:
+        """The leader's outcome: handed to the waiters (`error` raised in them), and `value` written to the cache (in
+        a thread when it is large: megabytes of an LLM layout's features are not copied on the event loop)."""
         future = self._in_flight.pop(key, None)
-        if error is None:
-            self._put(key, value, shared_buffer)
         if future is not None and not future.done():
             if error is None:
                 future.set_result(value)
             else:
                 future.set_exception(error)
                 future.exception()  # retrieved: no "never retrieved" warning when nobody waits
+        if error is None and self.max_bytes:
+            if _nbytes(value[1]) < _WRITE_INLINE:
+                self._put(key, value)
+            else:
+                asyncio.get_running_loop().run_in_executor(None, self._put, key, value)
 
-    def _put(self, key: CacheKey, value: Any, shared_buffer: bool) -> None:
-        _, result = value
-        size = _nbytes(result)
-        if size > self.max_bytes:
+    def _put(self, key: str, value: tuple[CachedItem, EncodeResult]) -> None:
+        parts = encode_entry(*value)
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size > self.max_bytes // 8:
             return
-        _own(result, shared_buffer)
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.bytes -= old[1]
-        self._entries[key] = (value, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, evicted) = self._entries.popitem(last=False)
-            self.bytes -= evicted
+        tmp = os.path.join(self.path, f".{os.getpid()}-{threading.get_ident()}-{key}")
+        try:
+            with open(tmp, "wb") as f:
+                for p in parts:
+                    f.write(p)
+            os.replace(tmp, os.path.join(self.path, key))
+        except OSError as e:  # no room left in shared memory, or the directory is gone: serve without caching
+            if not self._warned:
+                log.warning("embedding cache: cannot write in %s (%s); results go uncached until there is room",
+                            self.path, e)
+                self._warned = True
+            self._remove(tmp)
+            self._evict(self.max_bytes // 2)
+            return
+        self._written += size
+        if self._written > self.max_bytes // 8:
+            self._evict(self.max_bytes)
+
+    def _evict(self, target: int) -> None:
+        """Remove the least recently used entries until the directory holds at most `target` bytes."""
+        self._written = 0
+        entries = []
+        try:
+            with os.scandir(self.path) as it:
+                for e in it:
+                    if not e.name.startswith("."):
+                        st = e.stat()
+                        entries.append((st.st_mtime, st.st_size, e.path))
+        except OSError:
+            return
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= target:
+                break
+            self._remove(path)
+            total -= size
+        self.bytes = total
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def make_cache_dir() -> str:
+    """A fresh directory for the cache: in shared memory where there is one."""
+    import tempfile
+
+    shm = "/dev/shm"
+    return tempfile.mkdtemp(prefix=f"qwen3vl-embeddings-{int(time.time())}-",
+                            dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)

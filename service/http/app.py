@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import time
 from dataclasses import asdict
 from typing import Any
@@ -24,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 from .. import __version__, errors
 from ..engine.batching import Engine
 from ..engine.build import build_engine, video_sandbox, warmup
-from ..engine.cache import CachedItem, EncoderCache, cache_key
+from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
 from ..engine.remote import EnginePool, RemoteEngine
 from ..errors import InvalidInput
 from ..model.encoder import Encoder
@@ -50,7 +51,10 @@ class Service:
         self.ready = False
         self._link_tasks: list[asyncio.Task] = []
         self._encoding = 0  # requests in `encode`
-        self.cache = EncoderCache(settings.embedding_cache_mib << 20)
+        self._own_cache_dir = settings.embedding_cache_mib and not settings.embedding_cache_path
+        if self._own_cache_dir:  # one process serves: its own directory (`serve` makes one its front-ends share)
+            settings = self.settings = settings.model_copy(update={"embedding_cache_path": make_cache_dir()})
+        self.cache = EncoderCache(settings.embedding_cache_path, settings.embedding_cache_mib << 20)
 
     async def start(self):
         """Single process: load and warm the model, then serve. Front-end process: serve at once (/health answers,
@@ -104,6 +108,8 @@ class Service:
 
     async def stop(self):
         self.ready = False
+        if self._own_cache_dir:
+            shutil.rmtree(self.settings.embedding_cache_path, ignore_errors=True)
         for task in self._link_tasks:
             task.cancel()
         if self.engine is not None:
@@ -175,7 +181,7 @@ class Service:
                 raise
             for i, item, result in zip(misses, items, results):
                 served[i] = (item, result)
-                self.cache.finish(keys[i], (CachedItem(item.meta), result), shared_buffer=len(misses) > 1)
+                self.cache.finish(keys[i], (CachedItem(item.meta), result))
             self.metrics.cache_bytes.set(self.cache.bytes)
         for i, future in waits.items():
             try:
@@ -264,6 +270,8 @@ class Service:
                 body["engine"]["restarts"] = sum(e["restarts"] for e in engines)
                 if len(engines) == 1 and "pid" in engines[0]:
                     body["engine"]["pid"] = engines[0]["pid"]
+        body["embedding_cache"] = {"max_bytes": self.cache.max_bytes, "bytes": self.cache.bytes,
+                                   "path": self.cache.path}
         body["http_workers"] = settings.resolved_http_workers()
         body["http_process"] = os.getpid()  # the front-end process that answered
         body["cuda_graphs"] = settings.resolved_cuda_graphs()
@@ -314,8 +322,9 @@ async def embed(request: Request):
     svc.check_auth(request)
     inputs, opts = await parse_embed(request, svc.settings)
     results, items, headers = await svc.encode(request, inputs, opts)
-    if opts.format in LLM_LAYOUTS:
-        return llm_response(results, items, opts, svc.settings.model, svc.encoder.config.out_hidden_size, headers)
+    if opts.format in LLM_LAYOUTS:  # megabytes to copy and encode: in a thread, the loop serves on meanwhile
+        return await asyncio.to_thread(llm_response, results, items, opts, svc.settings.model,
+                                       svc.encoder.config.out_hidden_size, headers)
     return embed_response(results, items, opts, svc.settings.model, svc.encoder.config.out_hidden_size, headers)
 
 

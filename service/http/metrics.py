@@ -53,8 +53,9 @@ class Metrics:
         self.cache_items = Counter(f"{PREFIX}_embedding_cache_items", "inputs by how they were served: hit (from "
                                    "the cache), shared (an identical input's encoding in flight), miss (encoded)",
                                    ["result"], registry=r)
-        self.cache_bytes = Gauge(f"{PREFIX}_embedding_cache_bytes", "bytes of results held by the embedding cache",
-                                 registry=r, multiprocess_mode="livesum")
+        self.cache_bytes = Gauge(f"{PREFIX}_embedding_cache_bytes", "bytes held by the embedding cache (shared by "
+                                 "the HTTP processes), at the last eviction pass", registry=r,
+                                 multiprocess_mode="livemostrecent")
         self.errors = Counter(f"{PREFIX}_errors", "errors by reason", ["reason"], registry=r)
         # a gauge fixed at 1 rather than an Info metric: multiprocess mode has no Info (same series name)
         self.model_info = Gauge(f"{PREFIX}_model_info", "model, dtype, device and attention backend",
