@@ -573,3 +573,42 @@ def test_the_embedding_cache_is_shared_by_every_front_end():
         path = httpx.get(f"{url}/info").json()["embedding_cache"]["path"]
         assert os.path.isdir(path) and os.listdir(path)
     assert not os.path.exists(path)
+
+
+def test_ready_means_every_front_end_serves():
+    """From the first /ready 200 on, every front-end a new connection reaches can serve: each one marks itself ready
+    once connected to an engine, and /ready counts the marks of all of them."""
+    import http.client
+    import json
+
+    port = free_port()
+    env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICE": "cpu", "QWEN3VL_PORT": str(port),
+           "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_HTTP_WORKERS": "4"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+    def get(path):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            c.request("GET", path)
+            r = c.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            c.close()
+
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if get("/ready")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, "never ready"
+            time.sleep(0.02)
+        infos = [get("/info")[1] for _ in range(32)]
+        assert len({i["http_process"] for i in infos}) >= 2
+        assert {i["engine"]["state"] for i in infos} == {"up"}, [(i["http_process"], i["engine"]) for i in infos]
+    finally:
+        proc.terminate()
+        proc.wait(60)

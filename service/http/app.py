@@ -77,11 +77,53 @@ class Service:
         self.engine = engine
         self._set_ready()
 
+    def _frontends_dir(self) -> str | None:
+        """With front-end processes: where each one marks itself ready (beside the engines' sockets)."""
+        if not self.settings.engine_socket:
+            return None
+        return os.path.join(os.path.dirname(self.settings.engine_socket.split(",")[0]), "frontends-ready")
+
+    def _mark_ready(self, ready: bool) -> None:
+        """This front-end's mark: a file named by its pid, present while it can serve."""
+        folder = self._frontends_dir()
+        if folder is None:
+            return
+        path = os.path.join(folder, str(os.getpid()))
+        try:
+            if ready:
+                os.makedirs(folder, exist_ok=True)
+                open(path, "w").close()
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    def every_frontend_ready(self) -> bool:
+        """Whether all `http_workers` front-ends can serve: a load balancer that saw /ready 200 from one may send the
+        next request to any (marks of processes that died are not counted)."""
+        folder = self._frontends_dir()
+        if folder is None:
+            return True
+        alive = 0
+        try:
+            for name in os.listdir(folder):
+                try:
+                    os.kill(int(name), 0)
+                    alive += 1
+                except (ValueError, ProcessLookupError):
+                    pass
+                except PermissionError:  # alive, another user's
+                    alive += 1
+        except OSError:
+            return False
+        return alive >= self.settings.resolved_http_workers()
+
     def _set_ready(self):
         settings, enc = self.settings, self.encoder
         self.metrics.model_info.labels(settings.model, str(enc.dtype).removeprefix("torch."), str(enc.device),
                                        enc.backend, str(settings.model.startswith("random:")).lower()).set(1)
         self.ready = True
+        self._mark_ready(True)
         log.info("ready: %s (%s), attention backend %s", settings.model, enc.dtype, enc.backend)
 
     async def _follow_engine(self, engine: RemoteEngine):
@@ -103,11 +145,13 @@ class Service:
             why = await engine.disconnected()
             up.set(0)
             self.ready = self.engine.alive
+            self._mark_ready(self.ready)
             log.warning("lost the engine process on %s (%s); %s", engine.device, why,
                         "the other engines serve" if self.ready else "answering 503 until it is back")
 
     async def stop(self):
         self.ready = False
+        self._mark_ready(False)
         if self._own_cache_dir:
             shutil.rmtree(self.settings.embedding_cache_path, ignore_errors=True)
         for task in self._link_tasks:
@@ -345,7 +389,7 @@ async def health():
 @router.get("/ready", summary="Readiness: model loaded and kernels warmed up")
 async def ready(request: Request):
     svc = _service(request)
-    if not (svc.ready and svc.engine_alive):
+    if not (svc.ready and svc.engine_alive and svc.every_frontend_ready()):
         return JSONResponse({"ready": False}, status_code=503)
     return {"ready": True}
 

@@ -131,7 +131,23 @@ class _Blob:
         self.data = data
 
 
-def _json_with_blobs(body: Any) -> bytes:
+class ChunkedResponse(Response):
+    """A body sent as the chunks it was made of (megabytes of base64 among small JSON pieces), without joining
+    them into one more copy first."""
+
+    def __init__(self, chunks: list[bytes], media_type: str, headers: dict):
+        self.chunks = chunks
+        length = sum(len(c) for c in chunks)
+        super().__init__(b"", media_type=media_type, headers={**headers, "content-length": str(length)})
+
+    async def __call__(self, scope, receive, send):
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        last = len(self.chunks) - 1
+        for i, chunk in enumerate(self.chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < last})
+
+
+def _json_with_blobs(body: Any) -> list[bytes]:
     blobs: list[bytes] = []
 
     def placeholder(obj):
@@ -145,7 +161,7 @@ def _json_with_blobs(body: Any) -> bytes:
     for piece in pieces[1:]:  # each starts with the blob's number and its closing quote
         number, rest = piece.split(b'"', 1)
         out += [b'"', blobs[int(number)], b'"', rest]
-    return b"".join(out)
+    return out
 
 
 def llm_response(results: list[EncodeResult], items: list[Preprocessed], opts: EmbedOptions, model: str,
@@ -177,4 +193,4 @@ def llm_response(results: list[EncodeResult], items: list[Preprocessed], opts: E
             "usage": {"images": sum(it.kind == "image" for it in items),
                       "videos": sum(it.kind == "video" for it in items),
                       "tokens": sum(r.num_tokens for r in results)}}
-    return Response(_json_with_blobs(body), media_type="application/json", headers=headers)
+    return ChunkedResponse(_json_with_blobs(body), media_type="application/json", headers=headers)
