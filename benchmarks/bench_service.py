@@ -451,6 +451,7 @@ def plot(d: dict, path) -> None:
                      f"{row['patches_per_s'] / 1e3:.0f}k / {fwd['mixed']['patches_per_s'] / 1e3:.0f}k patches/s"))
     drawn = left.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
     left.bar_label(drawn, labels=[b[2] for b in bars], fontsize=8)
+    left.tick_params(axis="x", labelrotation=15, labelsize=8)
     left.axhline(0.9, color="grey", linestyle="--", linewidth=1)
     left.set_ylabel("service / forward (same images, same run)")
     left.set_title(f"{d['model']}, default settings, {d['clients']} clients")
