@@ -76,14 +76,31 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("files", nargs="+", type=Path)
     enc.set_defaults(func=encode_main)
 
-    srv = sub.add_parser("serve", help="run the HTTP service (settings also from QWEN3VL_* env vars)")
-    srv.add_argument("--model", default=None, help="checkpoint directory or random:<preset>")
-    srv.add_argument("--host", default=None)
-    srv.add_argument("--port", type=int, default=None)
-    srv.add_argument("--device", default=None)
-    srv.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    srv = sub.add_parser("serve", help="run the HTTP service", description="Run the HTTP service. Every setting is a "
+                         "flag and a QWEN3VL_* environment variable (the flag wins); both are validated alike.")
+    add_settings_flags(srv)
     srv.set_defaults(func=serve_main)
     return parser
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per field of `Settings` (`max_batch_patches` -> `--max-batch-patches`), its help the field's
+    description, values and environment variable; values are strings here and validated by `Settings` itself."""
+    import typing
+
+    for name, field in Settings.model_fields.items():
+        description = field.description or ""
+        if description.startswith("internal:"):
+            continue
+        default = field.get_default(call_default_factory=True)
+        if hasattr(default, "get_secret_value"):
+            default = "(set)"
+        values = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else ()
+        metavar = "|".join(values) if values else name.upper()
+        text = f"{description}; " if description else ""
+        text += f"env QWEN3VL_{name.upper()}, default: {default if default is not None else '-'}"
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS, metavar=metavar,
+                            help=text.replace("%", "%%"))
 
 
 def main(argv=None) -> int:

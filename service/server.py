@@ -1,7 +1,9 @@
 """`qwen3vl-encoder serve`: settings from flags and environment, then uvicorn.
 
-On SIGTERM uvicorn stops accepting connections and waits (up to `graceful_shutdown_s`) for requests
-in flight; the app's shutdown then drains the engine, so no accepted request is lost. Exit code 0.
+On SIGTERM the server first drains for `drain_s`: it serves on, /ready answers 503 and every response carries
+`Connection: close`, so clients leave their keep-alive connections (a request sent on an idle one just as the server
+closed it would fail). Then uvicorn stops accepting connections and waits (up to `graceful_shutdown_s`) for requests
+in flight; the app's shutdown drains the engine, so no accepted request is lost. Exit code 0.
 """
 
 from __future__ import annotations
@@ -20,24 +22,6 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 
-def _server_class():
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # uvicorn re-raises the captured signal after its graceful shutdown, so the process would
-            # die "by SIGTERM"; a drained, clean shutdown exits 0 instead
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server
-
-
 def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> socket.socket:
     """A socket bound to the configured address with SO_REUSEPORT, listening: several of them share the address and
     the kernel spreads new connections over them by a hash of each connection's addresses."""
@@ -53,8 +37,13 @@ def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> so
 
 
 def _frontends_class():
+    import os
+    import threading
+
     from uvicorn.config import STARTUP_FAILURE
-    from uvicorn.supervisors.multiprocess import Multiprocess, Process
+    from uvicorn.supervisors.multiprocess import Multiprocess
+
+    from .uvicorn_server import FrontendProcess
 
     class Frontends(Multiprocess):
         """uvicorn's supervisor of the front-end processes, with a listening socket per process.
@@ -65,15 +54,20 @@ def _frontends_class():
         the address with SO_REUSEPORT, and the kernel spreads connections over the slots. A slot's socket belongs
         to this process: a front-end restarted in its slot takes over the connections queued while it was down."""
 
+        draining = False  # the drain was signalled to the front-ends
+        drain_started = False  # ... and is yet to be timed by the supervisor's loop
+
         def __init__(self, config):
             super().__init__(config, sockets=[])
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
             # another process listening on the port would share it silently through SO_REUSEPORT: refuse instead
             listening_socket(config, reuse_port=False, listen=False).close()
             self.slots = [listening_socket(config) for _ in range(config.workers)]
 
         def init_processes(self) -> None:
             for sock in self.slots:
-                process = Process(self.config, [sock])
+                process = FrontendProcess(self.config, [sock])
                 process.start()
                 self.processes.append(process)
 
@@ -90,7 +84,7 @@ def _frontends_class():
                     self.should_exit.set()
                     return
                 log.warning("front-end process %s died; starting another in its slot", process.pid)
-                self.processes[idx] = Process(self.config, [self.slots[idx]])
+                self.processes[idx] = FrontendProcess(self.config, [self.slots[idx]])
                 self.processes[idx].start()
 
         def restart_all(self) -> None:  # SIGHUP
@@ -100,6 +94,28 @@ def _frontends_class():
             log.warning("SIGTTIN: the number of front-end processes is fixed (QWEN3VL_HTTP_WORKERS)")
 
         handle_ttou = handle_ttin
+
+        def _on_signal(self, sig, frame) -> None:
+            # in the signal handler, not at the supervisor's next half-second tick: /ready turns 503 at once
+            if sig in (signal.SIGTERM, signal.SIGINT) and not self.draining and self.config.drain_s > 0:
+                self.draining = True
+                for process in self.processes:
+                    with contextlib.suppress(OSError, TypeError):
+                        os.kill(process.pid, signal.SIGUSR1)
+                self.drain_started = True
+            self.signal_queue.append(sig)
+
+        def handle_term(self) -> None:
+            """The first SIGTERM (or SIGINT): the front-ends drain (SIGUSR1, sent by the handler) for `drain_s`,
+            then they stop; a second one stops them at once."""
+            if self.drain_started:
+                self.drain_started = False
+                log.info("SIGTERM: draining for %.1f s, then stopping", self.config.drain_s)
+                threading.Timer(self.config.drain_s, self.should_exit.set).start()
+                return
+            self.should_exit.set()
+
+        handle_int = handle_term
 
         def terminate_all(self) -> None:
             # Close this process's copies of the listening sockets first: once the front-ends close theirs, the
@@ -112,9 +128,8 @@ def _frontends_class():
 
 
 def settings_from_args(args) -> Settings:
-    overrides = {k: v for k, v in vars(args).items()
-                 if k in ("model", "host", "port", "device", "dtype") and v is not None}
-    return Settings(**overrides)
+    """The flags given (`service.cli.add_settings_flags`: one per field), over the environment."""
+    return Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
 
 
 def run(args) -> int:
@@ -133,11 +148,12 @@ def run(args) -> int:
     # interval it queues behind the event loop for the GIL at every hand-off.
     sys.setswitchinterval(0.0005)
     from .http.app import create_app  # not before run_with_engine_process: it sets up multiprocess metrics first
+    from .uvicorn_server import server_class
 
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.graceful_shutdown_s, access_log=False)
-    server = _server_class()(config)
+    server = server_class(settings.drain_s, app.state.service.start_draining)(config)
     try:
         server.run()
     except CheckpointError as e:
@@ -188,6 +204,7 @@ def run_with_engine_process(settings: Settings) -> int:
     config = uvicorn.Config("service.http.app:frontend_app", factory=True, host=settings.host, port=settings.port,
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
+    config.drain_s = settings.drain_s
     try:
         frontends = _frontends_class()(config)
     except OSError as e:

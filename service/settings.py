@@ -100,7 +100,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     max_inputs_per_request: int = Field(64, ge=1)
     request_timeout_s: float = Field(60.0, gt=0, description="deadline from arrival to response")
-    graceful_shutdown_s: float = Field(30.0, ge=0)
+    drain_s: float = Field(5.0, ge=0, description="on SIGTERM: seconds the server keeps serving with /ready 503 and "
+                           "'Connection: close' on every response, so that clients leave their keep-alive connections "
+                           "before it stops accepting (a second SIGTERM skips the rest)")
+    graceful_shutdown_s: float = Field(30.0, ge=0, description="after the drain: how long requests in flight may "
+                                       "take to finish")
 
     # images
     max_image_pixels: int = Field(40_000_000, ge=1, description="decoded width*height limit (bombs)")

@@ -1,8 +1,8 @@
 """Chaos against the real server processes on the CPU: under steady load the engine process is SIGKILLed twice,
 then the server gets SIGTERM.
 
-Asserted: every response is 200, 429 or 503; no request started before SIGTERM loses its connection; none
-outlives its deadline; the server exits 0 after answering everything it accepted; the front-ends' memory stays
+Asserted, with clients on keep-alive connections: every response is 200, 429 or 503; no request started before
+SIGTERM loses its connection, and none sent on a reused connection after it; none outlives its deadline; the server exits 0 after answering everything it accepted; the front-ends' memory stays
 flat over the run."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_engine_kills_and_sigterm_under_load():
     log: list[tuple[float, float, object]] = []  # (start, end, status code or exception)
     with server(2, QWEN3VL_REQUEST_TIMEOUT_S=str(DEADLINE_S), QWEN3VL_MAX_QUEUE_ITEMS="16") as (url, proc):
         async def client(i: int, c: httpx.AsyncClient, stop: asyncio.Event):
-            n = 0
+            n, fresh = 0, True  # whether the next request goes out on a new connection
             while not stop.is_set():
                 start = time.monotonic()
                 try:
@@ -45,9 +45,12 @@ def test_engine_kills_and_sigterm_under_load():
                                      params={"embeddings": "false", "pooling": "mean"},
                                      headers={"content-type": "image/png"})
                     outcome: object = r.status_code
+                    log.append((start, time.monotonic(), outcome, fresh))
+                    fresh = r.headers.get("connection") == "close"
                 except httpx.TransportError as e:
                     outcome = e
-                log.append((start, time.monotonic(), outcome))
+                    log.append((start, time.monotonic(), outcome, fresh))
+                    fresh = True
                 n += 1
                 if not isinstance(outcome, int):
                     if sigterm_at is None:
@@ -60,10 +63,8 @@ def test_engine_kills_and_sigterm_under_load():
         async def go():
             nonlocal sigterm_at
             stop = asyncio.Event()
-            # no keep-alive: a request is accepted on its own connection, so after SIGTERM it is either refused
-            # (never accepted) or answered
-            limits = httpx.Limits(max_keepalive_connections=0)
-            async with httpx.AsyncClient(timeout=DEADLINE_S + 30, limits=limits) as c:
+            # keep-alive connections, as real clients keep them: the drain closes each after its response
+            async with httpx.AsyncClient(timeout=DEADLINE_S + 30) as c:
                 tasks = [asyncio.create_task(client(i, c, stop)) for i in range(CLIENTS)]
                 pid = (await asyncio.to_thread(_wait_for_engine, url, None))["engine"]["pid"]
                 await asyncio.sleep(3)
@@ -85,18 +86,19 @@ def test_engine_kills_and_sigterm_under_load():
         out = "".join(proc.output)
 
     assert code == 0, out[-3000:]
-    statuses = [o for _, _, o in log if isinstance(o, int)]
+    statuses = [o for _, _, o, _ in log if isinstance(o, int)]
     assert set(statuses) <= {200, 429, 503}, sorted(set(statuses))
     assert statuses.count(200) > 50 and 503 in statuses, (statuses.count(200), statuses.count(503))
-    dropped = [(s, o) for s, _, o in log if not isinstance(o, int) and s < sigterm_at]
+    dropped = [(s, o) for s, _, o, _ in log if not isinstance(o, int) and s < sigterm_at]
     assert not dropped, dropped[:5]
-    late = [e - s for s, e, o in log if isinstance(o, int) and e - s > DEADLINE_S + 2]
+    late = [e - s for s, e, o, _ in log if isinstance(o, int) and e - s > DEADLINE_S + 2]
     assert not late, late
-    # Started after SIGTERM: refused, or answered. A connection the kernel queued in the instant between SIGTERM
-    # and the listening sockets closing, which no process ever accepted, is reset (ReadError), never one the
-    # server took.
-    after = [o for s, _, o in log if s >= sigterm_at]
-    odd = [o for o in after if not isinstance(o, (int, httpx.ConnectError, httpx.ReadError))]
+    # Started after SIGTERM: answered, or, once the server stopped listening, refused. A connection the kernel
+    # queued in the instant the listening sockets closed, which no process ever accepted, is reset (ReadError) at
+    # its first read: never a reused one, which the server had accepted.
+    after = [(o, fresh) for s, _, o, fresh in log if s >= sigterm_at and not isinstance(o, int)]
+    assert all(fresh for _, fresh in after), [repr(o) for o, fresh in after if not fresh][:5]
+    odd = [o for o, _ in after if not isinstance(o, (httpx.ConnectError, httpx.ReadError))]
     assert not odd, odd[:5]
     assert rss_start.keys() == rss_end.keys() and len(rss_start) == 2, (rss_start, rss_end)
     for pid in rss_start:

@@ -92,7 +92,9 @@ def test_gpu_reservation_and_grace_period():
     grace = int(COMPOSE["services"]["encoder"]["stop_grace_period"].rstrip("s"))
     env = COMPOSE["services"]["encoder"]["environment"]
     shutdown = _default(env["QWEN3VL_GRACEFUL_SHUTDOWN_S"]) if "QWEN3VL_GRACEFUL_SHUTDOWN_S" in env else None
-    assert grace > float(shutdown or Settings().graceful_shutdown_s)
+    drain = _default(env["QWEN3VL_DRAIN_S"]) if "QWEN3VL_DRAIN_S" in env else None
+    # SIGTERM, the drain, then requests in flight finish, before compose's SIGKILL
+    assert grace > float(drain or Settings().drain_s) + float(shutdown or Settings().graceful_shutdown_s)
 
 
 def test_healthcheck_uses_the_health_route():
@@ -193,9 +195,10 @@ def test_kubernetes_wiring():
     assert mounts[env["QWEN3VL_CACHE_DIR"]] == "cache" and mounts[env["QWEN3VL_MODEL"]] == "model"
     claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"] if "persistentVolumeClaim" in v}
     assert claims == {name for kind, name in K8S_DOCS if kind == "PersistentVolumeClaim"}
-    # the drain fits in the grace period: preStop, then the server's graceful shutdown
+    # it all fits in the grace period: preStop, the server's drain, then its graceful shutdown
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + float(env["QWEN3VL_GRACEFUL_SHUTDOWN_S"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > (pre_stop + float(env["QWEN3VL_DRAIN_S"])
+                                                          + float(env["QWEN3VL_GRACEFUL_SHUTDOWN_S"]))
     svc = K8S_DOCS[("Service", "qwen3vl-encoder")]
     assert svc["spec"]["selector"].items() <= labels.items() and svc["spec"]["ports"][0]["targetPort"] in ports
     pdb = K8S_DOCS[("PodDisruptionBudget", "qwen3vl-encoder")]

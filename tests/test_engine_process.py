@@ -612,3 +612,60 @@ def test_ready_means_every_front_end_serves():
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_sigterm_drains_keep_alive_connections(run):
+    """32 clients on keep-alive connections (httpx's pool, as locust, requests sessions and the OpenAI client keep
+    them), SIGTERM under load: at once /ready is 503 and each response closes its connection, so that no request goes
+    out on a connection the server is about to close. Every request sent on a connection the server had accepted is
+    answered 200. The clients never stop (no load balancer takes them elsewhere), so they reconnect until the server
+    stops listening: then their connections are refused, or, for one the kernel had queued but no process ever
+    accepted, reset at its first read; a request on a reused connection never fails. Exit 0."""
+    images = _images(6, seed=run)
+    with server(2, QWEN3VL_DRAIN_S="2") as (url, proc):
+        async def go():
+            outcomes, stop = [], asyncio.Event()
+            async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as c:
+                async def client(i):
+                    n, fresh = 0, True  # whether the next request goes out on a new connection
+                    while not stop.is_set():
+                        t = time.monotonic()
+                        try:
+                            r = await c.post(f"{url}/embed", content=images[(i + n) % len(images)],
+                                             params={"embeddings": "false", "pooling": "mean"},
+                                             headers={"content-type": "image/png"})
+                            outcomes.append((t, r.status_code, r.headers.get("connection"), fresh))
+                            fresh = r.headers.get("connection") == "close"
+                        except httpx.TransportError as e:
+                            outcomes.append((t, e, None, fresh))
+                            fresh = True
+                            await asyncio.sleep(0.05)
+                        n += 1
+
+                tasks = [asyncio.create_task(client(i)) for i in range(32)]
+                await asyncio.sleep(1.5)
+                sigterm = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                ready = await c.get(f"{url}/ready")
+                code = await asyncio.to_thread(proc.wait, 60)
+                stop.set()
+                await asyncio.gather(*tasks)
+            return outcomes, sigterm, ready, code
+
+        outcomes, sigterm, ready, code = asyncio.run(go())
+        time.sleep(0.2)
+        out = "".join(proc.output)
+    assert code == 0, out[-3000:]
+    assert ready.status_code == 503 and ready.headers["connection"] == "close"
+    before = [o for t, o, _, _ in outcomes if t < sigterm]
+    assert before and set(before) == {200}, before[:5]
+    answered = [o for t, o, _, _ in outcomes if t >= sigterm and isinstance(o, int)]
+    assert answered and set(answered) == {200}, answered[:5]
+    # the front-ends start draining as soon as the SIGTERM arrives
+    assert {conn for t, o, conn, _ in outcomes if t >= sigterm + 0.1 and isinstance(o, int)} == {"close"}
+    failed = [(o, fresh) for t, o, _, fresh in outcomes if not isinstance(o, int)]
+    assert all(fresh for _, fresh in failed), [repr(o) for o, fresh in failed if not fresh][:5]
+    assert all(isinstance(o, (httpx.ConnectError, httpx.ReadError)) for o, _ in failed), [repr(o) for o, _ in failed]
+    assert "Traceback" not in out, out[-3000:]

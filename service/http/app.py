@@ -13,11 +13,13 @@ import functools
 import logging
 import os
 import shutil
+import signal
 import time
 from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi_offline import FastAPIOffline
 from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
@@ -49,6 +51,7 @@ class Service:
         self.encoder = encoder  # the local Encoder, or the engine process's description (RemoteEncoder)
         self.engine: Engine | EnginePool | None = None
         self.ready = False
+        self.draining = False  # SIGTERM received: /ready 503, every response closes its connection
         self._link_tasks: list[asyncio.Task] = []
         self._encoding = 0  # requests in `encode`
         self._own_cache_dir = settings.embedding_cache_mib and not settings.embedding_cache_path
@@ -97,6 +100,11 @@ class Service:
                 os.unlink(path)
         except OSError:
             pass
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            self.draining = True
+            log.info("draining: /ready answers 503 and every response closes its connection")
 
     def every_frontend_ready(self) -> bool:
         """Whether all `http_workers` front-ends can serve: a load balancer that saw /ready 200 from one may send the
@@ -389,7 +397,7 @@ async def health():
 @router.get("/ready", summary="Readiness: model loaded and kernels warmed up")
 async def ready(request: Request):
     svc = _service(request)
-    if not (svc.ready and svc.engine_alive and svc.every_frontend_ready()):
+    if svc.draining or not (svc.ready and svc.engine_alive and svc.every_frontend_ready()):
         return JSONResponse({"ready": False}, status_code=503)
     return {"ready": True}
 
@@ -413,20 +421,26 @@ async def prometheus(request: Request):
 
 def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
     """The app for `settings`; `encoder`: an already loaded model (tests), else loaded at start-up."""
+    # python-multipart warns once per malformed header line: a hostile body would write thousands of lines; the
+    # request's own 4xx says what was wrong
+    logging.getLogger("python_multipart").setLevel(logging.ERROR)
     metrics = Metrics(max_batch_patches=settings.max_batch_patches)
     service = Service(settings, metrics, encoder)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if settings.engine_socket:  # a front-end process: `serve`'s main process signals the drain
+            asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, service.start_draining)
         await service.start()
         try:
             yield
         finally:
             await service.stop()
 
-    app = FastAPI(title="Qwen3-VL vision encoder", version=__version__, lifespan=lifespan)
+    # /docs with Swagger UI's assets served from the package (fastapi-offline), not a CDN: it works air-gapped
+    app = FastAPIOffline(title="Qwen3-VL vision encoder", version=__version__, lifespan=lifespan)
     install_error_handlers(app, metrics)
-    app.add_middleware(ObserveMiddleware, metrics=metrics)
+    app.add_middleware(ObserveMiddleware, metrics=metrics, closing=lambda: service.draining)
     app.include_router(encoding_router)
     app.include_router(router)
     app.state.metrics = metrics
