@@ -32,11 +32,12 @@ from ..engine.remote import EnginePool, RemoteEngine
 from ..errors import InvalidInput
 from ..model.encoder import Encoder
 from ..settings import Settings
+from . import openapi
 from .metrics import Metrics
 from .middleware import ObserveMiddleware
 from .output import LLM_LAYOUTS, embed_response, llm_response, openai_response, wants_deepstack
 from .parsing import check_limits, parse_embed, parse_openai
-from .schemas import EmbedJSON, EmbedOptions
+from .schemas import EmbedOptions
 from .status import HTTPError, install_error_handlers
 
 log = logging.getLogger(__name__)
@@ -361,14 +362,8 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
-@encoding_router.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features and "
-                                        "pooled vectors",
-                      openapi_extra={"requestBody": {"content": {
-                          "multipart/form-data": {"schema": {"type": "object", "properties": {
-                              "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}},
-                          "image/*": {"schema": {"type": "string", "format": "binary"}},
-                          "video/*": {"schema": {"type": "string", "format": "binary"}},
-                          "application/json": {"schema": EmbedJSON.model_json_schema()}}}})
+@encoding_router.post("/embed", summary="Encode images and videos into merged visual tokens, DeepStack features, "
+                                        "pooled vectors, or the layouts vLLM and SGLang take")
 async def embed(request: Request):
     svc = _service(request)
     svc.check_auth(request)
@@ -443,6 +438,7 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
     app.add_middleware(ObserveMiddleware, metrics=metrics, closing=lambda: service.draining)
     app.include_router(encoding_router)
     app.include_router(router)
+    openapi.install(app)  # request bodies, options and error replies as they are (service.http.openapi)
     app.state.metrics = metrics
     app.state.service = service
     return app
