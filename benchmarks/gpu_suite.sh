@@ -2,6 +2,10 @@
 # One device run: environment, GPU test suite (plus the video-processor parity tests, which need the
 # torchvision the GPU machine has), benchmarks. Everything lands under $OUT.
 # Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|all]...
+# The GPU machine lacks the server's web stack: carry its py3.12 wheels (README of the device tool) for fastapi,
+# fastapi-offline, starlette, uvicorn, httptools, pydantic, pydantic-core, pydantic-settings, python-dotenv,
+# typing-inspection, annotated-types, opentelemetry-api, python-multipart, orjson, pybase64, simplejpeg and av, and
+# set GIT_REVISION (the device's copy of .git may be stale) before bench_service.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-benchmarks/results}
