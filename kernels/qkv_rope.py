@@ -14,13 +14,12 @@ column's rotate-half partner is in the same tile.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from .rope import apply_vision_rope
-from .tuning import cdiv, choose, interpreting, is_hopper, launch, next_power_of_2
+from .tuning import cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, sm_count
 
 try:
     import triton
@@ -204,9 +203,6 @@ def fused_qkv_rope_supported(x, weight, heads) -> bool:
     return interpreting()
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def linear_then_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
@@ -252,7 +248,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
         meta = dict(HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, K_TILES=cdiv(k_dim, bk),
                     num_warps=warps, num_stages=stages)
         if persistent:
-            sms = _sm_count(x.device) if x.is_cuda else 4
+            sms = sm_count(x.device) if x.is_cuda else 4
             launch(_qkv_rope_gemm_persistent, (min(sms, tiles),), *args, NUM_SMS=min(sms, tiles), **meta)
         else:
             launch(_qkv_rope_gemm, (tiles,), *args, **meta)

@@ -32,6 +32,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device`: the persistent kernels' grid."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def is_hopper(device: torch.device) -> bool:
     """Whether the CUDA `device` is sm90 (TMA and wgmma)."""
     return _is_hopper(device.index if device.index is not None else torch.cuda.current_device())

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import signal
 import socket
-import sys
 
 from pydantic import ValidationError
 
@@ -144,9 +143,6 @@ def run(args) -> int:
         return 2
     if settings.resolved_http_workers():
         return run_with_engine_process(settings)
-    # The forward thread dispatches hundreds of CUDA ops per batch; with the default 5 ms switch
-    # interval it queues behind the event loop for the GIL at every hand-off.
-    sys.setswitchinterval(0.0005)
     from .http.app import create_app  # not before run_with_engine_process: it sets up multiprocess metrics first
     from .uvicorn_server import server_class
 

@@ -41,7 +41,7 @@ try:
 except Exception:  # noqa: BLE001 - Triton without Gluon's Hopper API (older, or a changed experimental API)
     gluon = None
 
-from ..tuning import cdiv, launch
+from ..tuning import cdiv, launch, sm_count
 
 if gluon is not None:
     # renamed after Triton 3.6 (the GPU machine's version; CI runs a newer one)
@@ -626,7 +626,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
                      R_ROWS=rem_rows, SUM_ASKED=sum_mma, UNIFORM=uniform, num_warps=num_warps)
     if ws:  # persistent programs, `ws` per SM, each with a one-warp loader partition
         items = cdiv(max_seqlen, block_m) * heads * segments
-        launch(_gl_varlen_attn_ws, (min(items, _sm_count(q.device) * ws),), q_desc, kv_desc, q1_desc, kv1_desc, out,
+        launch(_gl_varlen_attn_ws, (min(items, sm_count(q.device) * ws),), q_desc, kv_desc, q1_desc, kv1_desc, out,
                cu_seqlens, o_stride[0], o_stride[1], k_col, v_col, qk_scale, max_seqlen, heads, items,
                **{**constants, **ws_options(num_warps, ws, maxnreg)})
         return
@@ -655,6 +655,3 @@ def ws_options(num_warps: int, ws: int, maxnreg: int = 0) -> dict:
                 HALF_REGS=(maxnreg * 3 - WS_LOADER_REGS) // 2 // 8 * 8 if halves == 2 else 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

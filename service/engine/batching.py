@@ -25,6 +25,7 @@ import asyncio
 import collections
 import logging
 import multiprocessing
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -123,6 +124,9 @@ class Engine:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self):
+        # The forward thread dispatches hundreds of CUDA ops per pack; with the default 5 ms switch interval it and
+        # the event loop wait that long for the GIL at every hand-off between them.
+        sys.setswitchinterval(0.0005)
         self._wakeup = asyncio.Event()
         self._accepting = True
         self._task = asyncio.create_task(self._batcher(), name="batcher")

@@ -21,7 +21,6 @@ import logging
 import math
 import os
 import signal
-import sys
 import time
 
 import numpy as np
@@ -187,9 +186,6 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         import torch
 
         torch.cuda.set_device(device)  # before anything touches CUDA: kernels launch on the current device
-    # The forward thread dispatches hundreds of CUDA ops per pack; with the default 5 ms switch interval it and the
-    # event loop wait that long for the GIL at every hand-off between them.
-    sys.setswitchinterval(0.0005)
     try:
         return _run(_serve(conn, settings, restarts))
     except errors.EncoderError as e:

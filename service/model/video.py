@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ImageTooLarge, InvalidInput, UnsupportedVideo, VideoTooLong
-from .sizing import smart_resize as image_smart_resize
+from ..errors import ImageTooLarge, UnsupportedVideo, VideoTooLong
+from .sizing import smart_resize
 
 log = logging.getLogger(__name__)
 
@@ -145,30 +145,6 @@ def _sample_qwen2(total: int, source_fps: float | None, config: VideoConfig, fps
     return torch.arange(0, total, total / n).int().numpy()[:n]
 
 
-def smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int,
-                 max_pixels: int) -> tuple[int, int]:
-    """One (height, width) for every frame: multiples of `factor`, `frames * height * width` within
-    [min_pixels, max_pixels], aspect kept (transformers' video `smart_resize`)."""
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidInput(f"aspect ratio {max(height, width) / min(height, width):.0f}:1 of a {width}x{height} "
-                           "video exceeds 200:1")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
-
-
 def timestamps(indices, source_fps: float | None, temporal_patch_size: int) -> list[float]:
     """Seconds of each temporal patch (the mean of its first and last frame), as Qwen3-VL's processor writes
     them into the prompt (`<t seconds>` before each frame's tokens)."""
@@ -215,8 +191,9 @@ def decode(data: bytes, config: VideoConfig, max_frame_pixels: int, temporal_pat
 
             def target(n):
                 if config.per_frame:  # the image smart_resize, the budget bounding each frame
-                    return image_smart_resize(height, width, factor, config.min_pixels, config.max_pixels)
-                return smart_resize(n, height, width, temporal_patch_size, factor, config.min_pixels, config.max_pixels)
+                    return smart_resize(height, width, factor, config.min_pixels, config.max_pixels)
+                return smart_resize(height, width, factor, config.min_pixels, config.max_pixels, n, temporal_patch_size,
+                                    kind="video")
 
             size = target(len(indices))
             frames = _decode_resized(container, stream, indices, size, width, height)
