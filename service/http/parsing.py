@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from ..settings import Settings
+from .output import LLM_LAYOUTS
 from .schemas import EmbedJSON, EmbedOptions, OpenAIEmbeddingRequest
 from .status import HTTPError
 
@@ -146,7 +147,7 @@ def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_fr
                  has_deepstack: bool = True) -> None:
     """Options against the server's limits and model (`max_pixels`: the default upper bound of a request's
     max_pixels, `max_frames`: the video processor's, `has_deepstack`: whether the tower has DeepStack taps)."""
-    if opts.format in ("vllm", "sglang"):
+    if opts.format in LLM_LAYOUTS:
         asked = [name for name, on in (("pooling=mean", opts.pooling == "mean"), ("normalize", opts.normalize),
                                        ("embeddings=false", not opts.embeddings),
                                        ("deepstack=false", opts.deepstack is False and has_deepstack),
