@@ -1,15 +1,13 @@
 """Varlen attention TFLOPS on the GPU: our Triton kernel against every PyTorch path, in one run.
 
-TFLOPS = 4 * sum(n_i^2) * heads * head_dim / time (non-causal forward; RoPE work is not counted).
+TFLOPS = 4 * sum(n_i^2) * heads * head_dim / time (non-causal forward).
 Baselines, each given its preferred layout outside the timed region:
   loop-{flash,cudnn,efficient}: transformers' way, one SDPA call per segment;
   batched-{flash,cudnn}: one (B, H, L, D) SDPA call, only where all lengths are equal;
   varlen_attn: torch.nn.attention.varlen.varlen_attn on packed (T, H, D);
   flex: compiled FlexAttention with a document mask.
-Ours reads q/k/v as strided views of one fused (T, 3, H, D) QKV buffer, as the tower produces them;
-`triton+rope` also rotates Q and K inside the kernel (pointer kernel); `triton+rope(k pass)` is the
-tower's way and includes both steps: one in-place pass rotates K, the kernel rotates Q as it loads it.
-On Hopper `triton` and `triton+rope(k pass)` run the TMA kernel.
+Ours reads q/k/v as strided views of one fused (T, 3, H, D) QKV buffer, as the tower produces them (Q and K
+rotated by the QKV projection's epilogue); on Hopper the tuner picks between the TMA and Gluon kernels.
 
 Usage: python -m benchmarks.bench_attention [--head-dims 64 72] [--cases 1x16384 mixed8] [--no-flex]
 Prints a table, then one JSON line; writes attention.json (+ attention.png) under $OUT or benchmarks/results.
@@ -27,8 +25,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import (ATTENTION_CASES, HEAD_DIMS, HEADS, attention_flops, bench, environment, packed_qkv,
                                print_table, write_results)
-from kernels.qkv_rope import qkv_rope_
-from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.attention.launch import triton_varlen_attention
 from kernels.tuning import tuned_choices
 
@@ -54,24 +50,13 @@ def _flex_fn(lengths, q4, k4, v4):
 
 
 def run_case(lengths, head_dim, flex=True):
-    total, heads = sum(lengths), HEADS
+    heads = HEADS
     flops = attention_flops(lengths, head_dim)
     gen = torch.Generator(device="cuda").manual_seed(0)
     qkv, cu = packed_qkv(lengths, head_dim, gen)
     q, k, v = qkv.unbind(1)
     maxlen = max(lengths)
-    pos = torch.randint(0, 128, (total, 2), device="cuda", generator=gen)
-    cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))
-
-    def k_pass_then_q_in_kernel():  # the tower's way: K rotated by one pass, Q by the attention kernel
-        qkv_rope_(qkv, cos, sin, k_only=True)
-        return triton_varlen_attention(q, k, v, cu, maxlen, cos=cos, sin=sin, rotate_k=False)
-
-    fns = {
-        "triton": lambda: triton_varlen_attention(q, k, v, cu, maxlen),
-        "triton+rope": lambda: triton_varlen_attention(q, k, v, cu, maxlen, cos=cos, sin=sin),
-        "triton+rope(k pass)": k_pass_then_q_in_kernel,
-    }
+    fns = {"triton": lambda: triton_varlen_attention(q, k, v, cu, maxlen)}
     segs = [tuple(t[s:s + n].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
             for s, n in zip(cu[:-1].tolist(), lengths)]
 
@@ -120,14 +105,12 @@ def run_case(lengths, head_dim, flex=True):
             results[name] = {"ms": None, "tflops": None, "error": f"{type(e).__name__}: {str(e)[:160]}"}
     baselines = {k: r for k, r in results.items() if not k.startswith("triton") and r["ms"] is not None}
     best = min(baselines, key=lambda k: baselines[k]["ms"])
-    for name in ("triton", "triton+rope(k pass)", best):
+    for name in ("triton", best):
         results[name]["host_us"] = host_us(fns[name])
     return {
         "lengths": lengths, "head_dim": head_dim, "heads": heads, "flops": flops, "check_rel_err": check,
         "results": results, "best_baseline": best,
         "ratio_vs_best": baselines[best]["ms"] / results["triton"]["ms"],
-        "ratio_rope_vs_best": baselines[best]["ms"] / results["triton+rope"]["ms"],
-        "ratio_rope_kpass_vs_best": baselines[best]["ms"] / results["triton+rope(k pass)"]["ms"],
     }
 
 
@@ -186,12 +169,11 @@ def main():
                   f"{r['ratio_vs_best']:.2f}; host us/call ours {r['results']['triton']['host_us']:.0f}, baseline "
                   f"{r['results'][r['best_baseline']]['host_us']:.0f} (check {r['check_rel_err']:.1e}, "
                   f"{time.time() - t0:.0f}s)", flush=True)
-    names = ["triton", "triton+rope", "triton+rope(k pass)", "loop-flash", "loop-cudnn", "loop-efficient", "batched-flash",
+    names = ["triton", "loop-flash", "loop-cudnn", "loop-efficient", "batched-flash",
              "batched-cudnn", "varlen_attn", "flex"]
     table = [{"d": r["head_dim"], "case": r["case"], **{n: r["results"].get(n, {}).get("tflops") for n in names},
-              "best": r["best_baseline"], "ratio": r["ratio_vs_best"], "ratio(rope)": r["ratio_rope_vs_best"]}
-             for r in rows]
-    print_table(table, ["d", "case", *names, "best", "ratio", "ratio(rope)"])
+              "best": r["best_baseline"], "ratio": r["ratio_vs_best"]} for r in rows]
+    print_table(table, ["d", "case", *names, "best", "ratio"])
     payload = {"benchmark": "varlen_attention", "unit": "TFLOPS", "env": environment(), "rows": rows,
                "choices": {str(k): str(v) for k, v in tuned_choices().items()}}  # the tuner's pick per size class
     path = write_results("attention", payload, args.out)

@@ -162,7 +162,7 @@ def _pack_ms(tower, paths: dict, px, grids, rep_ms: float) -> dict[str, float]:
     """One pack's forward, ms: as a CUDA graph of its signature (captured first, the only graph held), on each of
     `paths`, and the fastest."""
     from benchmarks.common import bench
-    from service.model.graphs import GraphedTower
+    from benchmarks.graphed import GraphedTower
 
     graphed = GraphedTower(tower, max_graphs=1, capture_after=1)
     graphed(px, grids)

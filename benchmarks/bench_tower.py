@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.common import ClockLog, bench, environment, print_table, write_results
 from kernels.qkv_rope import gemm_candidates
 from service.model.config import preset
-from service.model.graphs import GraphedTower
+from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
 from service.model.sizing import smart_resize
 from service.model.tower import layer_segments
@@ -184,8 +184,13 @@ def run_preset(name, workloads, compile_hf):
                             "mfu": flops / ms / 1e9 / PEAK_TFLOPS, "first_call_s": time.time() - t0,
                             "gpu": clocks.summary()}
                 print(f"{name} {wl} {key}: {ms:.2f} ms {res[key]['gpu']}", flush=True)
+        with torch.inference_mode():  # the graphed forward is the eager one on the backend it chose, bit for bit
+            replayed = graphed(pixels, grids)
+            eager = ours(pixels, ours.plan(grids), graphed.attention(grids))
+        same = all(torch.equal(x, y) for x, y in zip(replayed, eager))
+        assert same, f"{name} {wl}: the graphed forward differs from the eager one"
         row = {"preset": name, "workload": wl, "images": n_images, "tokens": tokens, "flops": flops, "results": res,
-               "attention_backend": ours.backend, "graph_attention": graphed.attention(grids),
+               "graph_equals_eager": same, "attention_backend": ours.backend, "graph_attention": graphed.attention(grids),
                "graph_attention_ms": graphed.replay_ms(grids),
                "speedup_vs_hf_eager": res["hf-eager"]["ms"] / res["ours"]["ms"],
                "fraction_of_floor": res["floor"]["ms"] / res["ours"]["ms"]}

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-ATTN_COLS = ["triton", "triton+rope", "triton+rope(k pass)", "loop-flash", "loop-cudnn", "loop-efficient", "batched-flash", "batched-cudnn",
-             "varlen_attn", "flex"]
+ATTN_COLS = ["triton", "loop-flash", "loop-cudnn", "loop-efficient", "batched-flash", "batched-cudnn", "varlen_attn",
+             "flex"]
 
 
 def _f(v, nd=0):
@@ -18,12 +18,12 @@ def attention(path=RESULTS / "attention.json"):
     d = json.loads(path.read_text())
     print(f"GPU {d['env']['gpu']}, torch {d['env']['torch']}, triton {d['env']['triton']}, "
           f"rev {d['env']['git_revision']}, {d['env']['date']}\n")
-    print("| d | case | " + " | ".join(ATTN_COLS) + " | best baseline | ratio | ratio (rope) |")
-    print("|" + "---|" * (len(ATTN_COLS) + 5))
+    print("| d | case | " + " | ".join(ATTN_COLS) + " | best baseline | ratio |")
+    print("|" + "---|" * (len(ATTN_COLS) + 4))
     for r in d["rows"]:
         cells = [_f(r["results"].get(c, {}).get("tflops")) for c in ATTN_COLS]
         print(f"| {r['head_dim']} | {r['case']} | " + " | ".join(cells) +
-              f" | {r['best_baseline']} | {r['ratio_vs_best']:.2f} | {r['ratio_rope_vs_best']:.2f} |")
+              f" | {r['best_baseline']} | {r['ratio_vs_best']:.2f} |")
 
 
 def tower(path):

@@ -36,10 +36,8 @@ if triton is not None:
 
     @triton.jit
     def _qkv_rope_kernel(QKV, COS, SIN, n_chunks, stride_t, stride_s, stride_h, stride_c,
-                         HEADS: tl.constexpr, HALF: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr,
-                         FIRST: tl.constexpr):
-        """Rotates BLOCK chunks of Q and K (only K from FIRST = 1). A chunk is VEC consecutive rotate-half
-        pairs of one head of one token: VEC columns of the first half and their partners, loaded,
+                         HEADS: tl.constexpr, HALF: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+        """Rotates BLOCK chunks of Q and K. A chunk is VEC consecutive rotate-half pairs of one head of one token: VEC columns of the first half and their partners, loaded,
         rotated and stored by the thread that owns them (in place: no thread reads what another
         writes) as vectors, with the chunk's cos/sin read once for Q and K. Chunks run over
         (token, head, pair) without padding, so a head dim like 72 wastes no lanes."""
@@ -55,7 +53,7 @@ if triton is not None:
         c = tl.load(COS + cs, mask=mask, other=0.0)
         s = tl.load(SIN + cs, mask=mask, other=0.0)
         base = tl.multiple_of(t.to(tl.int64) * stride_t + head * stride_h + pair, VEC)
-        for which in tl.static_range(FIRST, 2):
+        for which in tl.static_range(2):
             lo = QKV + (base + which * stride_s)[:, None] + j
             x1 = tl.load(lo, mask=mask, other=0.0)
             x2 = tl.load(lo + HALF, mask=mask, other=0.0)
@@ -69,10 +67,9 @@ def _check_tables(cos, sin, tokens: int, half: int):
         raise ValueError(f"cos/sin must be float32 ({tokens}, {half}); got {cos.dtype} {tuple(cos.shape)}")
 
 
-def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None,
-              k_only: bool = False, *, pairs_per_program: int = 1024, num_warps: int = 8) -> torch.Tensor:
-    """Rotate Q and K (only K with `k_only`: the attention kernel rotates Q as it loads it) of `qkv`
-    `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv. The last two arguments set
+def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None, *,
+              pairs_per_program: int = 1024, num_warps: int = 8) -> torch.Tensor:
+    """Rotate Q and K of `qkv` `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv. The last two arguments set
     the Triton launch (the defaults ran within 3% of a plain copy of the same bytes on H100)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be (T, 3, H, D) with a contiguous last dim; got {tuple(qkv.shape)} "
@@ -83,7 +80,7 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
     if use_triton is None:
         use_triton = triton is not None and qkv.is_cuda
     if not use_triton:
-        for i in (1,) if k_only else (0, 1):
+        for i in (0, 1):
             qkv[:, i] = apply_vision_rope(qkv[:, i], cos, sin)
         return qkv
     if sin.stride() != cos.stride() or cos.stride(-1) != 1:  # the kernel indexes both with one row stride
@@ -99,7 +96,7 @@ def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_trito
     block = next_power_of_2(max(1, pairs_per_program // vec))
     launch(
         _qkv_rope_kernel, (cdiv(chunks, block),), qkv, cos, sin, chunks, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-        cos.stride(0), HEADS=heads, HALF=half, VEC=vec, BLOCK=block, FIRST=int(k_only), num_warps=num_warps)
+        cos.stride(0), HEADS=heads, HALF=half, VEC=vec, BLOCK=block, num_warps=num_warps)
     return qkv
 
 
@@ -207,9 +204,9 @@ def fused_qkv_rope_supported(x, weight, heads) -> bool:
 
 def linear_then_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
                      sin: torch.Tensor, heads: int, *, out: torch.Tensor | None = None,
-                     use_triton: bool | None = None, k_only: bool = False) -> torch.Tensor:
+                     use_triton: bool | None = None) -> torch.Tensor:
     """What `qkv_rope_linear` fuses, in two steps: the projection (into `out`'s storage if given) and `qkv_rope_`
-    in place on it; `use_triton` and `k_only` as `qkv_rope_` takes them. Returns `(T, 3, H, D)`."""
+    in place on it; `use_triton` as `qkv_rope_` takes it. Returns `(T, 3, H, D)`."""
     tokens, n = x.shape[0], weight.shape[0]
     if out is None:
         qkv = F.linear(x, weight, bias)
@@ -217,7 +214,7 @@ def linear_then_rope(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         qkv = torch.mm(x, weight.t(), out=out.view(tokens, n))
     else:
         qkv = torch.addmm(bias, x, weight.t(), out=out.view(tokens, n))
-    return qkv_rope_(qkv.view(tokens, 3, heads, n // 3 // heads), cos, sin, use_triton=use_triton, k_only=k_only)
+    return qkv_rope_(qkv.view(tokens, 3, heads, n // 3 // heads), cos, sin, use_triton=use_triton)
 
 
 def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, cos: torch.Tensor,

@@ -156,8 +156,6 @@ class Settings(BaseSettings):
                                    "/dev/shm through which decoded frames reach the engine (frames that do not fit go "
                                    "over the socket, as all do with 0). Containers need room for it: 4 front-ends "
                                    "take 256 MiB (compose: shm_size)")
-    preprocess_processes: bool = Field(False, description="decode in worker processes instead of threads "
-                                                          "(measured: no throughput difference on H200)")
 
     @field_validator("device")
     @classmethod

@@ -16,7 +16,7 @@ from PIL import Image
 from conftest import encode_bytes, rel_err
 from servers import serve
 from service.model.encoder import Encoder
-from service.engine.batching import Engine
+from service.engine.batching import Batcher
 from service.errors import DeadlineExceeded, EngineUnavailable, InferenceFailed, Overloaded
 
 
@@ -103,7 +103,7 @@ def test_request_deadline_gives_503(tiny):
 def _engine(enc, **kw):
     args = dict(max_batch_patches=4096, max_batch_items=64, max_wait_ms=20, max_queue_items=64)
     args.update(kw)
-    return Engine(enc, **args)
+    return Batcher(enc, **args)
 
 
 class SimulatedDevice:
@@ -180,7 +180,7 @@ def test_abandoned_items_are_dropped_before_compute(tiny):
         await eng.stop()
         return kept
 
-    (results, _), = [asyncio.run(go())]
+    results = asyncio.run(go()).results
     assert len(results) == 1 and enc.batches == [1]  # the abandoned request's 2 items never reached a forward
 
 
@@ -220,7 +220,7 @@ def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_f
     alone, behind = asyncio.run(go())
     assert threads == [True, True, False]
     assert finished_on == [True, False, False]  # `first` stopped being polled when `behind` arrived
-    for it, r in zip(items[:1] + items[2:], alone[0] + behind[0]):
+    for it, r in zip(items[:1] + items[2:], alone.results + behind.results):
         assert rel_err(r.embeds, tiny.encode([it])[0].embeds) <= 1e-5
 
 
@@ -254,8 +254,7 @@ def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny, inline):
         elif it is hog:
             assert isinstance(out, InferenceFailed) and "out of device memory" in str(out) and out.retry_after
         else:
-            results, _ = out
-            assert rel_err(results[0].embeds, tiny.encode([it])[0].embeds) <= 1e-5
+            assert rel_err(out.results[0].embeds, tiny.encode([it])[0].embeds) <= 1e-5
     assert max(enc.batches) == 7 and 1 in enc.batches  # tried whole, then split down
 
 
@@ -302,32 +301,3 @@ def test_engine_overload_and_deadline(tiny):
         await eng.stop()
 
     asyncio.run(go())
-
-
-def test_decoding_in_worker_processes(tiny):
-    """QWEN3VL_PREPROCESS_PROCESSES=true: same results, and a bad image's typed error crosses the
-    process boundary with its message and index intact."""
-    images = _images(3, seed=5)
-    with serve(tiny, preprocess_processes=True, preprocess_workers=2) as (url, _):
-        ok = httpx.post(f"{url}/embed", files=[("file", (f"{i}.png", b, "image/png")) for i, b in enumerate(images)],
-                        timeout=60)
-        bad = httpx.post(f"{url}/embed", files=[("file", ("a.png", images[0], "image/png")),
-                                                ("file", ("b.png", b"\x89PNG broken", "image/png"))], timeout=60)
-    assert ok.status_code == 200
-    for img, d in zip(images, ok.json()["data"]):
-        ref = tiny.encode([tiny.preprocess(img)])[0]
-        assert rel_err(torch.tensor(d["embeddings"]), ref.embeds) <= 1e-5
-    assert bad.status_code == 422 and bad.json()["error"]["index"] == 1
-    assert "not a supported image" in bad.json()["error"]["message"]
-
-
-def test_graph_attention_pick():
-    """The CUDA-graph attention choice: the fastest replay, but Triton on near ties (within the margin),
-    since its lower power draw holds a higher clock at the GPU's power cap."""
-    from service.model.graphs import pick_attention
-
-    assert pick_attention({"sdpa": 10.0, "triton": 10.05}, 0.01) == "triton"
-    assert pick_attention({"sdpa": 10.0, "triton": 10.2}, 0.01) == "sdpa"
-    assert pick_attention({"triton": 9.0, "sdpa": 10.0}, 0.01) == "triton"
-    assert pick_attention({"sdpa": 10.0, "triton": 10.05}, 0.0) == "sdpa"
-    assert pick_attention({"sdpa": 10.0}, 0.01) == "sdpa"

@@ -337,6 +337,7 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
     larger), another format, or an input with company goes to the pool's threads. The result is the same either way."""
     from types import SimpleNamespace
 
+    from service.engine.api import Decoder
     from service.engine.remote import INLINE_MAX_PIXELS, EnginePool
     from service.errors import UnsupportedImage
     from service.model.preprocess import Preprocessor, PreprocessConfig
@@ -350,9 +351,9 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
 
     recording.target_size = pre.target_size
     expected = []  # the engine told to expect a submit, before each decode on the loop
-    engine = SimpleNamespace(alive=True, load=0, encoder=SimpleNamespace(preprocessor=recording),
+    engine = SimpleNamespace(alive=True, load=0, model=SimpleNamespace(preprocessor=recording),
                              expect=lambda: expected.append(len(threads)))
-    pool = EnginePool([engine], preprocess_workers=2)
+    pool = EnginePool([engine], Decoder(2))
     rng = np.random.default_rng(8)
     small = encode_bytes(Image.fromarray(rng.integers(0, 256, (448, 320, 3), dtype=np.uint8)), "JPEG")
     side = int(INLINE_MAX_PIXELS ** 0.5) + 16
@@ -370,7 +371,7 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
     try:
         items = asyncio.run(go())
     finally:
-        pool._pool.shutdown()
+        pool._decode.close()
     assert threads == [True, False, False, False, False, False]
     assert expected == [0]
     np.testing.assert_array_equal(items[0].frames, items[1].frames)
@@ -429,12 +430,13 @@ def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_c
             polls += 1
             return True
 
-        polled, _ = await eng.submit([item], timeout_s=5, poll=alone)
+        polled = (await eng.submit([item], timeout_s=5, poll=alone)).results
         busy_turns, turns = turns, 0
         ticker.cancel()
-        slept, timing = await eng.submit([item], timeout_s=5)
+        done = await eng.submit([item], timeout_s=5)
+        slept, timing = done.results, done.timing
         stops = iter([True, True, False])
-        stopped, _ = await eng.submit([item], timeout_s=5, poll=lambda: next(stops))
+        stopped = (await eng.submit([item], timeout_s=5, poll=lambda: next(stops))).results
 
         hold.update({4, 5})  # ids after the hello (0) and the three answered
         gone = asyncio.Event()
@@ -464,7 +466,7 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
     from types import SimpleNamespace
 
     from service.engine import process
-    from service.engine.batching import Timing
+    from service.engine.api import Encoded, ModelInfo, Timing
     from service.model.encoder import EncodeResult
     from service.model.preprocess import Preprocessor, PreprocessConfig
 
@@ -472,12 +474,13 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
     item = pre(encode_bytes(Image.fromarray(np.zeros((64, 64, 3), np.uint8)), "PNG"))
 
     async def submit(items, **kwargs):
-        return [EncodeResult(torch.zeros(0, 4), torch.zeros(0, 4, 4), it.grid_thw, torch.ones(4), 4)
-                for it in items], Timing()
+        return Encoded([EncodeResult(torch.zeros(0, 4), torch.zeros(0, 4, 4), it.grid_thw, torch.ones(4), 4)
+                        for it in items], Timing())
 
-    engine = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0, submit=submit,
-                             encoder=SimpleNamespace(preprocessor=pre, device=torch.device("cpu")))
-    server = process.EngineServer(engine, {})
+    batcher = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0)
+    engine = SimpleNamespace(batcher=batcher, submit=submit,
+                             model=ModelInfo(None, pre, torch.device("cpu"), torch.float32, "sdpa"))
+    server = process.EngineServer(engine)
 
     async def go():
         a, b = socket.socketpair()
@@ -499,7 +502,7 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
         monkeypatch.setattr(process, "EXPECT_S", 0.05)
         server.expect()
         await asyncio.wait_for(server._spinner, 1.0)  # no submit: EXPECT_S bounds it
-        engine.in_flight = 1
+        batcher.in_flight = 1
         server.expect()
         busy_spinner = server._spinner
         client.close()

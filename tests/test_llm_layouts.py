@@ -97,7 +97,7 @@ def served(family, inputs):
     with serve(model=str(path), dtype="float32", max_inputs_per_request=8) as (url, app):
         replies = {fmt: client.encode(url, inputs, dtype="float32")
                    for fmt, client in (("vllm", vllm_client), ("sglang", sglang_client))}
-        video_item = app.state.service.encoder.preprocess(inputs[2])
+        video_item = app.state.service.model.preprocessor(inputs[2])
     return replies, video_item
 
 

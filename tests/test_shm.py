@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 from conftest import rel_err
-from service.engine.batching import Engine
+from service.engine.local import LocalEngine
+from service.settings import Settings
 from service.engine.process import EngineServer
 from service.engine.remote import RemoteEngine
 from service.engine.shm import PREFIX, SHM_DIR, Arena, attach, new_arena
@@ -83,10 +84,11 @@ def test_frames_through_the_arena_or_the_message(tiny, arena_bytes):
     path = os.path.join(tempfile.mkdtemp(), "engine.sock")
 
     async def go():
-        engine = Engine(tiny, max_batch_patches=1 << 16, max_batch_items=64, max_wait_ms=5, max_queue_items=64)
+        settings = Settings(max_batch_patches=1 << 16, max_batch_items=64, max_wait_ms=5, max_queue_items=64,
+                            warmup=False, device="cpu")
+        engine = LocalEngine(settings, tiny)
         await engine.start()
-        server = EngineServer(engine, {"config": tiny.config, "preprocess": tiny.preprocessor.config,
-                                       "device": "cpu", "dtype": "float32", "backend": tiny.backend, "pid": 0})
+        server = EngineServer(engine)
         listener = await server.serve(path)
         remote = RemoteEngine(path, shared_memory_bytes=arena_bytes)
         await remote.connect()
@@ -103,8 +105,8 @@ def test_frames_through_the_arena_or_the_message(tiny, arena_bytes):
         return results, arena, sent
 
     results, arena, sent = asyncio.run(go())
-    for it, (got, _) in zip(items, results):
-        assert rel_err(got[0].embeds, tiny.encode([it])[0].embeds) <= 1e-5
+    for it, done in zip(items, results):
+        assert rel_err(done.results[0].embeds, tiny.encode([it])[0].embeds) <= 1e-5
     if arena is not None:
         assert [s is None for s in sent] == [False, False, True, False]
         assert arena._free == [(0, arena.size)]

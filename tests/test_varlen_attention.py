@@ -23,18 +23,13 @@ from kernels.attention.tma import tma_layout_ok
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 
 
-def make_inputs(lengths, heads, head_dim, dtype, rope, seed=0, device="cpu"):
-    """q, k, v as strided views of one fused QKV buffer, as the tower produces them."""
+def make_inputs(lengths, heads, head_dim, dtype, seed=0, device="cpu"):
+    """q, k, v as strided views of one fused QKV buffer, as the tower produces them, and cu_seqlens."""
     g = torch.Generator().manual_seed(seed)
-    total = sum(lengths)
-    qkv = torch.randn(total, 3, heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    qkv = torch.randn(sum(lengths), 3, heads, head_dim, generator=g).to(device=device, dtype=dtype)
     q, k, v = qkv.unbind(1)
     cu = torch.tensor([0] + lengths).cumsum(0).to(device=device, dtype=torch.int32)
-    cos = sin = None
-    if rope:
-        pos = torch.randint(0, 64, (total, 2), generator=g).to(device)
-        cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device=device))
-    return q, k, v, cu, cos, sin
+    return q, k, v, cu
 
 
 CASES = [
@@ -44,66 +39,57 @@ CASES = [
 
 
 @pytest.mark.parametrize("lengths,head_dim", CASES)
-@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_triton_kernel_interpreted(lengths, head_dim, rope, dtype):
-    q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, dtype, rope, seed=len(lengths) * head_dim)
+def test_triton_kernel_interpreted(lengths, head_dim, dtype):
+    q, k, v, cu = make_inputs(lengths, 2, head_dim, dtype, seed=len(lengths) * head_dim)
     out = torch.full(q.shape, float("nan"), dtype=dtype)  # poisoned: unwritten elements show up as NaN
-    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, out=out, block_m=32, block_n=16)
+    triton_varlen_attention(q, k, v, cu, max(lengths), out=out, block_m=32, block_n=16)
     assert not out.isnan().any()
-    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
+    ref = reference_varlen_attention(q, k, v, cu)
     # flash-attention's rule: at most 2x the error of the same math done by PyTorch in this dtype
-    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin, upcast=False), ref)
+    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
     assert rel_err(out, ref) <= max(2 * torch_err, 2e-6), (rel_err(out, ref), torch_err)
 
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72), ([19, 5, 1, 45], 80),
                                               ([3, 18], 96), ([40, 1, 17], 128)])
-@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("tail", ["masked", "in_loop", "narrow", "narrow+q_tail"])
-def test_tma_kernel_interpreted(lengths, head_dim, rope, tail):
-    """The Hopper kernel (K/V through tensor descriptors, Q rotated in the kernel, K by the caller; past
-    a power-of-two chunk, K's and V's remaining columns read transposed). A segment's last keys go in one
+def test_tma_kernel_interpreted(lengths, head_dim, tail):
+    """The Hopper kernel (K/V through tensor descriptors; past a power-of-two chunk, K's and V's remaining
+    columns read transposed). A segment's last keys go in one
     masked tile, in the loop, or in narrow steps of 8 keys after 32-key tiles (where at most 16 remain:
     one step for 1, 3, 5, 7, 8, 33 and 40, two for 16 and 45; 17 to 23 stay one masked tile). With
     q_tail, a segment's last query rows, where at most 16 remain of a 32-row tile, run as a 16-row tile
     (segments of 1 to 16 tokens, and the last rows of 33, 40 and 45)."""
-    q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim)
-    if rope:
-        k.copy_(apply_vision_rope(k, cos, sin))  # k is a view of the fused buffer: rotated in place
+    q, k, v, cu = make_inputs(lengths, 2, head_dim, torch.float16, seed=head_dim)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
+    triton_varlen_attention(q, k, v, cu, max(lengths), out=out,
                             config=TileConfig(32, 32 if "narrow" in tail else 16, tma=True,
                                               tail_in_loop=tail == "in_loop", tail_n=8 if "narrow" in tail else 0,
                                               q_tail="q_tail" in tail))
     assert not out.isnan().any()
-    qr = apply_vision_rope(q, cos, sin) if rope else q
-    ref = reference_varlen_attention(qr, k, v, cu)
-    torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
+    ref = reference_varlen_attention(q, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
     assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
 
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72),
                                               ([19, 5, 1, 45], 80)])
-@pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("tail", ["masked", "narrow+q_tail"])
 @pytest.mark.parametrize("sum_mma", [False, True])
-def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail, sum_mma):
+def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, tail, sum_mma):
     """P's row sums on the tensor cores (`sum_mma`, on by default: the ones row of the transposed remainder
     at 72; 64 and 80 have no spare column and sum in registers either way): the same tolerance as the
     kernel that sums P in registers, with the last keys in a masked tile or in narrow steps."""
-    q, k, v, cu, cos, sin = make_inputs(lengths, 2, head_dim, torch.float16, rope, seed=head_dim + 2)
-    if rope:
-        k.copy_(apply_vision_rope(k, cos, sin))
+    q, k, v, cu = make_inputs(lengths, 2, head_dim, torch.float16, seed=head_dim + 2)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     narrow = "narrow" in tail
-    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out,
+    triton_varlen_attention(q, k, v, cu, max(lengths), out=out,
                             config=TileConfig(32, 32 if narrow else 16, tma=True, tail_n=8 if narrow else 0,
                                               q_tail=narrow, sum_mma=sum_mma))
     assert not out.isnan().any()
-    qr = apply_vision_rope(q, cos, sin) if rope else q
-    ref = reference_varlen_attention(qr, k, v, cu)
-    torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
+    ref = reference_varlen_attention(q, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
     assert rel_err(out, ref) <= 2 * torch_err, (rel_err(out, ref), torch_err)
 
 
@@ -115,7 +101,7 @@ def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, rope, tail, sum_mma):
 def test_out_is_checked_before_any_kernel_writes_it(bad, problem):
     """A caller's `out` of another shape, dtype or with a strided last dim is refused with a clear error: every
     kernel writes its rows with the last dim contiguous, at q's shape."""
-    q, k, v, cu, _, _ = make_inputs([7, 33], 2, 72, torch.float16, False)
+    q, k, v, cu = make_inputs([7, 33], 2, 72, torch.float16)
     with pytest.raises(ValueError, match="out must be torch.float16 \\(40, 2, 72\\)"):
         triton_varlen_attention(q, k, v, cu, 33, out=bad(q))
 
@@ -124,7 +110,7 @@ def test_tma_kernel_needs_16_byte_rows_and_heads_in_q_and_out():
     """The Hopper kernel rounds Q's and O's strides down to multiples of 8 elements so that the compiler sees them
     aligned (at 72 the JIT does not mark the head stride): a q or out whose rows or heads do not start on 16 bytes
     is refused, not misread."""
-    q, k, v, cu, _, _ = make_inputs([7, 33], 2, 72, torch.float16, False)
+    q, k, v, cu = make_inputs([7, 33], 2, 72, torch.float16)
     config = TileConfig(32, 16, tma=True)
     assert tma_layout_ok(q, k, v, torch.empty_like(q))
     skewed = torch.empty(q.shape[0], 2, 76, dtype=q.dtype)[..., :72]  # heads 152 bytes apart
@@ -156,14 +142,12 @@ def test_gluon_kernel_only_where_it_applies():
     assert hopper_candidates(64, True, 256) == hopper_candidates(64, True)
     assert hopper_candidates(96, True) == tma_candidates(96) and not gluon_candidates(128)
     for head_dim in (64, 72, 96):
-        q, k, v, cu, cos, sin = make_inputs([7, 33], 2, head_dim, torch.float16, True)
+        q, k, v, cu = make_inputs([7, 33], 2, head_dim, torch.float16)
         config = gluon_candidates(min(head_dim, 72))[0]
         if head_dim == 96:  # 32 columns past 64: more than the kernel's 16-wide remainder
             with pytest.raises(ValueError, match="Gluon kernel needs at most 16"):
                 triton_varlen_attention(q, k, v, cu, 33, config=config)
             continue
-        with pytest.raises(ValueError, match="Gluon kernel needs"):
-            triton_varlen_attention(q, k, v, cu, 33, cos=cos, sin=sin, rotate_k=False, config=config)
         with pytest.raises(ValueError, match="Gluon kernel needs"):
             triton_varlen_attention(q.contiguous().transpose(0, 1).contiguous().transpose(0, 1), k, v, cu, 33,
                                     config=config)
@@ -199,8 +183,8 @@ def test_launch_plan_key_holds_what_the_launch_depends_on():
     def key(q, k, v, cu, m=33, scale=None, out=None):
         return _plan_key(q, k, v, cu, m, scale, out)
 
-    q, k, v, cu, _, _ = make_inputs([1, 7, 33], 2, 72, torch.float16, False)
-    q2, k2, v2, cu2, _, _ = make_inputs([1, 7, 33], 2, 72, torch.float16, False, seed=1)
+    q, k, v, cu = make_inputs([1, 7, 33], 2, 72, torch.float16)
+    q2, k2, v2, cu2 = make_inputs([1, 7, 33], 2, 72, torch.float16, seed=1)
     base, addresses = key(q, k, v, cu)
     assert addresses == [q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, cu.data_ptr()]
     fresh, fresh_addresses = key(q2, k2, v2, cu2)
@@ -236,7 +220,7 @@ def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     heads = 3
-    q, k, v, cu, _, _ = make_inputs(lengths, heads, head_dim, torch.float16, False, seed=head_dim)
+    q, k, v, cu = make_inputs(lengths, heads, head_dim, torch.float16, seed=head_dim)
     d0, w1, _ = head_dim_split(head_dim)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))  # poisoned
@@ -257,45 +241,33 @@ def test_kv_remainder_t_layout(lengths, head_dim, monkeypatch):
     assert torch.equal(r.view(heads, rows, -1), expected)
 
 
-@pytest.mark.parametrize("backend", ["triton", "sdpa"])
-def test_rotate_k_false(backend):
-    """rotate_k=False: only Q is rotated by the call; equals rotating both when K came in rotated."""
-    lengths = [13, 1, 40]
-    q, k, v, cu, cos, sin = make_inputs(lengths, 2, 64, torch.float32, True, seed=5)
-    k_rot = apply_vision_rope(k, cos, sin)
-    both = attn_mod.varlen_attention(q, k, v, cu, 40, cos=cos, sin=sin, backend=backend)
-    q_only = attn_mod.varlen_attention(q, k_rot, v, cu, 40, cos=cos, sin=sin, rotate_k=False, backend=backend)
-    assert rel_err(q_only, both) <= 1e-5
-
-
 def test_triton_kernel_interpreted_long_segment():
-    q, k, v, cu, cos, sin = make_inputs([1023, 4], 1, 72, torch.float16, True, seed=3)
-    out = triton_varlen_attention(q, k, v, cu, 1023, cos=cos, sin=sin, block_m=64, block_n=64)
-    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
-    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin, upcast=False), ref)
+    q, k, v, cu = make_inputs([1023, 4], 1, 72, torch.float16, seed=3)
+    out = triton_varlen_attention(q, k, v, cu, 1023, block_m=64, block_n=64)
+    ref = reference_varlen_attention(q, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
     assert rel_err(out, ref) <= 2 * torch_err
 
 
 @pytest.mark.parametrize("lengths,head_dim", CASES + [([1023], 64), ([300, 4096 // 8] * 3, 80)])
-@pytest.mark.parametrize("rope", [False, True])
-def test_sdpa_fallback(lengths, head_dim, rope):
-    q, k, v, cu, cos, sin = make_inputs(lengths, 3, head_dim, torch.float32, rope, seed=head_dim)
-    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
-    out = sdpa_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin)
+def test_sdpa_fallback(lengths, head_dim):
+    q, k, v, cu = make_inputs(lengths, 3, head_dim, torch.float32, seed=head_dim)
+    ref = reference_varlen_attention(q, k, v, cu)
+    out = sdpa_varlen_attention(q, k, v, cu, max(lengths))
     assert rel_err(out, ref) <= 1e-5
     # host lengths given: no read-back, same result
-    out2 = sdpa_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, seqlens=lengths)
+    out2 = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths)
     assert torch.equal(out, out2)
 
 
 def test_segments_do_not_interact():
     """Changing one segment's keys changes only that segment's outputs."""
     lengths = [9, 14, 5]
-    q, k, v, cu, cos, sin = make_inputs(lengths, 2, 64, torch.float32, True)
-    base = sdpa_varlen_attention(q, k, v, cu, 14, cos=cos, sin=sin)
+    q, k, v, cu = make_inputs(lengths, 2, 64, torch.float32)
+    base = sdpa_varlen_attention(q, k, v, cu, 14)
     k2 = k.clone()
     k2[9:23] += 1.0
-    moved = sdpa_varlen_attention(q, k2, v, cu, 14, cos=cos, sin=sin)
+    moved = sdpa_varlen_attention(q, k2, v, cu, 14)
     assert torch.equal(base[:9], moved[:9]) and torch.equal(base[23:], moved[23:])
     assert not torch.allclose(base[9:23], moved[9:23])
 
@@ -303,7 +275,9 @@ def test_segments_do_not_interact():
 def test_rope_reference_matches_transformers():
     from transformers.models.qwen3_vl.modeling_qwen3_vl import apply_rotary_pos_emb_vision
 
-    q, k, _, _, cos, sin = make_inputs([50], 4, 72, torch.bfloat16, True)
+    q, k, _, _ = make_inputs([50], 4, 72, torch.bfloat16)
+    pos = torch.randint(0, 64, (50, 2), generator=torch.Generator().manual_seed(0))
+    cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(72))
     full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
     ref_q, ref_k = apply_rotary_pos_emb_vision(q, k, full_cos, full_sin)
     assert torch.equal(apply_vision_rope(q, cos, sin), ref_q)
@@ -324,13 +298,11 @@ def test_head_dim_refused(head_dim):
 
 
 def test_input_validation():
-    q, k, v, cu, cos, sin = make_inputs([4, 4], 2, 64, torch.float16, True)
+    q, k, v, cu = make_inputs([4, 4], 2, 64, torch.float16)
     with pytest.raises(ValueError, match="int32"):
         sdpa_varlen_attention(q, k, v, cu.long(), 4)
     with pytest.raises(ValueError, match="max_seqlen"):
         sdpa_varlen_attention(q, k, v, cu, 0)
-    with pytest.raises(ValueError, match=r"cos must be float32 \(8, 32\)"):
-        sdpa_varlen_attention(q, k, v, cu, 4, cos=cos[:, :16], sin=sin)
     with pytest.raises(ValueError, match="share one"):
         triton_varlen_attention(q, k[:4], v, cu, 4)
 
@@ -369,7 +341,7 @@ def test_padded_rows_are_neither_read_nor_written(backend, n, rows, head_dim):
     """A CUDA graph bucket's call: one segment of n tokens in a buffer of `rows`, max_seqlen the whole buffer (so
     total == segments * max_seqlen, which unpadded means one full segment). The segment's rows equal the attention
     over them alone; the padding rows, filled with large values, change nothing and are left as they were."""
-    q, k, v, _, _, _ = make_inputs([rows], 2, head_dim, torch.float32, False, seed=n)
+    q, k, v, _ = make_inputs([rows], 2, head_dim, torch.float32, seed=n)
     for t in (q, k, v):
         t[n:] = 1e4
     cu = torch.tensor([0, n], dtype=torch.int32)
@@ -381,9 +353,9 @@ def test_padded_rows_are_neither_read_nor_written(backend, n, rows, head_dim):
 
 
 def test_both_backends_agree_through_public_function():
-    q, k, v, cu, cos, sin = make_inputs([3, 50, 17], 2, 80, torch.float32, True)
-    a = attn_mod.varlen_attention(q, k, v, cu, 50, cos=cos, sin=sin, backend="triton")
-    b = attn_mod.varlen_attention(q, k, v, cu, 50, cos=cos, sin=sin, backend="sdpa")
+    q, k, v, cu = make_inputs([3, 50, 17], 2, 80, torch.float32)
+    a = attn_mod.varlen_attention(q, k, v, cu, 50, backend="triton")
+    b = attn_mod.varlen_attention(q, k, v, cu, 50, backend="sdpa")
     assert rel_err(a, b) <= 1e-5
 
 
@@ -403,7 +375,7 @@ def test_device_descriptor_launch_sets_triton_allocator_in_its_own_thread(monkey
             return lambda *args, **kwargs: seen.append(_allocation._allocator.get())
 
     monkeypatch.setattr(va, "_varlen_attn_fwd_tma", FakeKernel())
-    q, k, v, cu, _, _ = make_inputs([7, 131], 2, 64, torch.float16, False)
+    q, k, v, cu = make_inputs([7, 131], 2, 64, torch.float16)
     cfg = TileConfig(64, 64, 4, 2, tma=True, device_desc=True)
     for _ in range(2):  # two fresh threads: each starts with Triton's null allocator
         with ThreadPoolExecutor(1) as pool:
@@ -423,7 +395,7 @@ def test_segment_runs():
 @pytest.mark.parametrize("lengths", [[16] * 6, [9, 16] * 10, [16, 16, 7, 16, 1, 1, 1, 31], [3, 5] * 3 + [2] * 9])
 def test_sdpa_fallback_runs_and_gathers(lengths):
     """Both strategies of the fallback (views of runs, gathers by length), on strided fused-QKV views."""
-    q, k, v, cu, _, _ = make_inputs(lengths, 3, 72, torch.float32, False, seed=len(lengths))
+    q, k, v, cu = make_inputs(lengths, 3, 72, torch.float32, seed=len(lengths))
     out = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths)
     assert out.shape == q.shape
     assert rel_err(out, reference_varlen_attention(q, k, v, cu)) <= 1e-5

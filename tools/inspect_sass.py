@@ -33,7 +33,7 @@ from kernels.attention.tma import _varlen_attn_fwd_tma
 
 SM90_REGS = 65536
 SM90_SMEM = 227 * 1024  # per SM, usable by CTAs (each also reserves 1 KB)
-POINTERS = ("Q", "O", "CU_SEQLENS", "COS", "SIN", "K", "V", "R")  # 16-byte aligned: the JIT marks them divisible by 16
+POINTERS = ("Q", "O", "CU_SEQLENS", "K", "V", "R")  # 16-byte aligned: the JIT marks them divisible by 16
 
 
 def _int_args(head_dim: int, heads: int, lengths: list[int]) -> dict[str, int]:
@@ -62,7 +62,7 @@ def compile_tile(config: tiles.TileConfig, head_dim: int, heads: int = 16, lengt
     sig.update({name: "*bf16" for name in POINTERS})
     sig.update(CU_SEQLENS="*i32", qk_scale="fp32", k_desc=f"tensordesc<bf16[{bn},{d0}]>",
                v_desc=f"tensordesc<bf16[{bn},{d0}]>", r_desc=f"tensordesc<bf16[{w1},{bn}]>" if d1 else "constexpr")
-    constants = dict(HEAD_DIM=head_dim, D0=d0, W1=w1, HEADS=heads, BLOCK_M=config.block_m, BLOCK_N=bn, ROPE_Q=False,
+    constants = dict(HEAD_DIM=head_dim, D0=d0, W1=w1, HEADS=heads, BLOCK_M=config.block_m, BLOCK_N=bn,
                      WS=config.ws, TAIL_IN_LOOP=config.tail_in_loop, DEVICE_DESC=False, TAIL_N=config.tail_n,
                      Q_TAIL=config.q_tail, SUM_MMA=config.sum_mma, R_ROWS=tiles.remainder_rows(head_dim))
     if not d1:

@@ -24,7 +24,7 @@ from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.model.config import preset
-from service.model.graphs import GraphedTower
+from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
 
 CATEGORIES = [  # first match wins
@@ -213,13 +213,11 @@ def main():
         for r in table:
             by_cat[r["category"]] += r["us_per_forward"]
         micro_res = micro(cfg, tokens)
-        # A/B of the QKV projection's RoPE: in its epilogue (served), by the pass, Q in the attention kernel
+        # A/B of the QKV projection's RoPE: in its epilogue (served), or by the pass
         served = tower.options
         micro_res["tower wall, Q and K rotated in the QKV projection"] = {"ms": wall}
         tower.options = replace(served, fused_qkv_rope=False)
         micro_res["tower wall, Q and K rotated by the pass"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
-        tower.options = replace(served, fused_qkv_rope=False, rope_q_in_kernel=True)
-        micro_res["tower wall, Q rotated in the attention kernel"] = {"ms": bench(fwd, warmup_ms=200, rep_ms=1000)}
         # A/B of the residual add: in the output projections' GEMMs (served), or in the add+LayerNorm pass
         for in_gemm in (False, True):
             tower.options = replace(served, residual_in_gemm=in_gemm)

@@ -11,8 +11,6 @@ Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA 
 tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), tma-qtail (the TMA
 candidates with and without half-height last query tiles), spec:<config> (one TMA configuration, see
 parse_spec).
---rope: Q rotated in the kernel (cos/sin passed, K rotated beforehand: the tower's call), checked
-against the fallback on the same inputs.
 """
 
 from __future__ import annotations
@@ -85,29 +83,23 @@ def main():
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
     ap.add_argument("--cases", nargs="+", default=list(ATTENTION_CASES))
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rope", action="store_true", help="rotate Q in the kernel (K rotated beforehand)")
     args = ap.parse_args()
     with open(args.out, "a") as out:
         for head_dim in args.head_dims:
             for case in args.cases:
                 lengths = ATTENTION_CASES[case]
-                total = sum(lengths)
                 flops = attention_flops(lengths, head_dim)
                 gen = torch.Generator(device="cuda").manual_seed(0)
                 qkv, cu = packed_qkv(lengths, head_dim, gen)
                 q, k, v = qkv.unbind(1)
-                rope = {}
-                if args.rope:
-                    angles = torch.rand(total, head_dim // 2, device="cuda", generator=gen) * 6.3
-                    rope = dict(cos=angles.cos(), sin=angles.sin(), rotate_k=False)
-                ref = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths, **rope).float()
+                ref = sdpa_varlen_attention(q, k, v, cu, max(lengths), seqlens=lengths).float()
                 if args.group == "baseline":
                     fns = {name: (fn, None) for name, fn in baselines(q, k, v, lengths).items()}
                 else:
-                    fns = {repr(c): (lambda c=c: triton_varlen_attention(q, k, v, cu, max(lengths), config=c, **rope), c)
+                    fns = {repr(c): (lambda c=c: triton_varlen_attention(q, k, v, cu, max(lengths), config=c), c)
                            for c in variants(args.group, head_dim)}
                 for name, (fn, cfg) in fns.items():
-                    row = {"group": args.group, "variant": name, "case": case, "head_dim": head_dim, "rope": args.rope}
+                    row = {"group": args.group, "variant": name, "case": case, "head_dim": head_dim}
                     try:
                         res = fn()
                         torch.cuda.synchronize()

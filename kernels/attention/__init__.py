@@ -98,14 +98,12 @@ def resolve_backend(device: torch.device | str, head_dim: int | None = None, for
     return choice
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None, seqlens=None,
-                     rotate_k: bool = True, backend: str | None = None, out=None, padded: bool = False):
-    """Block-diagonal attention over packed segments, with optional fused 2D vision RoPE on q and k.
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=None, seqlens=None,
+                     backend: str | None = None, out=None, padded: bool = False):
+    """Block-diagonal attention over packed segments (q and k rotated already: `kernels.rope`, `kernels.qkv_rope`).
 
     q, k, v: `(total_tokens, heads, head_dim)`, last dim contiguous, any token/head strides.
     cu_seqlens: int32 `(segments + 1,)` on q's device. max_seqlen: Python int, the longest segment.
-    cos, sin: optional float32 `(total_tokens, head_dim // 2)` rotary tables (see kernels.rope); they
-    rotate q, and k too unless `rotate_k=False` (k already rotated by the caller).
     seqlens: optional host list of segment lengths; the SDPA path uses it to avoid a device read.
     backend: 'triton' or 'sdpa' (default: `resolve_backend(q.device)`).
     out: optional `(total_tokens, heads, head_dim)` in q's dtype, last dim contiguous, to write the result into.
@@ -115,17 +113,15 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, sof
     """
     backend = backend or resolve_backend(q.device)
     if backend == "triton":
-        return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
-                                       seqlens=seqlens, rotate_k=rotate_k, out=out, padded=padded)
+        return triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale=softmax_scale, seqlens=seqlens,
+                                       out=out, padded=padded)
     rows = slice(None)
     if padded:  # the fallback runs on the segments' rows alone
         seqlens = seqlens if seqlens is not None else (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         rows = slice(0, sum(seqlens))
         out = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         q, k, v = q[rows], k[rows], v[rows]
-        cos, sin = (None, None) if cos is None else (cos[rows], sin[rows])
-    result = sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, cos=cos, sin=sin, softmax_scale=softmax_scale,
-                                   seqlens=seqlens, rotate_k=rotate_k)
+    result = sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, softmax_scale=softmax_scale, seqlens=seqlens)
     if out is None:
         return result
     out[rows].copy_(result)

@@ -1,5 +1,5 @@
 """`@triton.jit` helpers shared by the pointer kernel (`pointer.py`) and the Hopper TMA kernel (`tma.py`):
-the program prologue, tile loads with optional fused RoPE, the online-softmax step, the normalised store, and
+the program prologue, tile loads, the online-softmax step, the normalised store, and
 the alignment hints both kernels give the compiler."""
 
 import triton
@@ -20,32 +20,12 @@ def segment_program(CU_SEQLENS):
 
 
 @triton.jit
-def load_tile(BASE, rows, cols, stride_t, row_mask, COS, SIN, stride_c, tok0,
-               HEAD_DIM: tl.constexpr, MASK_ROWS: tl.constexpr, ROPE: tl.constexpr):
-    """A [rows, cols] tile of one head (all cols < HEAD_DIM); with ROPE, rotated in float32 and
-    rounded to the input dtype. Only rows are ever masked, so column loads stay vectorised."""
+def load_tile(BASE, rows, cols, stride_t, row_mask, MASK_ROWS: tl.constexpr):
+    """A [rows, cols] tile of one head. Only rows are ever masked, so column loads stay vectorised."""
     ptrs = BASE + rows[:, None] * stride_t + cols[None, :]
     if MASK_ROWS:
-        x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    else:
-        x = tl.load(ptrs)
-    if ROPE:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        lower = cols < HALF
-        partner = tl.where(lower, cols + HALF, cols - HALF)
-        cs = (tok0 + rows)[:, None] * stride_c + tl.where(lower, cols, cols - HALF)[None, :]
-        p_ptrs = BASE + rows[:, None] * stride_t + partner[None, :]
-        if MASK_ROWS:
-            xp = tl.load(p_ptrs, mask=row_mask[:, None], other=0.0)
-            c = tl.load(COS + cs, mask=row_mask[:, None], other=0.0)
-            s = tl.load(SIN + cs, mask=row_mask[:, None], other=0.0)
-        else:
-            xp = tl.load(p_ptrs)
-            c = tl.load(COS + cs)
-            s = tl.load(SIN + cs)
-        xp = tl.where(lower[None, :], -xp.to(tl.float32), xp.to(tl.float32))
-        x = (x.to(tl.float32) * c + xp * s).to(x.dtype)
-    return x
+        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    return tl.load(ptrs)
 
 @triton.jit
 def softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA: tl.constexpr = False):

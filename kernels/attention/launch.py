@@ -9,11 +9,10 @@ the call says `padded`: rows past the segments are padding, as in a CUDA graph c
 Every token attends to every token of its own segment (non-causal), never across segments.
 
 Which kernel runs:
-- on Hopper, with K and V in the fused QKV layout and K not rotated in the kernel: the tuner picks among the TMA
-  kernel's tiles (`tma.py`) and, at head dims 64, 72 and 80 without RoPE in the kernel, the Gluon kernel's
-  (`gluon.py`), per size class (`tiles.py`);
-- everywhere else (older GPUs, RoPE on K in the kernel, other layouts, the interpreter): the pointer kernel
-  (`pointer.py`).
+- on Hopper, with K and V in the fused QKV layout: the tuner picks among the TMA kernel's tiles (`tma.py`) and, at
+  head dims 64, 72 and 80 with q, k and v parts of one buffer's rows, the Gluon kernel's (`gluon.py`), per size
+  class (`tiles.py`);
+- everywhere else (older GPUs, other layouts, the interpreter): the pointer kernel (`pointer.py`).
 
 Launch plans: the automatic path's one launch per call is recorded (`tuning.Replay`) under a key of everything its
 checks and choices read, and replayed on later calls with the same key at the tensors' new addresses. A small
@@ -90,15 +89,8 @@ class _Call:
     cu_seqlens: torch.Tensor
     max_seqlen: int
     scale: float  # softmax scale times log2(e)
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-    rotate_k: bool
     columns: tuple[int, int] | None  # k's and v's heads in q's rows, for the Gluon kernel (`qkv_columns`)
     padded: bool = False  # rows past cu_seqlens[-1] are padding: the segments never fill q
-
-    @property
-    def rope(self) -> bool:
-        return self.cos is not None
 
     @property
     def roles(self) -> tuple:
@@ -106,17 +98,15 @@ class _Call:
         return (self.q, self.k, self.v, self.out, self.cu_seqlens)
 
 
-def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
-                            seqlens=None, out=None, rotate_k=True, block_m=None, block_n=None,
-                            config: TileConfig | None = None, padded: bool = False):
+def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=None, seqlens=None, out=None,
+                            block_m=None, block_n=None, config: TileConfig | None = None, padded: bool = False):
     """Triton forward. Returns `out` `(total_tokens, heads, head_dim)` in q's dtype.
 
-    With `cos`/`sin`, Q is rotated in the kernel, and K too unless `rotate_k=False` (the caller rotated K already).
     `seqlens` is accepted for signature parity with the fallback and ignored. `block_m`/`block_n` pin the pointer
     kernel's tiles, `config` pins everything (tests, the interpreter and the tile sweep use these).
     """
     plan = None
-    if (_options.launch_plans and cos is None and config is None and block_m is None and block_n is None
+    if (_options.launch_plans and config is None and block_m is None and block_n is None
             and type(max_seqlen) is int):
         plan, addresses = _plan_key(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, padded)
         replay = _plans.get(plan)
@@ -126,13 +116,12 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
                 addresses[3] = out.data_ptr()
             if replay(addresses):
                 return out
-    call = _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rotate_k, config, padded)
+    call = _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, config, padded)
     if config is not None:
         _check_pinned(call, config)
         use_tma = config.tma
     else:
-        use_tma = (block_m is None and not (call.rope and rotate_k) and _tma_default(q)
-                   and tma_layout_ok(q, k, v, call.out))
+        use_tma = block_m is None and _tma_default(q) and tma_layout_ok(q, k, v, call.out)
     if use_tma:
         run = functools.partial(_run_tma, call)
         if config is None:
@@ -143,15 +132,14 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=No
             # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
             config = TileConfig(block_m or 32, block_n or 16, 4, 2 if q.shape[2] > 64 else 3)
         if config is None:
-            key = ("ptr", seq_bucket(max_seqlen), load_class(q.shape[0], q.shape[1]), q.shape[2], call.rope,
-                   call.rope and rotate_k, q.dtype, q.device)
+            key = ("ptr", seq_bucket(max_seqlen), load_class(q.shape[0], q.shape[1]), q.shape[2], q.dtype, q.device)
             config = choose(key, lambda: ptr_candidates(q.shape[2]), _replaying(run, plan, call.roles))
     _run_and_plan(run, config, plan, call.roles)
     return call.out
 
 
-def _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rotate_k, config, padded) -> _Call:
-    check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
+def _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, config, padded) -> _Call:
+    check_inputs(q, k, v, cu_seqlens, max_seqlen)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}; expected float16, bfloat16 or float32")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -165,18 +153,18 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, cos, sin, softmax_scale, out, rota
                          f"{out.dtype} {tuple(out.shape)} on {out.device}, strides {out.stride()}")
     scale = (softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5) * math.log2(math.e)
     # found once per call, only where a Gluon configuration may run
-    columns = qkv_columns(q, k, v) if cos is None and (config is None or config.gluon) else None
-    return _Call(q, k, v, out, cu_seqlens, max_seqlen, scale, cos, sin, rotate_k, columns, padded)
+    columns = qkv_columns(q, k, v) if config is None or config.gluon else None
+    return _Call(q, k, v, out, cu_seqlens, max_seqlen, scale, columns, padded)
 
 
 def _check_pinned(call: _Call, config: TileConfig):
-    if config.tma and ((call.rope and call.rotate_k) or not tma_layout_ok(call.q, call.k, call.v, call.out)):
-        raise ValueError("the TMA kernel needs K/V in the fused QKV layout, K rotated by the caller and "
-                         "16-byte aligned rows and heads in q and out")
+    if config.tma and not tma_layout_ok(call.q, call.k, call.v, call.out):
+        raise ValueError("the TMA kernel needs K/V in the fused QKV layout and 16-byte aligned rows and heads in q "
+                         "and out")
     head_dim = call.q.shape[2]
     if config.gluon and (head_dim - head_dim_split(head_dim)[0] > GLUON_REM_WIDTH or call.columns is None):
         raise ValueError(f"the Gluon kernel needs at most {GLUON_REM_WIDTH} head-dim columns past a power of two, "
-                         "no RoPE in the kernel and q, k, v as parts of one buffer's rows (the fused QKV layout)")
+                         "and q, k, v as parts of one buffer's rows (the fused QKV layout)")
 
 
 def _choose_hopper(call: _Call, run, plan: tuple | None) -> TileConfig:
@@ -186,8 +174,7 @@ def _choose_hopper(call: _Call, run, plan: tuple | None) -> TileConfig:
     total, heads, head_dim = call.q.shape
     device_desc = _device_descriptors(total * call.max_seqlen * heads * head_dim, plan is not None)
     gluon = call.columns is not None
-    key = ("tma", seq_bucket(call.max_seqlen), load_class(total, heads), head_dim, call.rope, gluon, call.q.dtype,
-           call.q.device)
+    key = ("tma", seq_bucket(call.max_seqlen), load_class(total, heads), head_dim, gluon, call.q.dtype, call.q.device)
 
     def candidates():
         return [_with_descriptors(c, device_desc) for c in hopper_candidates(head_dim, gluon, call.max_seqlen)]
@@ -198,13 +185,11 @@ def _run_pointer(call: _Call, c: TileConfig):
     q, k, v, out = call.q, call.k, call.v, call.out
     total, heads, head_dim = q.shape
     d0, d1, dv1 = head_dim_split(head_dim)
-    cos, sin = (call.cos, call.sin) if call.rope else (q, q)  # placeholders: never read when ROPE is off
     launch(
         _varlen_attn_fwd, (cdiv(call.max_seqlen, c.block_m), heads, call.cu_seqlens.numel() - 1), q, k, v, out,
-        call.cu_seqlens, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), call.cos.stride(0) if call.rope else 0, call.scale, HEAD_DIM=head_dim, D0=d0,
-        REM=d1 > 0, D1=max(d1, 16), DV1=max(dv1, 16), ROPE_Q=call.rope, ROPE_K=call.rope and call.rotate_k,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
+        call.cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), call.scale, HEAD_DIM=head_dim, D0=d0, REM=d1 > 0, D1=max(d1, 16),
+        DV1=max(dv1, 16), BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
 def _run_tma(call: _Call, c: TileConfig):
@@ -228,12 +213,10 @@ def _run_tma(call: _Call, c: TileConfig):
         # host time at every launch
         descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, d0]) for t in (k, v)]
         descs.append(TensorDescriptor(rem, list(rem.shape), [rem.stride(0), 1], [d1, c.block_n]) if d1 else None)
-    cos, sin = (call.cos, call.sin) if call.rope else (q, q)
     launch(
         _varlen_attn_fwd_tma, (cdiv(call.max_seqlen, c.block_m), heads, call.cu_seqlens.numel() - 1), q, *descs, out,
-        call.cu_seqlens, cos, sin, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        call.cos.stride(0) if call.rope else 0, call.scale, k, v, rem, k.stride(0), v.stride(0), rem.stride(0), total,
-        HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, ROPE_Q=call.rope, BLOCK_M=c.block_m,
+        call.cu_seqlens, q.stride(0), q.stride(1), out.stride(0), out.stride(1), call.scale, k, v, rem, k.stride(0),
+        v.stride(0), rem.stride(0), total, HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, BLOCK_M=c.block_m,
         BLOCK_N=c.block_n, WS=bool(c.ws), TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
         Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, num_warps=c.num_warps, num_stages=c.num_stages)
 

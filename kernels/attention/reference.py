@@ -11,10 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..rope import apply_vision_rope
 
-
-def check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin):
+def check_inputs(q, k, v, cu_seqlens, max_seqlen):
     if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"q, k, v must share one (total_tokens, heads, head_dim) shape; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -25,22 +23,11 @@ def check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin):
                          f"{tuple(cu_seqlens.shape)}")
     if not isinstance(max_seqlen, int) or max_seqlen < 1:
         raise ValueError(f"max_seqlen must be a positive Python int; got {max_seqlen!r}")
-    if (cos is None) != (sin is None):
-        raise ValueError("pass both cos and sin, or neither")
-    if cos is not None:
-        half = q.shape[-1] // 2
-        for name, t in (("cos", cos), ("sin", sin)):
-            if t.shape != (q.shape[0], half) or t.dtype != torch.float32:
-                raise ValueError(f"{name} must be float32 ({q.shape[0]}, {half}); got {t.dtype} {tuple(t.shape)}")
 
 
-
-def reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, cos=None, sin=None,
-                               softmax_scale=None, upcast=True):
+def reference_varlen_attention(q, k, v, cu_seqlens, max_seqlen=None, *, softmax_scale=None, upcast=True):
     """Per-segment softmax(QKᵀ)V in plain matmuls: float32 when `upcast`, else in the inputs' dtype."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    if cos is not None:
-        q, k = apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin)
     dtype = torch.float32 if upcast else q.dtype
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     bounds = cu_seqlens.tolist()
@@ -89,8 +76,7 @@ def _sdpa(q, k, v, scale):
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None, softmax_scale=None,
-                          seqlens=None, rotate_k=True):
+def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=None, seqlens=None):
     """The fallback: one batched SDPA call per run of equal-length segments, not one per segment.
 
     A run of consecutive segments of one length is a `(B, H, L, D)` view of q, k and v as they are
@@ -100,10 +86,7 @@ def sdpa_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, cos=None, sin=None
     gathered by length instead. SDPA runs its best backend: cuDNN first on CUDA, the fused CPU kernel
     otherwise. `seqlens` (host ints) avoids reading `cu_seqlens` back.
     """
-    check_inputs(q, k, v, cu_seqlens, max_seqlen, cos, sin)
-    if cos is not None:
-        q = apply_vision_rope(q, cos, sin)
-        k = apply_vision_rope(k, cos, sin) if rotate_k else k
+    check_inputs(q, k, v, cu_seqlens, max_seqlen)
     if seqlens is None:
         bounds = cu_seqlens.tolist()
         seqlens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]

@@ -1,8 +1,8 @@
 """The Hopper varlen attention kernel in `tl.dot`: K and V tiles by TMA tensor descriptors.
 
 The descriptors run over the packed token rows with K and V in the fused QKV layout (each token's heads side by
-side), so tiles land in shared memory already swizzled for wgmma. Q is loaded once per program by pointers and may
-be rotated (RoPE); K must already be rotated. Head dims past the power-of-two chunk D0 (72, 80) read the remainder
+side), so tiles land in shared memory already swizzled for wgmma. Q is loaded once per program by pointers. Head
+dims past the power-of-two chunk D0 (72, 80) read the remainder
 columns of K and V from R, their transposed copy (`kv_remainder_t`, one small launch before the kernel), in boxes
 of 16 rows, so 72 costs 64 + 16 lanes in both dots. A segment's last keys, when they fill at most half a tile, go
 in narrow pointer-loaded steps (`TAIL_N`), and its last query rows in a half-height tile (`Q_TAIL`).
@@ -23,43 +23,11 @@ except ImportError:  # pragma: no cover - Triton without host tensor descriptors
 
 
 @triton.jit
-def _load_q_rem(q_base, rows_m, m_mask, COS, SIN, stride_qt, stride_c, tok0, HEAD_DIM: tl.constexpr,
-                D0: tl.constexpr, W1: tl.constexpr, ROPE_Q: tl.constexpr):
-    """Q's columns [D0, D0 + W1), zero past the head: the A operand against the transposed remainder.
-    D0 >= HEAD_DIM / 2, so every column here is in the second rotate-half, its partner `col - HALF`."""
+def _load_q_rem(q_base, rows_m, m_mask, stride_qt, HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr):
+    """Q's columns [D0, D0 + W1), zero past the head: the A operand against the transposed remainder."""
     cols = D0 + tl.arange(0, W1)
     mask = m_mask[:, None] & (cols < HEAD_DIM)[None, :]
-    ptrs = q_base + rows_m[:, None] * stride_qt + cols[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if ROPE_Q:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        xp = tl.load(ptrs - HALF, mask=mask, other=0.0).to(tl.float32)
-        cs = (tok0 + rows_m)[:, None] * stride_c + (cols - HALF)[None, :]
-        c = tl.load(COS + cs, mask=mask, other=0.0)
-        s = tl.load(SIN + cs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) * c + xp * s).to(x.dtype)
-    return x
-
-@triton.jit
-def _rotate_rows(SRC, stride_s, DST, stride_d, COS, SIN, stride_c, tok0, row0, seqlen,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr):
-    """DST[r] = SRC[r] rotated (2D vision RoPE, rotate-half, float32, rounded to DST's dtype) for the
-    segment rows row0 .. row0 + BLOCK_M below seqlen, ROWS rows at a time (few live registers; the
-    loop is not software-pipelined)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    j = tl.arange(0, triton.next_power_of_2(HALF))
-    for r in tl.range(0, BLOCK_M, ROWS, num_stages=1):
-        rows = row0 + r + tl.arange(0, ROWS)
-        mask = (rows < seqlen)[:, None] & (j < HALF)[None, :]
-        src = SRC + rows[:, None] * stride_s + j[None, :]
-        dst = DST + rows[:, None] * stride_d + j[None, :]
-        cs = (tok0 + rows)[:, None] * stride_c + j[None, :]
-        lo = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        hi = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(COS + cs, mask=mask, other=0.0)
-        s = tl.load(SIN + cs, mask=mask, other=0.0)
-        tl.store(dst, (lo * c - hi * s).to(DST.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, (hi * c + lo * s).to(DST.dtype.element_ty), mask=mask)
+    return tl.load(q_base + rows_m[:, None] * stride_qt + cols[None, :], mask=mask, other=0.0)
 
 @triton.jit
 def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_row, r_col, start_n, seqlen,
@@ -80,17 +48,16 @@ def _tma_step(acc0, acc1, l_i, m_i, q0, q1, k_desc, v_desc, r_desc, row, col, r_
     return acc0, acc1, l_i, m_ij
 
 @triton.jit
-def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS, SIN, stride_kt, stride_vt,
-                 stride_r, stride_c, tok0, start_n, seqlen, qk_scale, HEAD_DIM: tl.constexpr, D0: tl.constexpr,
-                 W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr, R_V: tl.constexpr,
-                 SUM_MMA: tl.constexpr = False):
+def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, stride_kt, stride_vt, stride_r, start_n,
+                 seqlen, qk_scale, D0: tl.constexpr, W1: tl.constexpr, TAIL_N: tl.constexpr, REM: tl.constexpr,
+                 R_V: tl.constexpr, SUM_MMA: tl.constexpr = False):
     """A masked step over TAIL_N keys, loaded by pointers (the tensor descriptors' boxes are BLOCK_N
     rows): the last keys of a segment cost TAIL_N / BLOCK_N of a full step. `k_rows`/`v_rows` point at
     the segment's first key of this head, `r_cols` at its first column in R's K rows."""
     n = start_n + tl.arange(0, TAIL_N)
     n_mask = n < seqlen
     d = tl.arange(0, D0)
-    k = load_tile(k_rows, n, d, stride_kt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
+    k = load_tile(k_rows, n, d, stride_kt, n_mask, True)
     qk = tl.dot(q0, tl.trans(k))
     if REM:  # K's remainder rows of R only (a TMA box also holds this head's V rows, cancelled by Q's zeros)
         j = tl.arange(0, W1)
@@ -99,7 +66,7 @@ def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS, SIN,
         qk = tl.dot(q1, rk, qk)
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     acc0, acc1, l_i, m_ij, p = softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA)
-    v = load_tile(v_rows, n, d, stride_vt, n_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True, False)
+    v = load_tile(v_rows, n, d, stride_vt, n_mask, True)
     p = p.to(v.dtype)
     acc0 = tl.dot(p, v, acc0)
     if REM:
@@ -111,17 +78,17 @@ def _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS, SIN,
 
 @triton.jit
 def _varlen_attn_fwd_tma(
-    Q, k_desc, v_desc, r_desc, O, CU_SEQLENS, COS, SIN,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+    Q, k_desc, v_desc, r_desc, O, CU_SEQLENS,
+    stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
     K, V, R, stride_kt, stride_vt, stride_r, total_tokens,
     HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
     TAIL_IN_LOOP: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False, TAIL_N: tl.constexpr = 0,
     Q_TAIL: tl.constexpr = False, SUM_MMA: tl.constexpr = False, R_ROWS: tl.constexpr = 0,
 ):
     """Hopper variant: K and V tiles arrive by TMA (tensor descriptors over the packed (T, H*D) rows,
     K's and V's head picked by the column offset), so the tiles land swizzled for wgmma without
-    going through registers. Q is loaded once per program by pointers, optionally rotated (ROPE_Q).
+    going through registers. Q is loaded once per program by pointers.
     Head dims past the power-of-two chunk D0 (72, 80, ...): the remainder columns of K and V come from
     R, their transposed copy (`kv_remainder_t`: per head K's remainder rows, V's, and for 72 a row of
     ones; one column per token, each segment from an aligned column `r_start`), so no operand is
@@ -161,19 +128,19 @@ def _varlen_attn_fwd_tma(
         vd = v_desc
         rd = r_desc
     if Q_TAIL and seqlen - start_m * BLOCK_M <= BLOCK_M // 2:
-        _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+        _tma_tile(Q, kd, vd, rd, O, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
                   K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                  HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
+                  HEAD_DIM, D0, W1, HEADS, BLOCK_M // 2, BLOCK_N, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
     else:
-        _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+        _tma_tile(Q, kd, vd, rd, O, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
                   K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, start_m * BLOCK_M,
-                  HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, ROPE_Q, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
+                  HEAD_DIM, D0, W1, HEADS, BLOCK_M, BLOCK_N, WS, TAIL_IN_LOOP, TAIL_N, SUM_MMA, R_ROWS)
 
 @triton.jit
-def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, stride_oh, stride_c, qk_scale,
+def _tma_tile(Q, kd, vd, rd, O, stride_qt, stride_qh, stride_ot, stride_oh, qk_scale,
               K, V, R, stride_kt, stride_vt, stride_r, tok0, seqlen, seg, head, row0,
               HEAD_DIM: tl.constexpr, D0: tl.constexpr, W1: tl.constexpr, HEADS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE_Q: tl.constexpr, WS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WS: tl.constexpr,
               TAIL_IN_LOOP: tl.constexpr, TAIL_N: tl.constexpr, SUM_MMA_ASKED: tl.constexpr,
               R_ROWS: tl.constexpr):
     """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys.
@@ -186,25 +153,10 @@ def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, strid
     rows_m = row0 + tl.arange(0, BLOCK_M)
     m_mask = rows_m < seqlen
     q_base = Q + tok0.to(tl.int64) * stride_qt + head * stride_qh
-    q_stride = stride_qt
-    # Power-of-two head dims: Q is rotated into this program's own output rows, then loaded from there like an
-    # unrotated Q. A tile rotated in registers becomes a register-sourced wgmma operand, live through the whole
-    # loop; at 128-row tiles ptxas then runs out of registers and serialises every wgmma (each one waited on at
-    # once). A loaded tile is staged in shared memory instead. Other head dims rotate in registers: there the
-    # staging measured slower on packs of short segments.
-    STAGE_Q: tl.constexpr = ROPE_Q and not REM
-    if STAGE_Q:
-        o_base = O + tok0.to(tl.int64) * stride_ot + head * stride_oh
-        _rotate_rows(q_base, stride_qt, o_base, stride_ot, COS, SIN, stride_c, tok0, row0, seqlen, HEAD_DIM,
-                     BLOCK_M, BLOCK_M // 4)
-        tl.debug_barrier()  # the other threads' stores are visible to this CTA's loads
-        q_base = o_base
-        q_stride = stride_ot
-    q0 = load_tile(q_base, rows_m, tl.arange(0, D0), q_stride, m_mask, COS, SIN, stride_c, tok0, HEAD_DIM, True,
-                    ROPE_Q and not STAGE_Q)
+    q0 = load_tile(q_base, rows_m, tl.arange(0, D0), stride_qt, m_mask, True)
     q1 = q0
     if REM:
-        q1 = _load_q_rem(q_base, rows_m, m_mask, COS, SIN, q_stride, stride_c, tok0, HEAD_DIM, D0, W1, ROPE_Q)
+        q1 = _load_q_rem(q_base, rows_m, m_mask, stride_qt, HEAD_DIM, D0, W1)
     col = head * HEAD_DIM
     r_row = head * R_ROWS
     r_col0 = r_start(tok0, seg)
@@ -224,10 +176,9 @@ def _tma_tile(Q, kd, vd, rd, O, COS, SIN, stride_qt, stride_qh, stride_ot, strid
             v_rows = V + tok0.to(tl.int64) * stride_vt + col
             r_cols = R + r_row * stride_r + r_col0
             for start_n in range(n_full, seqlen, TAIL_N):
-                acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols, COS,
-                                                    SIN, stride_kt, stride_vt, stride_r, stride_c, tok0, start_n,
-                                                    seqlen, qk_scale, HEAD_DIM, D0, W1, TAIL_N, REM, HEAD_DIM - D0,
-                                                    SUM_MMA)
+                acc0, acc1, l_i, m_i = _narrow_step(acc0, acc1, l_i, m_i, q0, q1, k_rows, v_rows, r_cols,
+                                                    stride_kt, stride_vt, stride_r, start_n, seqlen, qk_scale, D0,
+                                                    W1, TAIL_N, REM, HEAD_DIM - D0, SUM_MMA)
         else:
             acc0, acc1, l_i, m_i = _tma_step(acc0, acc1, l_i, m_i, q0, q1, kd, vd, rd, tok0 + n_full, col,
                                              r_row, r_col0 + n_full, n_full, seqlen, qk_scale, BLOCK_N, REM,

@@ -1,8 +1,6 @@
-"""The batching engine: plain asyncio plus one GPU worker thread. Knows nothing of HTTP.
+"""The batcher: packs the preprocessed items of concurrent requests into forwards of the model. Plain asyncio plus
+one GPU worker thread; knows nothing of HTTP.
 
-- `preprocess` decodes and resizes in a pool (processes in the server, so the GIL stays free for the
-  thread that dispatches GPU work), overlapping the GPU; normalising and patchifying happen on the
-  device inside the forward.
 - `submit(items)` queues a request's items and awaits their results. Items of many requests are
   packed into one forward by a patch budget (`max_batch_patches`) and an item cap. The queue is bounded in
   items: past it, `Overloaded` (the API answers 429).
@@ -24,20 +22,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import multiprocessing
+import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
-from ..model.encoder import EncodeResult, Encoder
-from ..model.preprocess import Preprocessed, decode_in_worker, init_worker
-from ..model.video import is_video
-from .sandbox import DecodeSandbox
+from ..model.encoder import Encoder, pack_size
+from ..model.preprocess import Preprocessed
+from .api import BatchStats, DeviceStats, Encoded, ItemDone, Timing
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +49,6 @@ def is_device_fault(e: BaseException) -> bool:
 
 
 @dataclass
-class BatchStats:
-    items: int
-    patches: int
-    forward_s: float
-    ok: bool
-
-
-@dataclass
 class _Work:
     item: Preprocessed
     future: asyncio.Future
@@ -69,22 +58,11 @@ class _Work:
     enqueued: float = field(default_factory=time.perf_counter)
 
 
-@dataclass
-class Timing:
-    queue_s: float = 0.0
-    inference_s: float = 0.0
-
-
-class Engine:
-    local = True  # runs in this process (`remote.RemoteEngine` is the other kind)
-
+class Batcher:
     def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
-                 max_queue_items: int, preprocess_workers: int = 4, preprocess_processes: bool = False,
-                 on_batch: Callable[[BatchStats], None] | None = None,
-                 on_fault: Callable[[BaseException], None] | None = None, sandbox: DecodeSandbox | None = None):
-        """`on_batch`: called with each forward's stats; `on_fault`: called once on a device fault; `sandbox`:
-        where videos are decoded (None: with the images)."""
-        self.sandbox = sandbox
+                 max_queue_items: int, on_batch: Callable[[BatchStats], None] | None = None,
+                 on_fault: Callable[[BaseException], None] | None = None):
+        """`on_batch`: called with each forward's stats; `on_fault`: called once on a device fault."""
         self.encoder = encoder
         self.max_batch_patches = max_batch_patches
         self.max_batch_items = max_batch_items
@@ -97,13 +75,6 @@ class Engine:
         self._queued_patch_count = 0  # patches of the items in _queue
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        if preprocess_processes:
-            # spawn, not fork: this process already runs CUDA and threads
-            self._pre_pool = ProcessPoolExecutor(preprocess_workers, mp_context=multiprocessing.get_context("spawn"),
-                                                 initializer=init_worker, initargs=(encoder.preprocessor.config,))
-        else:
-            self._pre_pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
-        self._processes = preprocess_processes
         self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward")  # dispatches, in order
         # A lone pack (nothing in flight, nothing queued behind it) is dispatched from the event loop's own thread:
         # the loop has nothing else to do meanwhile, and handing it to the sleeping forward thread and back costs a
@@ -145,9 +116,6 @@ class Engine:
                 pass
         self._gpu.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
-        self._pre_pool.shutdown(wait=True)
-        if self.sandbox is not None:
-            self.sandbox.close()
 
     @property
     def queue_depth(self) -> int:
@@ -163,34 +131,21 @@ class Engine:
 
     # -- API -----------------------------------------------------------------------------------------
 
-    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None,
-                         alone: bool = False) -> Preprocessed:
-        """Decode and resize one image or video in the pool (`fps`/`num_frames`: video frame sampling). `alone` is
-        the front-ends' hint (`EnginePool.preprocess`); here the loop dispatches the GPU too, so the pool decodes."""
-        loop = asyncio.get_running_loop()
-        args = (data, min_pixels, max_pixels, fps, num_frames)
-        if self.sandbox is not None and is_video(data):
-            return await self.sandbox.preprocess(self.encoder.preprocessor, *args)
-        if not self._processes:
-            return await loop.run_in_executor(self._pre_pool, self.encoder.preprocessor, *args)
-        frames, grid, meta = await loop.run_in_executor(self._pre_pool, decode_in_worker, *args)
-        return self.encoder.preprocessor.item(frames, grid, meta)
-
-    async def stats(self) -> dict:
+    def stats(self) -> DeviceStats:
         """Queue depth, items in flight, forwards run, and the device's memory (read in the process that owns it)."""
-        stats = {"queue_depth": self.queue_depth, "queued_patches": self.queued_patches, "in_flight": self.in_flight,
-                 "forwards": self.forwards, "gpu_busy_s": self.gpu_busy_s, "gpu_allocated_bytes": 0,
-                 "gpu_reserved_bytes": 0}
         device = self.encoder.device
+        stats = DeviceStats(str(device), pid=os.getpid(), queue_depth=self.queue_depth,
+                            queued_patches=self.queued_patches, in_flight=self.in_flight, forwards=self.forwards,
+                            gpu_busy_s=self.gpu_busy_s)
         if device.type == "cuda":
-            stats["gpu_allocated_bytes"] = torch.cuda.memory_allocated(device)
-            stats["gpu_reserved_bytes"] = torch.cuda.memory_reserved(device)
+            stats.gpu_allocated_bytes = torch.cuda.memory_allocated(device)
+            stats.gpu_reserved_bytes = torch.cuda.memory_reserved(device)
         return stats
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float,
                      abandoned: "Callable[[], bool] | asyncio.Event | None" = None,
                      deepstack: bool = True, tokens: bool = True,
-                     poll: Callable[[], bool] | None = None) -> tuple[list[EncodeResult], Timing]:
+                     poll: Callable[[], bool] | None = None) -> Encoded:
         """Encode `items` in whatever packs the batcher forms. `abandoned` (a predicate, or an event set when
         the client has gone) drops the request's items before compute; `deepstack=False` and `tokens=False` let a
         pack skip copying the DeepStack features and the merged tokens back when none of its requests wants them
@@ -224,27 +179,25 @@ class Engine:
         except BaseException:
             gone = True  # cancelled (client gone) or failed: the rest of its items are not computed
             raise
-        timing = Timing(queue_s=max(r[1] for r in results), inference_s=max(r[2] for r in results))
-        return [r[0] for r in results], timing
+        timing = Timing(queue_s=max(d.queue_s for d in results), inference_s=max(d.inference_s for d in results))
+        return Encoded([d.result for d in results], timing)
 
     # -- batching --------------------------------------------------------------------------------------
 
     def _take_batch(self) -> list[_Work]:
-        batch, patches = [], 0
-        while self._queue and len(batch) < self.max_batch_items:
-            w = self._queue[0]
-            n = w.item.num_patches
-            if w.future.done() or w.abandoned():
-                self._queue.popleft()
-                self._queued_patch_count -= n
-                if not w.future.done():
+        """The next pack from the head of the queue (`pack_size`), after dropping the items no one awaits."""
+        if any(w.future.done() or w.abandoned() for w in self._queue):
+            kept = collections.deque()
+            for w in self._queue:
+                if w.future.done() or w.abandoned():
+                    self._queued_patch_count -= w.item.num_patches
                     w.future.cancel()
-                continue
-            if batch and patches + n > self.max_batch_patches:
-                break
-            batch.append(self._queue.popleft())
-            self._queued_patch_count -= n
-            patches += n
+                else:
+                    kept.append(w)
+            self._queue = kept
+        count = pack_size((w.item.num_patches for w in self._queue), self.max_batch_patches, self.max_batch_items)
+        batch = [self._queue.popleft() for _ in range(count)]
+        self._queued_patch_count -= sum(w.item.num_patches for w in batch)
         return batch
 
     def _pack_full(self) -> bool:
@@ -368,7 +321,7 @@ class Engine:
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
-                w.future.set_result((r, start - w.enqueued, end - start))
+                w.future.set_result(ItemDone(r, start - w.enqueued, end - start))
 
     async def _polled(self, pending, items: int) -> bool:
         """Whether a lone forward finished while this loop polled it, once per turn, until other work came (False).

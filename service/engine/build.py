@@ -1,9 +1,8 @@
-"""Settings -> a loaded, warmed encoder and its batching engine. Shared by the single-process server and the engine
-process; the one place where the settings that shape the model and its kernels are passed down."""
+"""Settings -> a loaded, warmed encoder: the one place where the settings that shape the model and its kernels are
+passed down (`local.LocalEngine` calls it, in the serving process or in an engine process)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import os
@@ -12,7 +11,6 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -26,7 +24,6 @@ from ..model.loader import set_cublaslt_workspace
 from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
 from ..settings import Settings
-from .batching import BatchStats, Engine
 from .sandbox import DecodeSandbox
 
 log = logging.getLogger(__name__)
@@ -105,19 +102,11 @@ def load_encoder(settings: Settings) -> Encoder:
                         TowerOptions(attention_backend=settings.attention_backend), settings.graph_buckets())
 
 
-async def build_engine(settings: Settings, encoder: Encoder | None = None,
-                       on_batch: Callable[[BatchStats], None] | None = None) -> tuple[Encoder, Engine]:
-    """Load the model (unless given) and build the batching engine; `on_batch` receives each forward's stats."""
-    enc = encoder if encoder is not None else await asyncio.to_thread(load_encoder, settings)
-    # the server's decoded-size and video-length limits replace the checkpoint preprocessor's defaults
+def apply_limits(enc: Encoder, settings: Settings) -> None:
+    """The server's decoded-size and video-length limits replace the checkpoint preprocessor's defaults."""
     cfg = enc.preprocessor.config
     enc.preprocessor = Preprocessor(replace(cfg, max_image_pixels=settings.max_image_pixels,
                                             video=replace(cfg.video, max_source_frames=settings.max_video_frames)))
-    engine = Engine(enc, max_batch_patches=settings.max_batch_patches, max_batch_items=settings.max_batch_items,
-                    max_wait_ms=settings.max_wait_ms, max_queue_items=settings.max_queue_items,
-                    preprocess_workers=settings.preprocess_workers, preprocess_processes=settings.preprocess_processes,
-                    on_batch=on_batch, sandbox=video_sandbox(settings))
-    return enc, engine
 
 
 def video_sandbox(settings: Settings) -> DecodeSandbox | None:

@@ -22,12 +22,13 @@ import math
 import os
 import signal
 import time
+from dataclasses import asdict
 
 import numpy as np
 
 from .. import errors
-from .batching import BatchStats, Engine
-from .build import build_engine, warmup
+from .api import BatchStats
+from .local import LocalEngine
 from .protocol import error_header, raw_bytes, read_message, write_message
 from .shm import attach, page_lock, page_unlock
 
@@ -39,11 +40,11 @@ EXPECT_S = 0.01
 
 
 class EngineServer:
-    """Serves an `Engine` to front-end processes over a Unix socket."""
+    """Serves a `LocalEngine` to front-end processes over a Unix socket, once it has started."""
 
-    def __init__(self, engine: Engine, info: dict):
+    def __init__(self, engine: LocalEngine, restarts: int = 0):
         self.engine = engine
-        self.info = info
+        self.restarts = restarts
         self._batches: list[tuple] = []  # stats of forwards not yet reported to a front-end
         self._expected_until = 0.0  # `expect`: turn the loop over until then, or until a submit arrives
         self._spinner: asyncio.Task | None = None
@@ -53,7 +54,7 @@ class EngineServer:
         socket) until the submit arrives, at most EXPECT_S: asleep, it would wake to the submit on an idle core and
         read and dispatch it several times slower (0.1-0.2 ms on the H100 hosts). A busy engine ignores it: its loop
         is awake already, and a spinning loop would take the interpreter lock from the forward thread."""
-        if self.engine.queue_depth or self.engine.in_flight:
+        if self.engine.batcher.queue_depth or self.engine.batcher.in_flight:
             return
         self._expected_until = time.perf_counter() + EXPECT_S
         if self._spinner is None or self._spinner.done():
@@ -63,7 +64,7 @@ class EngineServer:
         while time.perf_counter() < self._expected_until:
             await asyncio.sleep(0)
 
-    def on_batch(self, stats: BatchStats) -> None:
+    def on_batch(self, device: str, stats: BatchStats) -> None:
         self._batches.append((stats.items, stats.patches, stats.forward_s, stats.ok))
 
     async def serve(self, path: str):
@@ -72,7 +73,7 @@ class EngineServer:
         return await asyncio.start_unix_server(self._connection, path=path, limit=2**22)
 
     def _reply(self, writer, header: dict, buffers=()) -> None:
-        header["queued_patches"] = self.engine.queued_patches  # for the front-ends' choice between engines
+        header["queued_patches"] = self.engine.batcher.queued_patches  # for the front-ends' choice between engines
         if self._batches:
             header["batches"], self._batches = self._batches, []
         write_message(writer, header, buffers)
@@ -83,7 +84,7 @@ class EngineServer:
         tasks: set[asyncio.Task] = set()
         arena = None  # the front-end's frame arena (`shm`), mapped read-only
         locked = None  # its address where it is page-locked for the GPU
-        device = self.engine.encoder.device
+        device = self.engine.model.device
 
         def abandoned_fn(rid):
             return lambda: closed or rid in gone
@@ -111,10 +112,10 @@ class EngineServer:
                             log.warning("cannot map the front-end's frame arena (%s); frames come over the socket", e)
                         else:
                             locked = page_lock(arena, device) if device.type == "cuda" else None
-                    self._reply(writer, {"op": "hello", "id": header["id"], "info": self.info,
-                                         "arena": arena is not None})
+                    info = {**self.engine.model.wire(), "pid": os.getpid(), "restarts": self.restarts}
+                    self._reply(writer, {"op": "hello", "id": header["id"], "info": info, "arena": arena is not None})
                 elif op == "stats":
-                    stats = {**await self.engine.stats(), "pid": os.getpid()}
+                    stats = asdict(self.engine.batcher.stats())
                     self._reply(writer, {"op": "stats", "id": header["id"], "stats": stats})
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -130,7 +131,7 @@ class EngineServer:
     async def _submit(self, header, payload, writer, abandoned, arena=None):
         rid = header["id"]
         items, offset = [], 0
-        pre = self.engine.encoder.preprocessor
+        pre = self.engine.model.preprocessor
         for shape, grid, meta, at in header["items"]:
             n = math.prod(shape)
             if at is None:  # in the message
@@ -140,17 +141,17 @@ class EngineServer:
                 frames = np.frombuffer(arena, np.uint8, n, at)
             items.append(pre.item(frames.reshape(shape), tuple(grid), meta))
         try:
-            results, timing = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
-                                                       deepstack=header["deepstack"], tokens=header["tokens"])
+            done = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
+                                            deepstack=header["deepstack"], tokens=header["tokens"])
         except Exception as e:  # noqa: BLE001 - every failure goes back to the front-end as a typed error
             reply, buffers = error_header(rid, e), []
         else:
             # only what this request asked for crosses (its pack may have computed more for others)
             sent = [(r.embeds if header["tokens"] else r.embeds[:0], r.deepstack if header["deepstack"] else
-                     r.deepstack[:0], r.pooled) for r in results]
-            reply = {"op": "result", "id": rid, "timing": (timing.queue_s, timing.inference_s),
+                     r.deepstack[:0], r.pooled) for r in done.results]
+            reply = {"op": "result", "id": rid, "timing": (done.timing.queue_s, done.timing.inference_s),
                      "results": [(r.grid_thw, r.num_tokens, str(e.dtype).removeprefix("torch."), tuple(e.shape),
-                                  tuple(d.shape), tuple(p.shape)) for r, (e, d, p) in zip(results, sent)]}
+                                  tuple(d.shape), tuple(p.shape)) for r, (e, d, p) in zip(done.results, sent)]}
             buffers = [raw_bytes(t) for ts in sent for t in ts]
         if abandoned() and reply["op"] == "result":
             return
@@ -207,17 +208,6 @@ def _run(coro):
 
 
 async def _serve(conn, settings, restarts: int) -> int:
-    start = time.perf_counter()
-    enc, engine = await build_engine(settings)
-    loaded = time.perf_counter()
-    if settings.warmup:
-        await asyncio.to_thread(warmup, enc, settings)
-    log.info("model loaded in %.1f s, warmed up in %.1f s", loaded - start, time.perf_counter() - loaded)
-    info = {"config": enc.config, "preprocess": enc.preprocessor.config, "device": str(enc.device),
-            "dtype": str(enc.dtype).removeprefix("torch."), "backend": enc.backend, "pid": os.getpid(),
-            "restarts": restarts}
-    server = EngineServer(engine, info)
-    engine.on_batch = server.on_batch
     loop = asyncio.get_running_loop()
 
     def on_fault(e: BaseException):
@@ -225,11 +215,14 @@ async def _serve(conn, settings, restarts: int) -> int:
         log.critical("exiting after a device fault (%s); the server starts a new engine process", e)
         loop.call_later(0.2, os._exit, FAULT_EXIT_CODE)
 
-    engine.on_fault = on_fault
+    engine = LocalEngine(settings, on_fault=on_fault)
+    server = EngineServer(engine, restarts)
+    engine.on_batch = server.on_batch
     await engine.start()
     listener = await server.serve(settings.engine_socket)
-    log.info("engine ready: %s on %s (%s), attention backend %s; socket %s", settings.model, enc.device, enc.dtype,
-             enc.backend, settings.engine_socket)
+    model = engine.model
+    log.info("engine ready: %s on %s (%s), attention backend %s; socket %s", settings.model, model.device,
+             model.dtype, model.backend, settings.engine_socket)
     conn.send(("ready", None))
     with contextlib.suppress(EOFError, OSError):
         await loop.run_in_executor(None, conn.recv)  # "stop", or EOF when the parent is gone

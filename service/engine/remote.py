@@ -1,6 +1,6 @@
 """The engines as the HTTP front-end processes see them: `RemoteEngine`, a client of one engine process's socket,
-and `EnginePool`, which gives the engine processes the interface of the local `Engine` (`preprocess`, `submit`,
-`stats`). Decoding and resizing run here, in threads (videos in a sandbox process); only the uint8 frames cross to
+and `EnginePool`, the `api.Engine` over the engine processes, one per device, which it follows through their
+restarts. Decoding and resizing run here, in threads (videos in a sandbox process); only the uint8 frames cross to
 an engine process (`protocol.py`)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -18,10 +17,8 @@ import torch
 from .. import errors
 from ..model.encoder import EncodeResult
 from ..model.preprocess import Preprocessed, Preprocessor, jpeg_size
-from ..model.video import is_video
-from .batching import BatchStats, Timing
+from .api import BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo, Timing
 from .protocol import read_message, rebuild_error, tensor_at, write_message
-from .sandbox import DecodeSandbox
 from .shm import Arena, new_arena
 
 log = logging.getLogger(__name__)
@@ -34,28 +31,14 @@ INLINE_MAX_PIXELS = 640 * 640
 REPLY_GRACE_S = 10.0
 
 
-class RemoteEncoder:
-    """What the API reads of the model in a front-end process: configs, device, dtype, backend. It holds no
-    weights and never touches CUDA."""
-
-    def __init__(self, info: dict):
-        self.config = info["config"]
-        self.preprocessor = Preprocessor(info["preprocess"])
-        self.device = torch.device(info["device"])
-        self.dtype = getattr(torch, info["dtype"])
-        self.backend = info["backend"]
-
-
 class RemoteEngine:
     """One engine process as a front-end sees it (`submit`, `stats`), over its Unix socket; `EnginePool` puts
-    several behind the `Engine` interface and decodes for them.
+    several behind the `api.Engine` interface and decodes for them.
 
     The engine process may die and be restarted by the server's supervisor: `connect()` opens a new connection,
     `disconnected()` waits for it to close. Requests the engine held when its connection closed fail with
     `EngineUnavailable` (503): they are not retried, since the front-end cannot tell whether its own input was
     what killed the engine."""
-
-    local = False
 
     def __init__(self, path: str, on_batch: Callable[[BatchStats], None] | None = None, device: str = "",
                  shared_memory_bytes: int = 0):
@@ -68,8 +51,8 @@ class RemoteEngine:
         self.on_batch = on_batch
         self._ids = itertools.count()
         self._link: _Link | None = None
-        self.encoder: RemoteEncoder | None = None
-        self.info: dict = {}
+        self.model: ModelInfo | None = None
+        self.info: dict = {}  # the model's description, the process's pid and how many engines died before it
         self.sent_patches = 0  # patches this front-end has submitted and not had answered
         self.reported_patches = 0  # patches queued in the engine, as its last reply said
 
@@ -96,7 +79,7 @@ class RemoteEngine:
                 log.warning("the engine could not map the frame arena; frames go over the socket")
                 arena.close()
         self.info = header["info"]
-        self.encoder = RemoteEncoder(self.info)
+        self.model = ModelInfo.from_wire(self.info)
         self._link = link
 
     async def disconnected(self) -> str:
@@ -146,14 +129,14 @@ class RemoteEngine:
             with contextlib.suppress(Exception):  # a closing link: the submit that follows reports it
                 write_message(self._link.writer, {"op": "expect", "id": -1})
 
-    async def stats(self) -> dict:
+    async def stats(self) -> DeviceStats:
         header, _ = await self._request({"op": "stats"})
-        return header["stats"]
+        return DeviceStats(**{**header["stats"], "device": self.device, "restarts": self.info.get("restarts", 0)})
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
                      deepstack: bool = True, tokens: bool = True,
-                     poll: Callable[[], bool] | None = None) -> tuple[list[EncodeResult], Timing]:
-        """Same contract as `Engine.submit`; the engine enforces the deadline, `abandoned` (set when the
+                     poll: Callable[[], bool] | None = None) -> Encoded:
+        """Same contract as `api.Engine.submit`; the engine enforces the deadline, `abandoned` (set when the
         client disconnects) cancels the request there. `poll`: while it is true (this request is the front-end's
         only one), the reply is awaited by turning the event loop over rather than sleeping in it, so the reply is
         read the moment it lands and the response is built on a core that is still running at speed: a lone
@@ -203,7 +186,7 @@ class RemoteEngine:
             pooled, offset = tensor_at(payload, offset, pooled_shape, torch.float32)
             results.append(EncodeResult(embeds=embeds, deepstack=ds, grid_thw=tuple(grid), pooled=pooled,
                                         num_tokens=num_tokens))
-        return results, Timing(*reply["timing"])
+        return Encoded(results, Timing(*reply["timing"]))
 
 
 def _release(arena: Arena | None, placed: list[int | None]) -> None:
@@ -296,68 +279,103 @@ def _small_jpeg(pre: Preprocessor, data: bytes, min_pixels: int | None, max_pixe
 
 
 class EnginePool:
-    """The engine processes (one per device) behind the `Engine` interface, as a front-end sees them. Decoding and
-    resizing run here, in threads (videos in a sandbox process); each request then goes, whole, to the live engine
-    with the fewest patches ahead of it (`RemoteEngine.load`)."""
+    """The `api.Engine` of a front-end process: the engine processes (one per device, `settings.engine_socket`),
+    each connected whenever it listens, again after every restart. Decoding and resizing run here, in threads
+    (videos in the sandbox); each request then goes, whole, to the live engine with the fewest patches ahead of it
+    (`RemoteEngine.load`). While none is connected the pool is not alive: the API answers 503 (the supervisors in
+    the main process restart the engines)."""
 
-    local = False
-
-    def __init__(self, engines: list[RemoteEngine], preprocess_workers: int = 4, sandbox: DecodeSandbox | None = None):
+    def __init__(self, engines: list[RemoteEngine], decoder: Decoder, *, on_change: ChangeListener | None = None):
         self.engines = engines
-        self.sandbox = sandbox
-        self._pool = ThreadPoolExecutor(preprocess_workers, thread_name_prefix="preprocess")
+        self.on_change = on_change
+        self._decode = decoder
+        self._links: list[asyncio.Task] = []
+
+    @classmethod
+    def of(cls, sockets: list[str], devices: list[str], decoder: Decoder, *, shared_memory_bytes: int = 0,
+           on_batch: BatchListener | None = None, on_change: ChangeListener | None = None) -> "EnginePool":
+        """A pool of the engine processes listening at `sockets`, one per device in `devices`."""
+        def reporter(device: str):
+            return (lambda stats: on_batch(device, stats)) if on_batch is not None else None
+
+        engines = [RemoteEngine(path, on_batch=reporter(device), device=device, shared_memory_bytes=shared_memory_bytes)
+                   for path, device in zip(sockets, devices)]
+        return cls(engines, decoder, on_change=on_change)
 
     @property
     def alive(self) -> bool:
         return any(e.alive for e in self.engines)
 
     @property
-    def encoder(self) -> RemoteEncoder | None:
-        return next((e.encoder for e in self.engines if e.encoder is not None), None)
+    def state(self) -> str:
+        if self.alive:
+            return "up"
+        return "restarting" if self.model is not None else "starting"
+
+    @property
+    def model(self) -> ModelInfo | None:
+        return next((e.model for e in self.engines if e.model is not None), None)
+
+    async def start(self) -> None:
+        """Follow each engine process in the background; returns at once."""
+        self._links = [asyncio.create_task(self._follow(e), name=f"engine-link-{e.device}") for e in self.engines]
+
+    async def _follow(self, engine: RemoteEngine) -> None:
+        """Connect to an engine process whenever it listens, and report each connection and its loss."""
+        while True:
+            try:
+                await engine.connect()
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, errors.EncoderError):
+                await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
+                continue
+            log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))
+            if self.on_change is not None:
+                self.on_change(engine.device, True)
+            why = await engine.disconnected()
+            log.warning("lost the engine process on %s (%s); %s", engine.device, why,
+                        "the other engines serve" if self.alive else "answering 503 until it is back")
+            if self.on_change is not None:
+                self.on_change(engine.device, False)
 
     def _least_loaded(self) -> RemoteEngine | None:
         """The live engine with the fewest patches ahead of a new request (where it goes), or None."""
         return min((e for e in self.engines if e.alive), key=lambda e: e.load, default=None)
 
-    async def preprocess(self, data, min_pixels=None, max_pixels=None, fps=None, num_frames=None,
+    async def preprocess(self, data: bytes, min_pixels: int | None = None, max_pixels: int | None = None,
+                         fps: float | None = None, num_frames: int | None = None,
                          alone: bool = False) -> Preprocessed:
         """Decode and resize in the pool's threads (videos in the sandbox). `alone`: the only input of the only request
         in this process, which a JPEG of up to `INLINE_MAX_PIXELS`, before and after resizing, skips the pool for:
-        the loop has nothing else to do, and a hand-off to a sleeping thread and back costs a lone request 0.2-0.3 ms
-        on the H100 hosts. The engine is told to expect it first, so it is awake when the frames arrive."""
-        pre = self.encoder.preprocessor  # the engines' description carries the server's limits
+        the loop has nothing else to do, and a hand-off to a sleeping thread and back costs a lone request a few
+        hundred microseconds. The engine is told to expect it first, so it is awake when the frames arrive."""
+        pre = self.model.preprocessor  # the engines' description carries the server's limits
         args = (data, min_pixels, max_pixels, fps, num_frames)
-        if self.sandbox is not None and is_video(data):
-            return await self.sandbox.preprocess(pre, *args)
         if alone and _small_jpeg(pre, data, min_pixels, max_pixels):
             engine = self._least_loaded()
             if engine is not None:  # the engine `submit` will pick wakes while this decodes
                 engine.expect()
             return pre(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, pre, *args)
+        return await self._decode(pre, *args)
 
-    async def submit(self, items: list[Preprocessed], **kwargs) -> tuple[list[EncodeResult], Timing]:
+    async def submit(self, items: list[Preprocessed], **kwargs) -> Encoded:
         engine = self._least_loaded()
         if engine is None:
             raise errors.EngineUnavailable("no engine process is running (restarting)", retry_after=2.0)
         return await engine.submit(items, **kwargs)
 
-    async def stats(self) -> dict:
-        """Totals over the live engines, and each engine's own stats under `engines`."""
+    async def stats(self) -> EngineStats:
         per = []
         for e in self.engines:
-            entry = {"device": e.device, "state": "up" if e.alive else "down", "restarts": e.info.get("restarts", 0)}
+            entry = DeviceStats(e.device, state="down", restarts=e.info.get("restarts", 0))
             if e.alive:
                 with contextlib.suppress(errors.EngineUnavailable):
-                    entry.update(await e.stats())
+                    entry = await e.stats()
             per.append(entry)
-        totals = {k: sum(p.get(k, 0) for p in per) for k in ("queue_depth", "queued_patches", "in_flight", "forwards",
-                                                                 "gpu_busy_s")}
-        return {**totals, "engines": per}
+        return EngineStats(per)
 
-    async def stop(self):
+    async def stop(self) -> None:
+        for task in self._links:
+            task.cancel()
         for e in self.engines:
             await e.stop()
-        self._pool.shutdown(wait=True)
-        if self.sandbox is not None:
-            self.sandbox.close()
+        self._decode.close()

@@ -1,15 +1,14 @@
 """The FastAPI app: routes, the service state they share, and its lifespan.
 
 Routes: POST /embed, POST /v1/embeddings (OpenAI-compatible), GET /health, /ready, /info, /metrics. The engine is
-the local `Engine` (`http_workers=0`: this process loads the model) or an `EnginePool` of engine processes, one per
-device (a front-end process, `settings.engine_socket` set); both have one interface. Errors map to status codes in `status.py`.
+whichever `service.engine.api.Engine` the settings name (`open_engine`): the model in this process, or the engine
+processes behind a front-end. Errors map to status codes in `status.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -24,11 +23,10 @@ from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 
-from .. import __version__, errors
-from ..engine.batching import Engine
-from ..engine.build import build_engine, video_sandbox, warmup
+from .. import __version__
+from ..engine.api import Engine
+from ..engine.factory import open_engine
 from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
-from ..engine.remote import EnginePool, RemoteEngine
 from ..errors import InvalidInput
 from ..model.encoder import Encoder
 from ..settings import Settings
@@ -44,42 +42,38 @@ log = logging.getLogger(__name__)
 
 
 class Service:
-    """What the routes share: the settings, the metrics, and the engine and model description once started."""
+    """What the routes share: the settings, the metrics, the engine and the embedding cache."""
 
     def __init__(self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None):
-        self.settings = settings
+        """`encoder`: an already loaded model to serve in this process (tests)."""
         self.metrics = metrics
-        self.encoder = encoder  # the local Encoder, or the engine process's description (RemoteEncoder)
-        self.engine: Engine | EnginePool | None = None
         self.ready = False
         self.draining = False  # SIGTERM received: /ready 503, every response closes its connection
-        self._link_tasks: list[asyncio.Task] = []
         self._encoding = 0  # requests in `encode`
         self._own_cache_dir = settings.embedding_cache_mib and not settings.embedding_cache_path
         if self._own_cache_dir:  # one process serves: its own directory (`serve` makes one its front-ends share)
-            settings = self.settings = settings.model_copy(update={"embedding_cache_path": make_cache_dir()})
+            settings = settings.model_copy(update={"embedding_cache_path": make_cache_dir()})
+        self.settings = settings
         self.cache = EncoderCache(settings.embedding_cache_path, settings.embedding_cache_mib << 20)
+        self.engine: Engine = open_engine(settings, encoder, on_batch=metrics.observe_batch,
+                                          on_change=self._engine_changed)
+
+    @property
+    def model(self):
+        return self.engine.model
 
     async def start(self):
-        """Single process: load and warm the model, then serve. Front-end process: serve at once (/health answers,
-        /ready is 503) and connect to each engine process in the background, again whenever one restarts."""
-        settings, metrics = self.settings, self.metrics
-        if settings.engine_socket:  # a front-end process: the model lives in the engine processes
-            engines = [RemoteEngine(path, on_batch=functools.partial(metrics.observe_batch, device), device=device,
-                                    shared_memory_bytes=settings.shared_memory_mib << 20)
-                       for path, device in zip(settings.engine_socket.split(","), settings.resolved_devices())]
-            self.engine = EnginePool(engines, settings.preprocess_workers, video_sandbox(settings))
-            self._link_tasks = [asyncio.create_task(self._follow_engine(e), name=f"engine-link-{e.device}")
-                                for e in engines]
-            return
-        device = settings.resolved_device()
-        self.encoder, engine = await build_engine(settings, self.encoder,
-                                                  on_batch=functools.partial(metrics.observe_batch, device))
-        if settings.warmup:
-            await asyncio.to_thread(warmup, self.encoder, settings)
-        await engine.start()
-        self.engine = engine
-        self._set_ready()
+        """Start the engine: the model in this process is loaded and warmed before this returns; engine processes are
+        followed in the background (/health answers at once, /ready is 503 until one is connected)."""
+        await self.engine.start()
+
+    def _engine_changed(self, device: str, up: bool) -> None:
+        self.metrics.engine_up.labels(device).set(int(up))
+        if up and not self.ready:
+            self._set_ready()
+        elif not up:
+            self.ready = self.engine.alive
+            self._mark_ready(self.ready)
 
     def _frontends_dir(self) -> str | None:
         """With front-end processes: where each one marks itself ready (beside the engines' sockets)."""
@@ -128,51 +122,21 @@ class Service:
         return alive >= self.settings.resolved_http_workers()
 
     def _set_ready(self):
-        settings, enc = self.settings, self.encoder
+        settings, enc = self.settings, self.model
         self.metrics.model_info.labels(settings.model, str(enc.dtype).removeprefix("torch."), str(enc.device),
                                        enc.backend, str(settings.model.startswith("random:")).lower()).set(1)
         self.ready = True
         self._mark_ready(True)
         log.info("ready: %s (%s), attention backend %s", settings.model, enc.dtype, enc.backend)
 
-    async def _follow_engine(self, engine: RemoteEngine):
-        """Connect to an engine process whenever it listens. While none is connected, /ready and the encoding routes
-        answer 503; while some are, requests go to those (the supervisors in the main process restart the rest)."""
-        up = self.metrics.engine_up.labels(engine.device)
-        while True:
-            try:
-                await engine.connect()
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, errors.EncoderError):
-                await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
-                continue
-            if self.encoder is None:
-                self.encoder = engine.encoder  # its preprocessor carries the engine's (server's) limits
-            up.set(1)
-            log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))
-            if not self.ready:
-                self._set_ready()
-            why = await engine.disconnected()
-            up.set(0)
-            self.ready = self.engine.alive
-            self._mark_ready(self.ready)
-            log.warning("lost the engine process on %s (%s); %s", engine.device, why,
-                        "the other engines serve" if self.ready else "answering 503 until it is back")
-
     async def stop(self):
         self.ready = False
         self._mark_ready(False)
         if self._own_cache_dir:
             shutil.rmtree(self.settings.embedding_cache_path, ignore_errors=True)
-        for task in self._link_tasks:
-            task.cancel()
-        if self.engine is not None:
-            await self.engine.stop()
-            if not self.engine.local and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-                multiprocess.mark_process_dead(os.getpid())
-
-    @property
-    def engine_alive(self) -> bool:
-        return self.engine is not None and (self.engine.local or self.engine.alive)
+        await self.engine.stop()
+        if self.settings.engine_socket and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            multiprocess.mark_process_dead(os.getpid())
 
     def check_auth(self, request: Request):
         key = self.settings.api_key
@@ -180,20 +144,18 @@ class Service:
             raise HTTPError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             headers={"WWW-Authenticate": "Bearer"})
 
-    def serving_engine(self) -> Engine | EnginePool:
-        if not self.engine_alive:
-            if self.engine is not None and not self.engine.local and self.encoder is not None:
-                raise HTTPError(503, "engine_unavailable", "the engine process is restarting",
-                                headers={"Retry-After": "2"})
-            raise HTTPError(503, "not_ready", "the model is still loading or warming up", headers={"Retry-After": "5"})
-        if not self.ready:
+    def serving_engine(self) -> Engine:
+        state = self.engine.state
+        if state == "restarting":
+            raise HTTPError(503, "engine_unavailable", "the engine process is restarting", headers={"Retry-After": "2"})
+        if state != "up" or not self.ready:
             raise HTTPError(503, "not_ready", "the model is still loading or warming up", headers={"Retry-After": "5"})
         return self.engine
 
     async def encode(self, request: Request, inputs: list[bytes], opts: EmbedOptions):
         """Preprocess and encode one request's inputs; the results, the items, and the timing headers."""
         eng = self.serving_engine()
-        pre = eng.encoder.preprocessor.config
+        pre = eng.model.preprocessor.config
         check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames, self._has_deepstack(eng))
         arrival = time.perf_counter()
         self._encoding += 1
@@ -206,7 +168,7 @@ class Service:
         """Each input from the cache, from an identical input in flight, or encoded here (the misses, preprocessed
         and submitted together)."""
         deepstack, tokens = wants_deepstack(opts, self._has_deepstack(eng)), opts.embeddings
-        variant = (self.settings.model, str(eng.encoder.dtype), opts.min_pixels, opts.max_pixels, opts.fps,
+        variant = (self.settings.model, str(eng.model.dtype), opts.min_pixels, opts.max_pixels, opts.fps,
                    opts.num_frames, deepstack, tokens)
         keys = [cache_key(data, variant) for data in inputs]
         served: list = [None] * len(inputs)  # (item, result) of each input
@@ -262,21 +224,16 @@ class Service:
         watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
         try:
             remaining = self.settings.request_timeout_s - (time.perf_counter() - arrival)
-            if eng.local:
-                self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth + len(items))
-            results, timing = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
-                                               deepstack=deepstack, tokens=tokens,
-                                               poll=self._alone if alone else None)
+            done = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
+                                    deepstack=deepstack, tokens=tokens, poll=self._alone if alone else None)
         finally:
             watcher.cancel()
-            if eng.local:
-                self.metrics.queue_depth.labels(str(self.encoder.device)).set(eng.queue_depth)
-        self.metrics.observe_request(items, results, timing.queue_s)
-        return items, results, timing, preprocessed
+        self.metrics.observe_request(items, done.results, done.timing.queue_s)
+        return items, done.results, done.timing, preprocessed
 
     @staticmethod
     def _has_deepstack(eng) -> bool:
-        return bool(eng.encoder.config.deepstack_visual_indexes)
+        return bool(eng.model.config.deepstack_visual_indexes)
 
     def _alone(self) -> bool:
         """Whether one request is being encoded in this process."""
@@ -293,7 +250,7 @@ class Service:
         return item
 
     async def info(self) -> dict[str, Any]:
-        settings, enc, eng = self.settings, self.encoder, self.engine
+        settings, enc, eng = self.settings, self.model, self.engine
         body: dict[str, Any] = {"version": __version__, "model": settings.model,
                                 "family": enc.config.family if enc is not None else None,
                                 "random_weights": settings.model.startswith("random:"), "ready": self.ready}
@@ -313,16 +270,8 @@ class Service:
             "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items", "max_video_frames")}
         body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
             enc.preprocessor.config.max_pixels if enc else None)
-        if eng is not None:
-            body["engine"] = {"state": "up" if self.engine_alive else ("restarting" if enc else "starting")}
-            if self.engine_alive or not eng.local:  # the pool reports its engines, up or down
-                body["engine"].update(await eng.stats())
-            body["engine"]["process"] = "this" if eng.local else "separate"
-            if not eng.local:
-                engines = body["engine"]["engines"]
-                body["engine"]["restarts"] = sum(e["restarts"] for e in engines)
-                if len(engines) == 1 and "pid" in engines[0]:
-                    body["engine"]["pid"] = engines[0]["pid"]
+        body["engine"] = {"state": eng.state, **(await eng.stats()).as_dict(),
+                          "process": "separate" if settings.engine_socket else "this"}
         body["embedding_cache"] = {"max_bytes": self.cache.max_bytes, "bytes": self.cache.bytes,
                                    "path": self.cache.path}
         body["http_workers"] = settings.resolved_http_workers()
@@ -371,8 +320,8 @@ async def embed(request: Request):
     results, items, headers = await svc.encode(request, inputs, opts)
     if opts.format in LLM_LAYOUTS:  # megabytes to copy and encode: in a thread, the loop serves on meanwhile
         return await asyncio.to_thread(llm_response, results, items, opts, svc.settings.model,
-                                       svc.encoder.config.out_hidden_size, headers)
-    return embed_response(results, items, opts, svc.settings.model, svc.encoder.config.out_hidden_size, headers)
+                                       svc.model.config.out_hidden_size, headers)
+    return embed_response(results, items, opts, svc.settings.model, svc.model.config.out_hidden_size, headers)
 
 
 @encoding_router.post("/v1/embeddings", summary="OpenAI-compatible: mean-pooled, L2-normalised image embeddings")
@@ -392,7 +341,7 @@ async def health():
 @router.get("/ready", summary="Readiness: model loaded and kernels warmed up")
 async def ready(request: Request):
     svc = _service(request)
-    if svc.draining or not (svc.ready and svc.engine_alive and svc.every_frontend_ready()):
+    if svc.draining or not (svc.ready and svc.engine.alive and svc.every_frontend_ready()):
         return JSONResponse({"ready": False}, status_code=503)
     return {"ready": True}
 
@@ -405,12 +354,11 @@ async def info(request: Request):
 @router.get("/metrics", summary="Prometheus metrics")
 async def prometheus(request: Request):
     svc = _service(request)
-    if svc.engine_alive:
+    if svc.engine.alive:
         with contextlib.suppress(Exception):  # a scrape never fails for want of the engine's gauges
-            stats = await svc.engine.stats()
-            for engine in stats.get("engines") or [{"device": str(svc.encoder.device), "state": "up", **stats}]:
-                if engine["state"] == "up":
-                    svc.metrics.sample_engine(engine["device"], engine)
+            for engine in (await svc.engine.stats()).engines:
+                if engine.state == "up":
+                    svc.metrics.sample_engine(engine)
     return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 

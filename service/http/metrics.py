@@ -67,12 +67,12 @@ class Metrics:
                                   ["device"], registry=r, multiprocess_mode="livemostrecent")
         self._max_batch_patches = max_batch_patches
 
-    def sample_engine(self, device: str, stats: dict) -> None:
-        """Queue depth and device memory from an engine's `stats()` (read where the engine runs)."""
-        self.queue_depth.labels(device).set(stats["queue_depth"])
-        self.queued_patches.labels(device).set(stats.get("queued_patches", 0))
-        self.gpu_allocated.labels(device).set(stats.get("gpu_allocated_bytes", 0))
-        self.gpu_reserved.labels(device).set(stats.get("gpu_reserved_bytes", 0))
+    def sample_engine(self, stats) -> None:
+        """Queue depth and device memory from an engine's `DeviceStats` (read where the engine runs)."""
+        self.queue_depth.labels(stats.device).set(stats.queue_depth)
+        self.queued_patches.labels(stats.device).set(stats.queued_patches)
+        self.gpu_allocated.labels(stats.device).set(stats.gpu_allocated_bytes)
+        self.gpu_reserved.labels(stats.device).set(stats.gpu_reserved_bytes)
 
     def observe_batch(self, device: str, stats) -> None:
         """One forward's `BatchStats`, on the engine of `device`."""

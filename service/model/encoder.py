@@ -9,6 +9,7 @@ packed with (attention is block-diagonal per frame, every other op is per token)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -226,18 +227,23 @@ def result_tensors(results, start: int = 0, pooled=None) -> dict[str, torch.Tens
     return out
 
 
-def pack_by_budget(sizes: list[int], max_patches: int, max_items: int) -> list[list[int]]:
-    """Greedy in-order packing of item indices: each pack holds <= max_items items and <= max_patches
-    patches (an item larger than the budget travels alone)."""
-    packs: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, n in enumerate(sizes):
-        if current and (used + n > max_patches or len(current) >= max_items):
-            packs.append(current)
-            current, used = [], 0
-        current.append(i)
+def pack_size(sizes: Iterable[int], max_patches: int, max_items: int) -> int:
+    """How many of `sizes` (items' patch counts, in order) the next pack takes: at most `max_items` items and
+    `max_patches` patches, and always the first item (one larger than the budget travels alone)."""
+    count = used = 0
+    for n in sizes:
+        if count and (used + n > max_patches or count >= max_items):
+            break
+        count += 1
         used += n
-    if current:
-        packs.append(current)
+    return count
+
+
+def pack_by_budget(sizes: list[int], max_patches: int, max_items: int) -> list[list[int]]:
+    """Item indices in packs, in order, by `pack_size`."""
+    packs, start = [], 0
+    while start < len(sizes):
+        count = pack_size(sizes[start:], max_patches, max_items)
+        packs.append(list(range(start, start + count)))
+        start += count
     return packs

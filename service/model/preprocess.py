@@ -278,26 +278,12 @@ class Preprocessor:
         return Preprocessed(frames, grid, lut, self.config, meta)
 
 
-# -- worker processes --------------------------------------------------------------------------------
-# Decoding and resizing run in separate processes in the server, so they never compete for the GIL
-# with the thread that dispatches GPU work. Only the uint8 frames and the grid come back.
-
-_WORKER: Preprocessor | None = None
-
-
-def init_worker(config: PreprocessConfig) -> None:
-    global _WORKER
-    _WORKER = Preprocessor(config)
-
-
-def decode_in_worker(data: bytes, min_pixels: int | None, max_pixels: int | None, fps: float | None = None,
-                     num_frames: int | None = None):
-    item = _WORKER(data, min_pixels, max_pixels, fps, num_frames)
-    return item.frames, item.grid_thw, item.meta
+# -- sandbox processes -------------------------------------------------------------------------------
 
 
 def decode_in_worker_config(config: PreprocessConfig, data: bytes, min_pixels: int | None, max_pixels: int | None,
                             fps: float | None = None, num_frames: int | None = None):
-    """`decode_in_worker` for a process that has no preprocessor yet (a sandbox process, one input each)."""
+    """Decode in a process that has no preprocessor yet (a sandbox process, one input each): only the uint8 frames,
+    the grid and the metadata go back."""
     item = Preprocessor(config)(data, min_pixels, max_pixels, fps, num_frames)
     return item.frames, item.grid_thw, item.meta

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.attention import check_backend
-from kernels import resolve_backend, triton_supported, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
+from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_linear
@@ -50,14 +50,11 @@ class TowerOptions:
       (cuBLAS addmm, beta = 1) and the LayerNorm that follows only normalises (`_bias_offsets`): two passes over
       the activations per residual instead of four. None: on for Qwen3-VL, off for Qwen2.5-VL, whose bf16 error
       against float32 it raised from 0.98x transformers' own to 1.09x (H100, 7B preset; docs/PERFORMANCE.md).
-    rope_q_in_kernel: Triton backend: rotate Q inside the attention kernel rather than in the pass with K (slower:
-      16 heads re-read the cos/sin rows).
     """
 
     attention_backend: str = "auto"
     fused_qkv_rope: bool = True
     residual_in_gemm: bool | None = None
-    rope_q_in_kernel: bool = False
 
     def __post_init__(self):
         check_backend(self.attention_backend)
@@ -259,32 +256,26 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
 
-    def project_qkv(self, x, cos, sin, backend: str, options: TowerOptions, attention: str,
+    def project_qkv(self, x, cos, sin, backend: str, options: TowerOptions,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated (only K where the attention kernel rotates Q),
-        into `out` if given. `backend` is the tower's (it decides the fused projection), `attention` the attention
-        call's."""
-        q_in_kernel = attention == "triton" and options.rope_q_in_kernel
-        if (backend == "triton" and options.fused_qkv_rope and not q_in_kernel
+        """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated, into `out` if given. `backend` is the tower's (it
+        decides the fused projection)."""
+        if (backend == "triton" and options.fused_qkv_rope
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             return qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out)
-        # With q_in_kernel only K is rotated here (rotating each K tile inside the kernel, once per
-        # query tile, costs far more); the attention kernel rotates Q as it loads it, once.
         return linear_then_rope(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out,
-                                use_triton=_fused(backend), k_only=q_in_kernel)
+                                use_triton=_fused(backend))
 
-    def attend(self, qkv, plan: "PackPlan", options: TowerOptions, attention: str,
-               out: torch.Tensor | None = None, windowed: bool = False) -> torch.Tensor:
+    def attend(self, qkv, plan: "PackPlan", attention: str, out: torch.Tensor | None = None,
+               windowed: bool = False) -> torch.Tensor:
         """Block-diagonal attention over the pack's frames (or its windows): qkv `[T, 3, H, D]` -> `[T, H * D]`
         (into `out` if given, contiguous `[T, H * D]`)."""
         q, k, v = qkv.unbind(1)  # 3 x [T, H, D] strided views; the kernel reads them in place
-        rope_q = (dict(cos=plan.cos, sin=plan.sin, rotate_k=False)
-                  if attention == "triton" and options.rope_q_in_kernel else {})
         tokens = qkv.shape[0]
         cu_seqlens, max_seqlen, seqlens = plan.segments(windowed)
         out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, seqlens=seqlens, backend=attention,
                                out=None if out is None else out.view(tokens, self.num_heads, self.head_dim),
-                               padded=plan.padded, **rope_q)
+                               padded=plan.padded)
         return out.view(tokens, -1)
 
 
@@ -462,15 +453,6 @@ class VisionTower(nn.Module):
             self._backend = resolve_backend(self.device, self.config.head_dim, self.options.attention_backend)
         return self._backend
 
-    def attention_choices(self) -> tuple[str, ...]:
-        """The attention backends this tower can run, its default (`backend`) first: both on a CUDA GPU
-        where the Triton kernels run, unless `options.attention_backend` forces one. `graphs.GraphedTower`
-        times each on a pack signature it captures and keeps the faster."""
-        device = self.device
-        if self.options.attention_backend != "auto" or device.type != "cuda" or not triton_supported(device)[0]:
-            return (self.backend,)
-        return (self.backend, "sdpa" if self.backend == "triton" else "triton")
-
     def plan(self, grids) -> PackPlan:
         return PackPlan.build(grids, self.config, self.device)
 
@@ -478,8 +460,7 @@ class VisionTower(nn.Module):
                 attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out] (n_deepstack 0
         for Qwen2.5-VL).
-        `attention`: the attention backend of this forward (one of `attention_choices()`; default
-        `backend`); every other kernel is the same either way.
+        `attention`: the attention backend of this forward ('triton' or 'sdpa'; default `backend`); every other kernel is the same either way.
 
         The steps (`embed`, then per block `project_qkv`, `attend`, `block_tail`, then `merge`) are also what
         `graphs.BucketedTower` runs: everything but the attention as CUDA graphs over padded token counts, between
@@ -491,7 +472,7 @@ class VisionTower(nn.Module):
         deepstack = self.new_deepstack(pixel_values.shape[0], pixel_values.device)
         x, h = self.embed(self.order_tokens(pixel_values, plan), plan.interp_index, plan.interp_weight)
         for layer in range(len(self.blocks)):
-            qkv = self.project_qkv(layer, h, plan.cos, plan.sin, attention)
+            qkv = self.project_qkv(layer, h, plan.cos, plan.sin)
             x, h = self.block_tail(layer, x, self.attend(layer, qkv, plan, attention), offsets, deepstack)
         return self.restore_order(self.merge(h), plan), deepstack
 
@@ -520,11 +501,11 @@ class VisionTower(nn.Module):
         _, h = _add_norm(x, None, self.blocks[0].norm1, self.backend)
         return x, h
 
-    def project_qkv(self, layer: int, h, cos, sin, attention: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.blocks[layer].attn.project_qkv(h, cos, sin, self.backend, self.options, attention, out)
+    def project_qkv(self, layer: int, h, cos, sin, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.blocks[layer].attn.project_qkv(h, cos, sin, self.backend, self.options, out)
 
     def attend(self, layer: int, qkv, plan: PackPlan, attention: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.blocks[layer].attn.attend(qkv, plan, self.options, attention, out, self._windowed[layer])
+        return self.blocks[layer].attn.attend(qkv, plan, attention, out, self._windowed[layer])
 
     def block_tail(self, layer: int, x, attended, offsets, deepstack) -> tuple[torch.Tensor, torch.Tensor]:
         """After block `layer`'s attention: its output projection, norm2, the MLP, and the norm that follows (the next

@@ -23,17 +23,16 @@ LENGTHS = [[1], [7], [131], [1023], [4096], [1, 7, 131, 1023, 4096], [64] * 100,
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: f"{len(l)}seg_max{max(l)}")
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (72, torch.bfloat16), (80, torch.bfloat16),
                                             (128, torch.bfloat16), (72, torch.float16), (64, torch.float16)])
-@pytest.mark.parametrize("rope", [False, True])
-def test_kernel_vs_fp32_reference(lengths, head_dim, rope, dtype):
+def test_kernel_vs_fp32_reference(lengths, head_dim, dtype):
     torch.manual_seed(sum(lengths) + head_dim)
-    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, dtype, rope, seed=head_dim, device="cuda")
+    q, k, v, cu = make_inputs(lengths, 16, head_dim, dtype, seed=head_dim, device="cuda")
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
     # one pinned tile shape keeps the matrix fast; the tuned path is covered below
-    triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, out=out, block_m=128, block_n=64)
+    triton_varlen_attention(q, k, v, cu, max(lengths), out=out, block_m=128, block_n=64)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "unwritten output elements"
-    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
-    low = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin, upcast=False)
+    ref = reference_varlen_attention(q, k, v, cu)
+    low = reference_varlen_attention(q, k, v, cu, upcast=False)
     err, torch_err = rel_err(out, ref), rel_err(low, ref)
     assert err <= 2 * torch_err, (err, torch_err)
 
@@ -45,19 +44,15 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @hopper
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: f"{len(l)}seg_max{max(l)}")
 @pytest.mark.parametrize("head_dim", [64, 72, 80, 128])
-@pytest.mark.parametrize("rope", [False, True])
-def test_tma_kernel_every_candidate(lengths, head_dim, rope):
-    """Each configuration the tuner may pick (the Gluon kernel's too, at 64, 72 and 80 without RoPE), and the
-    automatic call, against fp32 (bf16)."""
-    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, rope, seed=head_dim, device="cuda")
-    if rope:
-        k.copy_(apply_vision_rope(k, cos, sin))  # the tower's K pass; the kernel rotates Q
-    qr = apply_vision_rope(q, cos, sin) if rope else q
-    ref = reference_varlen_attention(qr, k, v, cu)
-    torch_err = rel_err(reference_varlen_attention(qr, k, v, cu, upcast=False), ref)
-    for cfg in [*tiles.hopper_candidates(head_dim, not rope), None]:
+def test_tma_kernel_every_candidate(lengths, head_dim):
+    """Each configuration the tuner may pick (the Gluon kernel's too, at 64, 72 and 80), and the automatic call,
+    against fp32 (bf16)."""
+    q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=head_dim, device="cuda")
+    ref = reference_varlen_attention(q, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
+    for cfg in [*tiles.hopper_candidates(head_dim, True), None]:
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-        triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, rotate_k=False, out=out, config=cfg)
+        triton_varlen_attention(q, k, v, cu, max(lengths), out=out, config=cfg)
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"unwritten output elements with {cfg}"
         assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)
@@ -69,7 +64,7 @@ def test_tma_kernel_every_candidate(lengths, head_dim, rope):
 def test_gluon_kernel_fp16(lengths, head_dim):
     """The Gluon kernel's candidates on fp16 inputs against fp32, output poisoned before each call; past 64 also
     with the remainder copied and P's row sums summed in registers."""
-    q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.float16, False, seed=11, device="cuda")
+    q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.float16, seed=11, device="cuda")
     ref = reference_varlen_attention(q, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
     configs = tiles.gluon_candidates(head_dim)
@@ -91,7 +86,7 @@ def test_gluon_kernel_padded(n, rows, head_dim):
     """A CUDA graph bucket's call to every Gluon candidate: one segment of n tokens in `rows`, max_seqlen `rows`
     (which unpadded means one full segment): the segment's rows match fp32 over them alone, the padding (large
     values) is neither read nor written."""
-    q, k, v, _, _, _ = make_inputs([rows], 16, head_dim, torch.float16, False, seed=n, device="cuda")
+    q, k, v, _ = make_inputs([rows], 16, head_dim, torch.float16, seed=n, device="cuda")
     for t in (q, k, v):
         t[n:] = 1e4
     cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
@@ -113,7 +108,7 @@ def test_tma_device_descriptors_equal_host_ones(lengths, head_dim, monkeypatch):
     """Descriptors built by each program give bit-identical results to host-encoded ones, at every TMA tile;
     the automatic path builds them on the device for a small eager call no launch plan replays, on the host for one
     a plan replays and under CUDA-graph capture, with equal results."""
-    q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=5, device="cuda")
+    q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=5, device="cuda")
     m = max(lengths)
     for cfg in tiles.tma_candidates(head_dim):
         host = triton_varlen_attention(q, k, v, cu, m, config=dataclasses.replace(cfg, device_desc=False))
@@ -139,7 +134,7 @@ def test_small_call_from_a_worker_thread(monkeypatch):
     there and equals the same call from the main thread."""
     from concurrent.futures import ThreadPoolExecutor
 
-    q, k, v, cu, _, _ = make_inputs([7, 131, 1000], 16, 64, torch.bfloat16, False, seed=2, device="cuda")
+    q, k, v, cu = make_inputs([7, 131, 1000], 16, 64, torch.bfloat16, seed=2, device="cuda")
     monkeypatch.setattr(va, "_options", va.LaunchOptions(tma_descriptors="auto"))  # small eager calls: device descriptors
     main = triton_varlen_attention(q, k, v, cu, 1000)
     for _ in range(2):
@@ -154,15 +149,15 @@ def test_small_call_from_a_worker_thread(monkeypatch):
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
     """kernels.tuning.launch (compiled kernels by the binder's specialisation) gives bit-identical results
-    to Triton's own JIT launch, for the TMA kernel with host and device descriptors, the pointer kernel
-    with in-kernel RoPE, (72) the remainder copy and the Gluon kernel, and the second call takes the lean
+    to Triton's own JIT launch, for the TMA kernel with host and device descriptors, the pointer kernel, (72) the
+    remainder copy and the Gluon kernel, and the second call takes the lean
     path."""
     import kernels.tuning as tuning
 
-    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, True, seed=7, device="cuda")
+    q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=7, device="cuda")
     m = max(lengths)
     calls = [dict(config=dataclasses.replace(c, device_desc=d)) for c in tiles.tma_candidates(head_dim)[:2]
-             for d in (False, True)] + [dict(cos=cos, sin=sin), dict(cos=cos, sin=sin, rotate_k=False)]
+             for d in (False, True)] + [dict(block_m=64, block_n=64)]
     calls += [dict(config=c) for c in tiles.gluon_candidates(head_dim)]
     lean, jit = [], []
     for kwargs in calls:
@@ -204,8 +199,8 @@ def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch
     monkeypatch.setattr(tuning.Replay, "__call__", lambda self, a: replays.append(1) or replay_call(self, a))
 
     m = max(lengths)
-    q, k, v, cu, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=3, device="cuda")
-    q2, k2, v2, _, _, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, False, seed=4, device="cuda")
+    q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=3, device="cuda")
+    q2, k2, v2, _ = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=4, device="cuda")
     padded = torch.zeros(len(cu) + 4, dtype=torch.int32, device="cuda")
     padded[1:len(cu) + 1] = cu
     odd_cu = padded[1:len(cu) + 1]
@@ -257,27 +252,27 @@ def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch
 @pytest.mark.parametrize("head_dim", [64, 72])
 def test_kernel_matches_sdpa_fallback(head_dim):
     lengths = [784] * 5 + [256, 1]
-    q, k, v, cu, cos, sin = make_inputs(lengths, 16, head_dim, torch.bfloat16, True, device="cuda")
-    a = triton_varlen_attention(q, k, v, cu, 784, cos=cos, sin=sin)
-    b = sdpa_varlen_attention(q, k, v, cu, 784, cos=cos, sin=sin)
-    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
+    q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, device="cuda")
+    a = triton_varlen_attention(q, k, v, cu, 784)
+    b = sdpa_varlen_attention(q, k, v, cu, 784)
+    ref = reference_varlen_attention(q, k, v, cu)
     assert rel_err(a, b) <= 2 * max(rel_err(b, ref), rel_err(a, ref))
     assert rel_err(a, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("block_m,block_n,lengths", [(64, 64, [1, 63, 64, 65]), (128, 128, [127, 129, 1])])
 def test_other_tiles(block_m, block_n, lengths):
-    q, k, v, cu, cos, sin = make_inputs(lengths, 16, 72, torch.bfloat16, True, device="cuda")
-    out = triton_varlen_attention(q, k, v, cu, max(lengths), cos=cos, sin=sin, block_m=block_m, block_n=block_n)
-    ref = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin)
-    low = reference_varlen_attention(q, k, v, cu, cos=cos, sin=sin, upcast=False)
+    q, k, v, cu = make_inputs(lengths, 16, 72, torch.bfloat16, device="cuda")
+    out = triton_varlen_attention(q, k, v, cu, max(lengths), block_m=block_m, block_n=block_n)
+    ref = reference_varlen_attention(q, k, v, cu)
+    low = reference_varlen_attention(q, k, v, cu, upcast=False)
     assert rel_err(out, ref) <= 2 * rel_err(low, ref)
 
 
 def test_run_to_run_deterministic():
-    q, k, v, cu, cos, sin = make_inputs([1023, 4096, 5], 16, 72, torch.bfloat16, True, device="cuda")
-    a = triton_varlen_attention(q, k, v, cu, 4096, cos=cos, sin=sin)
-    b = triton_varlen_attention(q, k, v, cu, 4096, cos=cos, sin=sin)
+    q, k, v, cu = make_inputs([1023, 4096, 5], 16, 72, torch.bfloat16, device="cuda")
+    a = triton_varlen_attention(q, k, v, cu, 4096)
+    b = triton_varlen_attention(q, k, v, cu, 4096)
     assert torch.equal(a, b)
 
 
@@ -313,10 +308,9 @@ def test_qkv_rope_linear_every_tile(tokens, hidden, heads):
 
 @pytest.mark.parametrize("tokens", [1, 131, 25088])
 @pytest.mark.parametrize("heads,head_dim", [(16, 64), (16, 72), (16, 80)])
-@pytest.mark.parametrize("k_only", [False, True])
-def test_qkv_rope_pass(tokens, heads, head_dim, k_only):
+def test_qkv_rope_pass(tokens, heads, head_dim):
     """The in-place pass (bf16, the towers' widths) against PyTorch's rotation: equal up to the last
-    bit of a few elements (fused multiply-adds); V, and Q with k_only, untouched."""
+    bit of a few elements (fused multiply-adds); V untouched."""
     from kernels.qkv_rope import qkv_rope_
     from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 
@@ -324,11 +318,8 @@ def test_qkv_rope_pass(tokens, heads, head_dim, k_only):
     qkv = torch.randn(tokens, 3, heads, head_dim, device="cuda", generator=g).bfloat16()
     pos = torch.randint(0, 64, (tokens, 2), device="cuda", generator=g)
     cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))
-    out = qkv_rope_(qkv.clone(), cos, sin, use_triton=True, k_only=k_only)
+    out = qkv_rope_(qkv.clone(), cos, sin, use_triton=True)
     for i in (0, 1):
-        if i == 0 and k_only:
-            assert torch.equal(out[:, 0], qkv[:, 0])
-            continue
         ref = apply_vision_rope(qkv[:, i], cos, sin)
         assert rel_err(out[:, i], ref) <= 1e-3
         assert (out[:, i] != ref).float().mean() <= 0.01

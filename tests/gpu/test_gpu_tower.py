@@ -124,52 +124,6 @@ def test_video_end_to_end_bf16(towers):
     assert err <= 2 * hf_err
 
 
-@pytest.mark.parametrize("name,forced", [("qwen3-vl-2b", None), ("qwen3-vl-8b", None), ("qwen3-vl-8b", "sdpa")])
-def test_cuda_graph_replay_equals_eager(name, forced, monkeypatch):
-    """The served path: a repeated pack signature is captured and replayed; results equal the eager
-    forward on the attention backend the graph chose, bit for bit, for every signature, with fresh pixels;
-    a full cache captures no more. Unforced, a graph is captured on both backends and the faster replay
-    kept (both timed); a pack whose equal lengths are scattered has no SDPA graph (the fallback gathers
-    with host-built indices), so with SDPA forced it is never captured, and unforced it runs Triton."""
-    from kernels import attention as attn_mod
-    from service.model.graphs import GraphedTower, pick_attention
-
-    attn_mod._resolve.cache_clear()
-    cfg = preset(name)
-    tower = random_tower(cfg, "cuda", torch.bfloat16, seed=3, options=TowerOptions(attention_backend=forced or "auto"))
-    choices = tower.attention_choices()
-    assert choices == ((forced,) if forced else (tower.backend, {"triton": "sdpa", "sdpa": "triton"}[tower.backend]))
-    graphed = GraphedTower(tower, max_graphs=3, capture_after=2)
-    graphed.choice_rounds = 2
-    assert graphed.enabled
-    scattered = [(1, 4, 4), (1, 8, 8)] * 10
-    packs = [scattered, [(1, 28, 28)] * 3, [(1, 16, 40), (2, 8, 8)], [(1, 64, 64)]]
-    try:
-        with torch.inference_mode():
-            for round_ in range(3):
-                for grids in packs:
-                    tokens = sum(t * h * w for t, h, w in grids)
-                    pixels = torch.randn(tokens, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
-                    merged, ds = graphed(pixels, grids)
-                    e_merged, e_ds = tower(pixels, tower.plan(grids), graphed.attention(grids))
-                    assert torch.equal(merged, e_merged) and torch.equal(ds, e_ds), (round_, grids)
-    finally:
-        attn_mod._resolve.cache_clear()
-    held = [g for g in packs if graphed.attention(g) is not None]
-    if forced:
-        assert graphed.captures == 3 and held == packs[1:]  # the scattered pack stays eager
-        assert all(graphed.attention(g) == forced and graphed.replay_ms(g) == {} for g in held)
-    else:
-        assert graphed.captures == 3 and held == packs[:3]  # the cache is full before the last
-        assert graphed.attention(scattered) == "triton" and graphed.replay_ms(scattered) == {}
-        for g in held[1:]:
-            ms = graphed.replay_ms(g)
-            assert set(ms) == set(choices) and all(t > 0 for t in ms.values())
-            assert graphed.attention(g) == pick_attention(ms, graphed.triton_margin)
-            print(f"{name} {g}: {ms} -> {graphed.attention(g)}")
-    assert graphed.replays == 2 * 3
-
-
 @pytest.mark.parametrize("name", ["qwen3-vl-2b", "qwen3-vl-8b"])
 def test_bucketed_graphs_equal_eager_for_any_mix(name):
     """The served path: packs of any grids padded to a token bucket and replayed through the bucket's graph pieces

@@ -1,0 +1,22 @@
+"""The engine the settings name (`open_engine`)."""
+
+from __future__ import annotations
+
+from ..model.encoder import Encoder
+from ..settings import Settings
+from .api import BatchListener, ChangeListener, Decoder, Engine
+from .build import video_sandbox
+from .local import LocalEngine
+from .remote import EnginePool
+
+
+def open_engine(settings: Settings, encoder: Encoder | None = None, *, on_batch: BatchListener | None = None,
+                on_change: ChangeListener | None = None) -> Engine:
+    """In a front-end process (`settings.engine_socket`), the pool of engine processes; else the model in this
+    process (`encoder`: already loaded, else loaded by `start`)."""
+    if settings.engine_socket:
+        decoder = Decoder(settings.preprocess_workers, video_sandbox(settings))
+        return EnginePool.of(settings.engine_socket.split(","), settings.resolved_devices(), decoder,
+                             shared_memory_bytes=settings.shared_memory_mib << 20, on_batch=on_batch,
+                             on_change=on_change)
+    return LocalEngine(settings, encoder, on_batch=on_batch, on_change=on_change)

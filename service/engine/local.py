@@ -1,0 +1,82 @@
+"""`LocalEngine`: the model in this process. `start` loads and warms it, then its `Batcher` packs the requests into
+forwards; decoding runs in threads (videos in the sandbox). It serves the single-process server (`http_workers=0`)
+and, behind `process.EngineServer`, each engine process."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from ..model.encoder import Encoder
+from ..model.preprocess import Preprocessed
+from ..settings import Settings
+from .api import BatchListener, BatchStats, ChangeListener, Decoder, Encoded, EngineStats, ModelInfo
+from .batching import Batcher
+from .build import apply_limits, load_encoder, video_sandbox, warmup
+
+log = logging.getLogger(__name__)
+
+
+class LocalEngine:
+    """The `api.Engine` of a model loaded here. `encoder`: an already loaded model (tests), else loaded by `start`."""
+
+    def __init__(self, settings: Settings, encoder: Encoder | None = None, *, on_batch: BatchListener | None = None,
+                 on_change: ChangeListener | None = None, on_fault: Callable[[BaseException], None] | None = None):
+        self.settings = settings
+        self.encoder = encoder
+        self.on_batch, self.on_change, self.on_fault = on_batch, on_change, on_fault
+        self.state = "starting"
+        self.model: ModelInfo | None = None
+        self.batcher: Batcher | None = None
+        self._decode = Decoder(settings.preprocess_workers, video_sandbox(settings))
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "up"
+
+    async def start(self) -> None:
+        """Load the model (unless given), warm it up (`Settings.warmup`), then serve."""
+        settings, start = self.settings, time.perf_counter()
+        enc = self.encoder if self.encoder is not None else await asyncio.to_thread(load_encoder, settings)
+        self.encoder = enc
+        apply_limits(enc, settings)
+        loaded = time.perf_counter()
+        if settings.warmup:
+            await asyncio.to_thread(warmup, enc, settings)
+        log.info("model loaded in %.1f s, warmed up in %.1f s", loaded - start, time.perf_counter() - loaded)
+        device = str(enc.device)
+        on_batch = self.on_batch
+
+        def batch_done(stats: BatchStats) -> None:
+            if on_batch is not None:
+                on_batch(device, stats)
+
+        self.batcher = Batcher(enc, max_batch_patches=settings.max_batch_patches,
+                               max_batch_items=settings.max_batch_items, max_wait_ms=settings.max_wait_ms,
+                               max_queue_items=settings.max_queue_items, on_batch=batch_done, on_fault=self.on_fault)
+        await self.batcher.start()
+        self.model = ModelInfo(enc.config, enc.preprocessor, enc.device, enc.dtype, enc.backend)
+        self.state = "up"
+        if self.on_change is not None:
+            self.on_change(device, True)
+
+    async def stop(self) -> None:
+        """Refuse new work and answer everything already accepted."""
+        if self.batcher is not None:
+            await self.batcher.stop()
+        self._decode.close()
+
+    async def preprocess(self, data: bytes, min_pixels: int | None = None, max_pixels: int | None = None,
+                         fps: float | None = None, num_frames: int | None = None,
+                         alone: bool = False) -> Preprocessed:
+        """Decode and resize in the pool (`alone` is the front-ends' hint, `EnginePool.preprocess`; here the loop
+        dispatches the GPU too, so the pool decodes)."""
+        return await self._decode(self.encoder.preprocessor, data, min_pixels, max_pixels, fps, num_frames)
+
+    async def submit(self, items: list[Preprocessed], **kwargs) -> Encoded:
+        return await self.batcher.submit(items, **kwargs)
+
+    async def stats(self) -> EngineStats:
+        return EngineStats([self.batcher.stats()] if self.batcher is not None else [])
