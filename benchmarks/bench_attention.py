@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.common import (ATTENTION_CASES, HEAD_DIMS, HEADS, attention_flops, bench, environment, packed_qkv,
                                print_table, write_results)
 from kernels.attention.launch import triton_varlen_attention
-from kernels.tuning import tuned_choices
+from kernels.runtime import tuned_choices
 
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION}

@@ -16,13 +16,11 @@ for step in "${@:-all}"; do
   case $step in
     tests|all) python -m pytest -q -x -p no:cacheprovider tests/gpu tests/test_video.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
     kernel-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
-    # the kernel file in three parts, each within one 600 s device call on H100 (its 64 every-candidate
-    # tests took ~11 minutes at rev f7ec413, the 131 others ~2.5)
-    kernel-tests-a|kernel-tests-b) rope=$([ "$step" = kernel-tests-a ] && echo False || echo True)
-      python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k "every_candidate and $rope" 2>&1 \
-        | tee "$OUT/gpu_$step.log" | tail -n 15 ;;
-    kernel-tests-c) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py \
-                      -k "not every_candidate" 2>&1 | tee "$OUT/gpu_kernel-tests-c.log" | tail -n 15 ;;
+    # the kernel file in two parts, each within one 600 s device call
+    kernel-tests-a) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k every_candidate 2>&1 \
+                      | tee "$OUT/gpu_kernel-tests-a.log" | tail -n 15 ;;
+    kernel-tests-b) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py \
+                      -k "not every_candidate" 2>&1 | tee "$OUT/gpu_kernel-tests-b.log" | tail -n 15 ;;
     qkv-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k qkv_rope 2>&1 \
                  | tee "$OUT/gpu_qkv_tests.log" | tail -n 15 ;;
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;

@@ -2,7 +2,7 @@
 
 `attention/` (varlen block-diagonal attention: three kernels, the SDPA fallback, the dispatcher), `qkv_rope.py`
 (QKV projection with RoPE in its epilogue, and the in-place RoPE pass), `add_layernorm.py`, `pos_embed.py`,
-`rope.py` (the rotary tables), `tuning.py` (launch-configuration choice and the lean launch path).
+`rope.py` (the rotary tables), `runtime/` (launch-configuration choice, the lean launch path and its replays).
 """
 
 from .attention import BACKENDS, resolve_backend, triton_supported, varlen_attention

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .tuning import cdiv, launch, next_power_of_2
+from .runtime import cdiv, launch, next_power_of_2
 
 try:
     import triton

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .rope import apply_vision_rope
-from .tuning import cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, sm_count
+from .runtime import cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, sm_count
 
 try:
     import triton
@@ -37,9 +37,9 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(QKV, COS, SIN, n_chunks, stride_t, stride_s, stride_h, stride_c,
                          HEADS: tl.constexpr, HALF: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
-        """Rotates BLOCK chunks of Q and K. A chunk is VEC consecutive rotate-half pairs of one head of one token: VEC columns of the first half and their partners, loaded,
-        rotated and stored by the thread that owns them (in place: no thread reads what another
-        writes) as vectors, with the chunk's cos/sin read once for Q and K. Chunks run over
+        """Rotates BLOCK chunks of Q and K. A chunk is VEC consecutive rotate-half pairs of one head of one token: VEC
+        columns of the first half and their partners, loaded, rotated and stored by the thread that owns them (in place:
+        no thread reads what another writes) as vectors, with the chunk's cos/sin read once for Q and K. Chunks run over
         (token, head, pair) without padding, so a head dim like 72 wastes no lanes."""
         CHUNKS: tl.constexpr = HALF // VEC  # per head
         k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -69,8 +69,8 @@ def _check_tables(cos, sin, tokens: int, half: int):
 
 def qkv_rope_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, use_triton: bool | None = None, *,
               pairs_per_program: int = 1024, num_warps: int = 8) -> torch.Tensor:
-    """Rotate Q and K of `qkv` `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv. The last two arguments set
-    the Triton launch (the defaults ran within 3% of a plain copy of the same bytes on H100)."""
+    """Rotate Q and K of `qkv` `(T, 3, H, D)` in place with float32 `(T, D/2)` tables; returns qkv. The last two
+    arguments set the Triton launch (the defaults run close to a plain copy of the same bytes: docs/PERFORMANCE.md)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.stride(-1) != 1:
         raise ValueError(f"qkv must be (T, 3, H, D) with a contiguous last dim; got {tuple(qkv.shape)} "
                          f"strides {qkv.stride()}")

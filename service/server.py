@@ -48,8 +48,8 @@ def _frontends_class():
         """uvicorn's supervisor of the front-end processes, with a listening socket per process.
 
         With one shared socket a burst of new connections goes to whichever process wakes first, and it accepts
-        every one queued: on the H100, 2 of 4 front-ends held nearly all of 64 keep-alive connections, ran at a core
-        each and bounded throughput at half the forward. Here slot i's process listens on socket i, all bound to
+        every one queued: a few front-ends held nearly all keep-alive connections, ran at a core each and bounded
+        throughput at a fraction of the forward. Here slot i's process listens on socket i, all bound to
         the address with SO_REUSEPORT, and the kernel spreads connections over the slots. A slot's socket belongs
         to this process: a front-end restarted in its slot takes over the connections queued while it was down."""
 

@@ -88,7 +88,7 @@ class Settings(BaseSettings):
         "auto", description="where the Hopper attention kernel encodes its K/V tensor descriptors; auto: on the "
                             "device for small eager calls that no launch plan replays, on the host otherwise")
     launch_plans: bool = Field(True, description="record each attention call layout's launch once and replay it "
-                                                 "(~10-15 us of host time per call instead of 55-105)")
+                                                 "(a fraction of the full path's host time per call)")
     cublaslt_workspace_kib: int | None = Field(
         0, ge=0, description="cuBLASLt workspace of the model's process in KiB (PyTorch's CUBLASLT_WORKSPACE_SIZE; "
                              "None: PyTorch's default). 0: the GEMMs need no memset before each call")
@@ -220,8 +220,8 @@ class Settings(BaseSettings):
         return max(1, min(8, (os.cpu_count() or 4) // 2))
 
     def resolved_cuda_graphs(self) -> bool:
-        """Graphs pay off once the engine's host work is not shared with HTTP handling (measured on H100: in one
-        process graphs were slower)."""
+        """Graphs pay off once the engine's host work is not shared with HTTP handling (in one process they
+        measured slower: docs/PERFORMANCE.md)."""
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return self.resolved_device().startswith("cuda") and bool(self.resolved_http_workers())

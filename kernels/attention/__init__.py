@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from ..tuning import interpreting, is_hopper
+from ..runtime import interpreting, is_hopper
 from .reference import reference_varlen_attention, sdpa_gathers, sdpa_varlen_attention
 from .tiles import GLUON_HEAD_DIMS
 

@@ -64,6 +64,6 @@ def multiple_of_8(x):
 @triton.jit
 def r_start(tok0, seg):
     """R's column of a segment's first token: 16-byte aligned (a TMA box's start in the contiguous dim
-    must be; an unaligned one is an illegal instruction on H100), and past the previous segment's
+    must be; an unaligned one is an illegal instruction), and past the previous segment's
     columns: round_up(tok0, 8) + 8 * seg, written so that the compiler sees a multiple of 8."""
     return 8 * ((tok0 + 7) // 8 + seg)

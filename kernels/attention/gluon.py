@@ -41,10 +41,11 @@ try:
 except Exception:  # noqa: BLE001 - Triton without Gluon's Hopper API (older, or a changed experimental API)
     gluon = None
 
-from ..tuning import cdiv, launch, sm_count
+from ..runtime import cdiv, launch, sm_count
+from ..runtime.triton_internals import unvalidated
 
 if gluon is not None:
-    # renamed after Triton 3.6 (the GPU machine's version; CI runs a newer one)
+    # renamed in later Triton releases
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
@@ -92,7 +93,7 @@ if gluon is not None:
     @gluon.jit
     def _both_done():
         """With two warpgroups, a CTA barrier: both have waited for the wgmmas that read the slots about to be
-        refilled. One per key tile, after the next QK^T (one before each refill measured ~4% slower): each barrier holds the two
+        refilled. One per key tile, after the next QK^T (one before each refill is slower): each barrier holds the two
         warpgroups in step, where one's softmax could otherwise overlap the other's tensor-core work."""
         if gl.num_warps() > 4:
             _cta_barrier()
@@ -144,7 +145,7 @@ if gluon is not None:
               o1_layout: gl.constexpr, p_layout: gl.constexpr):
         """Key tile j: the softmax of S_j, the accumulators rescaled, O += P_j V_j, then (NEXT) S_{j+1}; only then
         are the slots read by both wgmmas refilled with the tiles NBUF ahead (refilling V's slot before issuing QK^T
-        puts the copy's issue in front of the tensor cores: ~12% slower)."""
+        puts the copy's issue in front of the tensor cores, which is slower)."""
         acc, acc1, m_i, l_i = _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, j, seqlen - j * BLOCK_N,
                                           qk_scale, MASK, NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
                                           p_layout)
@@ -220,7 +221,7 @@ if gluon is not None:
         descriptor fewer to encode per launch. SUM_ASKED: P's row sums from R's row of ones, where it has one.
         UNIFORM: every segment is max_seqlen tokens long (the launcher found total tokens = segments * max_seqlen),
         so a program finds its rows without reading cu_seqlens: the TMA loads are issued at once, not after a
-        dependent global load (on a cold L2, as after another kernel's traffic, ~1-2 us at the start of each
+        dependent global load (slow on a cold L2, as after another kernel's traffic, at the start of each
         program)."""
         if BLOCK_M == BLOCK_N:
             kv_desc = q_desc
@@ -559,14 +560,11 @@ def _template(rows: int, cols: int, dtype: torch.dtype) -> dict:
 
 def _descriptor(t: torch.Tensor, shape: list[int], stride: int, rows: int, cols: int):
     """A host descriptor over `t`'s rows (`shape`, row stride `stride`), [rows, cols] boxes. Its constructor's checks
-    (alignment, shape, dtype) cost ~10 us of host time per descriptor, up to four per launch at 72; the launcher has
+    (alignment, shape, dtype) cost host time per descriptor, up to four per launch at 72; the launcher has
     checked the same (16-byte aligned base and rows: `tma.tma_layout_ok`), so the fields of a
     validated descriptor with the same box are reused and only the tensor, shape and strides set."""
-    desc = TensorDescriptor.__new__(TensorDescriptor)
-    fields = vars(desc)
-    fields.update(_template(rows, cols, t.dtype))
-    fields.update(base=t, shape=shape, strides=[stride, 1])
-    return desc
+    return unvalidated(TensorDescriptor, {**_template(rows, cols, t.dtype), "base": t, "shape": shape,
+                                          "strides": [stride, 1]})
 
 
 def qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int] | None:
@@ -597,8 +595,7 @@ def launch_gluon(q, out, cu_seqlens, max_seqlen: int, qk_scale: float, columns: 
 
     One descriptor per box shape serves q, k and v, read from their column offsets: at 72 two to four descriptors
     instead of six, at 64 one or two instead of three. Each costs host time at every launch (built, specialised and
-    encoded: ~10-25 us on the H100 machines' hosts),
-    which sets the time of a small call."""
+    encoded), which sets the time of a small call."""
     total, heads, head_dim = q.shape
     d0 = 1 << (head_dim.bit_length() - 1)
     k_col, v_col = columns

@@ -14,7 +14,7 @@ Which kernel runs:
   class (`tiles.py`);
 - everywhere else (older GPUs, other layouts, the interpreter): the pointer kernel (`pointer.py`).
 
-Launch plans: the automatic path's one launch per call is recorded (`tuning.Replay`) under a key of everything its
+Launch plans: the automatic path's one launch per call is recorded (`runtime.Replay`) under a key of everything its
 checks and choices read, and replayed on later calls with the same key at the tensors' new addresses. A small
 call's time is its host time, and the full path's checks, tuner lookup, descriptors and Triton's binder and
 launcher wrapper are most of it (docs/PERFORMANCE.md). Keys hold no tensors; at most PLANS_MAX, then the table
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..tuning import cdiv, choose, interpreting, is_hopper, launch, record
+from ..runtime import cdiv, choose, interpreting, is_hopper, launch, record
 from .gluon import REM_WIDTH as GLUON_REM_WIDTH
 from .gluon import launch_gluon, qkv_columns
 from .pointer import _varlen_attn_fwd
@@ -48,9 +48,10 @@ class LaunchOptions:
     """Process-wide launch options (`configure`; the service sets them from its Settings).
 
     tma_descriptors: where the TMA kernel's K/V descriptors are encoded. Host: TensorDescriptor arguments, which
-    Triton's launcher encodes at every call (~25 us of host time). Device: every program builds its own (a few us
-    more GPU time, growing with the number of programs). Auto: device descriptors for small calls launched eagerly
-    that no plan replays, host ones otherwise (and always under CUDA-graph capture, where host time is paid once).
+    Triton's launcher encodes at every call (host time). Device: every program builds its own (GPU time, growing with
+    the number of programs); docs/PERFORMANCE.md has both costs. Auto: device descriptors for small calls launched
+    eagerly that no plan replays, host ones otherwise (and always under CUDA-graph capture, where host time is paid
+    once).
     launch_plans: record each call layout's launch once and replay it (False: every call takes the full path)."""
 
     tma_descriptors: str = "auto"

@@ -1,8 +1,8 @@
 """Launch configurations of the attention kernels, and the size classes the tuner keys them by.
 
-Each kernel's candidates are a short named list: the tuner (`kernels.tuning.choose`) times them once per key
+Each kernel's candidates are a short named list: the tuner (`kernels.runtime.choose`) times them once per key
 (kernel, length class, load class, head dim, dtype, device) and every later call launches the choice. The lists
-hold the tiles that won somewhere in the sweeps on H100/H200 (docs/PERFORMANCE.md); a tile that never wins is not
+hold the tiles that won somewhere in the sweeps (docs/PERFORMANCE.md); a tile that never wins is not
 listed.
 """
 
@@ -22,7 +22,7 @@ def head_dim_split(head_dim: int) -> tuple[int, int, int]:
 
     The pointer kernel reads the last D1 / DV1 columns of each row; DV1 is at least 64 because Triton 3.6
     on sm90 miscompiles a PV dot whose V operand has rows narrower than 64 columns (out-of-range
-    shared-memory accesses, seen on H100 for N = 16 and 32). The Hopper kernel avoids narrow rows
+    shared-memory accesses, for N = 16 and 32). The Hopper kernel avoids narrow rows
     altogether: it reads the remainder of K and V transposed (`kv_remainder_t`), 16 rows of one column
     per token, so 72 costs 64 + 16 lanes in both QK^T and PV.
     """
@@ -45,7 +45,7 @@ def seq_bucket(max_seqlen: int) -> int:
 
 def load_class(total_tokens: int, heads: int) -> int:
     """Whether a call fills the GPU (1) or not (0), for the tuning key: the best tiles for one 1024-token
-    image (128 programs of 128 rows: a fraction of a wave) are ~7% slower on 32 images of 784 tokens than
+    image (128 programs of 128 rows: a fraction of a wave) are slower on 32 images of 784 tokens than
     the best there, and full packs are what the
     service encodes most. 4096 tokens of 16 heads is 512 programs of 128 rows."""
     return int(total_tokens * heads > 4096 * 16)
@@ -125,8 +125,8 @@ def tma_candidates(head_dim: int) -> list[TileConfig]:
 
 # The Gluon kernel's candidates per head dim (`ring`: the K/V ring's depth; `persistent`: programs per SM of the
 # persistent kernel with a loader warp, whose 8-warp tiles run as two 4-warp partitions; `rem_copy`: past 64, K's
-# and V's remainder read from `kv_remainder_t`'s transposed copy rather than in place). Each won a size class on
-# H100: at 64 the 128-row tile capped at 128 registers from 1x4096 up and 64/64 three per SM on packs of short
+# and V's remainder read from `kv_remainder_t`'s transposed copy rather than in place). Each won a size class:
+# at 64 the 128-row tile capped at 128 registers from 1x4096 up and 64/64 three per SM on packs of short
 # segments; at 72 128/128 persistent (the copy from 1x4096 up, in place below), 128/64 and 64/64 on short
 # segments; at 80 128/64 on 8 warps, and for Qwen2.5-VL's windows (64 tokens and less) 64/64 persistent, two per
 # SM (three do not fit at 80).

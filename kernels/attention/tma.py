@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tuning import cdiv, interpreting, launch, next_power_of_2
+from ..runtime import cdiv, interpreting, launch, next_power_of_2
 from .common import load_tile, multiple_of_8, r_start, segment_program, softmax_update, store_out
 from .tiles import head_dim_split, remainder_rows
 
@@ -145,8 +145,9 @@ def _tma_tile(Q, kd, vd, rd, O, stride_qt, stride_qh, stride_ot, stride_oh, qk_s
               R_ROWS: tl.constexpr):
     """The query rows row0 .. row0 + BLOCK_M of one segment and head, against all its keys.
     SUM_MMA_ASKED: P's row sums on the tensor cores where the remainder has a spare column (72: R's V rows
-    hold ones there, so PV's remainder dot sums P at no cost): 1.5-3% faster on every benchmark case.
-    Power-of-two head dims sum in registers: a separate dot with ones made ptxas serialise the wgmmas (0.8x). So does 80, whose remainder has no spare column."""
+    hold ones there, so PV's remainder dot sums P at no cost; faster on every benchmark case).
+    Power-of-two head dims sum in registers: a separate dot with ones made ptxas serialise the wgmmas. So does 80,
+    whose remainder has no spare column."""
     REM: tl.constexpr = D0 < HEAD_DIM
     SUM_MMA: tl.constexpr = SUM_MMA_ASKED and REM and HEAD_DIM - D0 < W1
     SUM_COL: tl.constexpr = HEAD_DIM - D0  # acc1's column holding the row sums

@@ -81,6 +81,8 @@ class DeviceStats:
     gpu_busy_s: float = 0.0
     gpu_allocated_bytes: int = 0
     gpu_reserved_bytes: int = 0
+    # whether kernel launches take the lean path (`kernels.runtime`; None: no Triton kernel launched, e.g. on the CPU)
+    lean_launch: bool | None = None
 
 
 TOTALS = ("queue_depth", "queued_patches", "in_flight", "forwards", "gpu_busy_s", "restarts")

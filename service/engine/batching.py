@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from kernels.runtime import launch_status
+
 from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
 from ..model.encoder import Encoder, pack_size
 from ..model.preprocess import Preprocessed
@@ -136,7 +138,7 @@ class Batcher:
         device = self.encoder.device
         stats = DeviceStats(str(device), pid=os.getpid(), queue_depth=self.queue_depth,
                             queued_patches=self.queued_patches, in_flight=self.in_flight, forwards=self.forwards,
-                            gpu_busy_s=self.gpu_busy_s)
+                            gpu_busy_s=self.gpu_busy_s, lean_launch=launch_status()["lean"])
         if device.type == "cuda":
             stats.gpu_allocated_bytes = torch.cuda.memory_allocated(device)
             stats.gpu_reserved_bytes = torch.cuda.memory_reserved(device)
@@ -326,7 +328,7 @@ class Batcher:
     async def _polled(self, pending, items: int) -> bool:
         """Whether a lone forward finished while this loop polled it, once per turn, until other work came (False).
         The loop has nothing else to do meanwhile, and the finisher thread would cost a lone request a thread hop
-        each way (0.1-0.2 ms on the H100 hosts); the thread waits by spinning on the GPU as well."""
+        each way; the thread waits by spinning on the GPU as well."""
         while not pending.ready():
             if self._queue or self._in_flight > items:
                 return False

@@ -17,7 +17,7 @@ import torch
 
 import kernels
 from kernels.attention import configure as configure_attention
-from kernels.tuning import restore_choices, tuned_choices
+from kernels.runtime import restore_choices, tuned_choices
 
 from ..model.encoder import Encoder
 from ..model.loader import set_cublaslt_workspace

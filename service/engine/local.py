@@ -9,6 +9,8 @@ import logging
 import time
 from typing import Callable
 
+from kernels.runtime import launch_status
+
 from ..model.encoder import Encoder
 from ..model.preprocess import Preprocessed
 from ..settings import Settings
@@ -46,6 +48,13 @@ class LocalEngine:
         if settings.warmup:
             await asyncio.to_thread(warmup, enc, settings)
         log.info("model loaded in %.1f s, warmed up in %.1f s", loaded - start, time.perf_counter() - loaded)
+        if enc.device.type == "cuda":
+            status = launch_status()
+            if status["lean"]:
+                log.info("kernel launches: the lean path (Triton %s)", status["triton"])
+            else:
+                log.warning("kernel launches: Triton's own path, slower per launch (Triton %s): %s", status["triton"],
+                            status["reason"] or "no Triton kernel launched during warm-up")
         device = str(enc.device)
         on_batch = self.on_batch
 

@@ -52,7 +52,7 @@ class EngineServer:
     def expect(self) -> None:
         """A front-end is decoding a lone request. An idle engine keeps its event loop turning (each turn polls the
         socket) until the submit arrives, at most EXPECT_S: asleep, it would wake to the submit on an idle core and
-        read and dispatch it several times slower (0.1-0.2 ms on the H100 hosts). A busy engine ignores it: its loop
+        read and dispatch it several times slower. A busy engine ignores it: its loop
         is awake already, and a spinning loop would take the interpreter lock from the forward thread."""
         if self.engine.batcher.queue_depth or self.engine.batcher.in_flight:
             return

@@ -17,14 +17,15 @@ import torch
 from .. import errors
 from ..model.encoder import EncodeResult
 from ..model.preprocess import Preprocessed, Preprocessor, jpeg_size
-from .api import BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo, Timing
+from .api import (BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo,
+                  Timing)
 from .protocol import read_message, rebuild_error, tensor_at, write_message
 from .shm import Arena, new_arena
 
 log = logging.getLogger(__name__)
 
-# the largest JPEG a lone request decodes on the event loop (`EnginePool.preprocess`): 640 x 640, 3-4 ms of decoding
-# on the H100 hosts' cores, the longest a request arriving meanwhile waits for the loop
+# the largest JPEG a lone request decodes on the event loop (`EnginePool.preprocess`): its decoding time is the
+# longest a request arriving meanwhile waits for the loop
 INLINE_MAX_PIXELS = 640 * 640
 # how long past a request's deadline a front-end waits for the engine's reply (the engine enforces the deadline and
 # answers; this covers an engine that cannot)
@@ -140,8 +141,8 @@ class RemoteEngine:
         client disconnects) cancels the request there. `poll`: while it is true (this request is the front-end's
         only one), the reply is awaited by turning the event loop over rather than sleeping in it, so the reply is
         read the moment it lands and the response is built on a core that is still running at speed: a lone
-        request's process otherwise sleeps through the forward and wakes on an idle core (0.1-0.2 ms on the H100
-        hosts). Other requests still run: each turn yields to them."""
+        request's process otherwise sleeps through the forward and wakes on an idle core. Other requests still run:
+        each turn yields to them."""
         link = self._live_link()
         rid = next(self._ids)
         frames = [np.ascontiguousarray(it.frames) for it in items]

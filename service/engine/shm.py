@@ -1,7 +1,8 @@
 """Shared memory for the frames a front-end process sends to an engine process.
 
 A 448 px image is 600 KB of uint8 frames; through the Unix socket that takes several wake-ups of both processes
-(the socket holds ~200 KB), 0.5-1 ms for a request that comes alone to an idle host, and the engine's event loop
+(the socket holds a fraction of it at a time), a visible delay for a request that comes alone to an idle host,
+and the engine's event loop
 reassembles every byte under load. Instead each connection of a front-end to an engine (`remote._Link`) owns an
 `Arena`: a file in /dev/shm that the front-end creates and sizes, the engine maps when it answers `hello`, and the
 front-end then unlinks (the memory lives while either process maps it, so a crash leaves nothing behind). Frames

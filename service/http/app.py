@@ -295,8 +295,8 @@ async def _watch_disconnect(request: Request, disconnected: asyncio.Event):
 class RequestRoute(APIRoute):
     """A route whose endpoint takes the `Request` alone and returns a `Response`: in the OpenAPI schema like any
     other, but called as it is, without FastAPI's per-request parameter resolution and response serialisation
-    (there is nothing for them to do; they cost 70 us a request on FastAPI 0.165, a tenth of a lone image's host
-    time). Errors still reach the handlers of `status.py`."""
+    (there is nothing for them to do, and they cost a measurable part of a lone image's host time). Errors still
+    reach the handlers of `status.py`."""
 
     def get_route_handler(self):
         return self.endpoint

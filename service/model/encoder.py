@@ -41,7 +41,7 @@ class Encoder:
         self.config = tower.config
         self._luts: dict[bytes, torch.Tensor] = {}  # preprocessing LUTs, on the device
         self._last_lut: tuple = (None, None)  # the last LUT array asked for, and its table
-        # CUDA events of finished forwards, recorded again by later ones (creating one costs 20-100 us of host time)
+        # CUDA events of finished forwards, recorded again by later ones (creating one costs host time)
         self._events: list[torch.cuda.Event] = []
 
     @classmethod

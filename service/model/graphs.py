@@ -25,7 +25,7 @@ Signature = tuple[tuple[int, int, int], ...]
 
 # Buckets up to this many tokens also hold a graph of the whole forward of a one-frame pack (a lone image). Below it
 # a forward's GPU time is short enough that issuing its pieces and attention calls one by one from Python is most of
-# its latency (a 448 px image: 1.6 ms of host time against 2.0 ms of GPU time); above it the launches hide behind
+# its latency (docs/PERFORMANCE.md); above it the launches hide behind
 # the GPU's work.
 WHOLE_MAX_TOKENS = 4096
 

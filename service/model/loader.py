@@ -32,7 +32,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 def set_cublaslt_workspace(kib: int | None) -> None:
     """The cuBLASLt workspace of this process, in KiB (None: PyTorch's default, 32 MiB on Hopper). With one, the
     tower's GEMMs run stream-K kernels that need zeroed semaphores, a memset before each GEMM (81 per 2B forward);
-    without, cuBLASLt picks statically scheduled kernels of the same tiles (~1% faster per forward on H100,
+    without, cuBLASLt picks statically scheduled kernels of the same tiles (faster per forward,
     docs/PERFORMANCE.md). PyTorch reads CUBLASLT_WORKSPACE_SIZE at its first cuBLASLt call, so this must run
     before any GEMM; a value already in the environment wins."""
     if kib is not None:

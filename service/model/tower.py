@@ -41,7 +41,7 @@ from .config import TowerConfig
 @dataclass(frozen=True)
 class TowerOptions:
     """How the forward is organised. Every combination computes the same function (the parity tests run them);
-    the defaults are the fastest measured on H100 (docs/PERFORMANCE.md).
+    the defaults are the fastest measured (docs/PERFORMANCE.md).
 
     attention_backend: 'auto' (Triton kernels where they run, else SDPA), 'triton' or 'sdpa'.
     fused_qkv_rope: Triton backend: the QKV projection adds its bias and rotates Q and K in its own epilogue
@@ -49,7 +49,7 @@ class TowerOptions:
     residual_in_gemm: the output projections (attention proj, MLP fc2) add the residual in their GEMM's epilogue
       (cuBLAS addmm, beta = 1) and the LayerNorm that follows only normalises (`_bias_offsets`): two passes over
       the activations per residual instead of four. None: on for Qwen3-VL, off for Qwen2.5-VL, whose bf16 error
-      against float32 it raised from 0.98x transformers' own to 1.09x (H100, 7B preset; docs/PERFORMANCE.md).
+      against float32 it raised above transformers' own (docs/PERFORMANCE.md).
     """
 
     attention_backend: str = "auto"

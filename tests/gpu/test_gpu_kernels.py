@@ -148,11 +148,12 @@ def test_small_call_from_a_worker_thread(monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
-    """kernels.tuning.launch (compiled kernels by the binder's specialisation) gives bit-identical results
-    to Triton's own JIT launch, for the TMA kernel with host and device descriptors, the pointer kernel, (72) the
-    remainder copy and the Gluon kernel, and the second call takes the lean
-    path."""
-    import kernels.tuning as tuning
+    """The lean launch (compiled kernels by the binder's specialisation) gives bit-identical results to Triton's
+    own JIT launch, for the TMA kernel with host and device descriptors, the pointer kernel, (72) the remainder copy
+    and the Gluon kernel, and the second call takes the lean path: on the Triton this machine has, which must be
+    one of the releases `triton_internals` reads (pyproject's range), the fast path is on."""
+    from kernels import runtime
+    from kernels.runtime import triton_internals
 
     q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=7, device="cuda")
     m = max(lengths)
@@ -163,8 +164,9 @@ def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
     for kwargs in calls:
         for _ in range(2):  # the first call with a specialisation compiles through the JIT, the second is lean
             lean.append(triton_varlen_attention(q, k, v, cu, m, **kwargs))
-    assert tuning._lean is True and tuning._kernels
-    monkeypatch.setattr(tuning, "_lean", False)
+    assert triton_internals.supported(), triton_internals.version()
+    assert runtime.launch_status()["lean"] is True and runtime.LAUNCHER.kernels, runtime.launch_status()
+    monkeypatch.setattr(runtime.LAUNCHER, "lean", False)
     for kwargs in calls:
         jit.append(triton_varlen_attention(q, k, v, cu, m, **kwargs))
     torch.cuda.synchronize()
@@ -177,14 +179,16 @@ def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [256] * 64], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch):
-    """The automatic path's launch plan (kernels.tuning.Replay), for each kernel it may pick: once recorded, a call
+    """The automatic path's launch plan (kernels.runtime.Replay), for each kernel it may pick: once recorded, a call
     with the same layout launches through it, bit-identical to the full path; on a buffer at another address
     (descriptors re-encoded) and back; into a caller's poisoned `out`; with cu_seqlens 4 bytes off 16 (another key,
     its own plan); under CUDA-graph capture; and through the JIT where a launch hook is installed. The TMA kernel at
     72 launches twice per call (the remainder's copy first) and is never replayed."""
-    import kernels.tuning as tuning
+    import triton
 
-    monkeypatch.setattr(tuning, "_choices", {})
+    from kernels import runtime
+
+    monkeypatch.setattr(runtime.TUNER, "choices", {})
     monkeypatch.setattr(va, "_plans", {})
     if kernel == "gluon":
         monkeypatch.setattr(va, "hopper_candidates", lambda d, gluon, m=None: tiles.gluon_candidates(d)[-1:])
@@ -195,8 +199,8 @@ def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch
         monkeypatch.setattr(va, "_tma_default", lambda q: False)
     replayable = not (kernel == "tma" and head_dim == 72)
     replays = []
-    replay_call = tuning.Replay.__call__
-    monkeypatch.setattr(tuning.Replay, "__call__", lambda self, a: replays.append(1) or replay_call(self, a))
+    replay_call = runtime.Replay.__call__
+    monkeypatch.setattr(runtime.Replay, "__call__", lambda self, a: replays.append(1) or replay_call(self, a))
 
     m = max(lengths)
     q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=3, device="cuda")
@@ -243,7 +247,7 @@ def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch
     assert torch.equal(graph_out, full[0])
 
     hooked = []
-    monkeypatch.setattr(tuning.triton.knobs.runtime.launch_enter_hook, "calls", [hooked.append])
+    monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [hooked.append])
     before = len(replays)
     assert torch.equal(triton_varlen_attention(q, k, v, cu, m), full[0]) and hooked
     assert len(replays) == before + replayable  # asked, and declined: the JIT ran it with the hook
