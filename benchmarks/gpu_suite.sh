@@ -14,14 +14,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 for step in "${@:-all}"; do
   case $step in
-    tests|all) python -m pytest -q -x -p no:cacheprovider tests/gpu tests/test_video.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
-    kernel-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
-    # the kernel file in two parts, each within one 600 s device call
-    kernel-tests-a) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k every_candidate 2>&1 \
+    # the GPU tests: tests/gpu, and the GPU half of each kernel's file under tests/kernels (marked gpu; their other
+    # half runs in Triton's interpreter, in CI)
+    tests|all) { python -m pytest -q -x -p no:cacheprovider tests/gpu tests/test_video.py
+                 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels; } 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
+    kernel-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
+    # the kernels' GPU tests in two parts, each within one 600 s device call
+    kernel-tests-a) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels -k every_candidate 2>&1 \
                       | tee "$OUT/gpu_kernel-tests-a.log" | tail -n 15 ;;
-    kernel-tests-b) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py \
-                      -k "not every_candidate" 2>&1 | tee "$OUT/gpu_kernel-tests-b.log" | tail -n 15 ;;
-    qkv-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k qkv_rope 2>&1 \
+    kernel-tests-b) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels -k "not every_candidate" 2>&1 \
+                      | tee "$OUT/gpu_kernel-tests-b.log" | tail -n 15 ;;
+    qkv-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_qkv_rope.py 2>&1 \
                  | tee "$OUT/gpu_qkv_tests.log" | tail -n 15 ;;
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;
     attention|all) python -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" ;;&

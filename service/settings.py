@@ -84,6 +84,11 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "triton", "sdpa"] = Field(
         "auto", description="attention backend for eager forwards and CUDA graphs alike; auto: the Triton kernels "
                             "where they run (sm80+), SDPA elsewhere")
+    fused_qkv_rope: bool = Field(True, description="Triton backend on Hopper: the QKV projection adds its bias and "
+                                 "rotates Q and K in its own epilogue, instead of cuBLAS and a RoPE pass")
+    residual_in_gemm: bool | None = Field(None, description="the output projections add the residual in their GEMM's "
+                                          "epilogue and the norm after them only normalises; None: on for Qwen3-VL, "
+                                          "off for Qwen2.5-VL (whose bf16 error it raises)")
     tma_descriptors: Literal["auto", "host", "device"] = Field(
         "auto", description="where the Hopper attention kernel encodes its K/V tensor descriptors; auto: on the "
                             "device for small eager calls that no launch plan replays, on the host otherwise")

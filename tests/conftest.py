@@ -174,3 +174,31 @@ def hf_tower(cfg, state: dict, dtype: torch.dtype, device: str = "cuda"):
         model = cls(hf_cfg)
     model.load_state_dict(state)
     return model.to(dtype).eval()
+
+
+# -- kernels ------------------------------------------------------------------------------------------------------
+
+# Attention packs of awkward shapes: lone tokens, odd lengths, many segments; head dims 64, 72, 80, 128 and 16
+ATTENTION_CASES = [
+    ([1], 64), ([7], 72), ([131], 80), ([1, 7, 131, 16, 33], 64), ([5] * 24, 72),
+    ([40, 1, 17], 128), ([23, 9], 16),
+]
+
+
+def make_inputs(lengths, heads, head_dim, dtype, seed=0, device="cpu"):
+    """q, k, v as strided views of one fused QKV buffer, as the tower produces them, and cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(sum(lengths), 3, heads, head_dim, generator=g).to(device=device, dtype=dtype)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(device=device, dtype=torch.int32)
+    return q, k, v, cu
+
+
+def gpu(test):
+    """Marks a test that needs a CUDA GPU (`-m gpu` on the GPU machine; skipped in CI)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+# full-size packs for the GPU tests: lone tokens to 4096, many segments, a mixed pack of image sizes
+GPU_LENGTHS = [[1], [7], [131], [1023], [4096], [1, 7, 131, 1023, 4096], [64] * 100,
+               [3, 256, 784, 1, 1024, 2304, 17]]

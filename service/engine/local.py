@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Callable
 
@@ -14,7 +15,7 @@ from kernels.runtime import launch_status
 from ..model.encoder import Encoder
 from ..model.preprocess import Preprocessed
 from ..settings import Settings
-from .api import BatchListener, BatchStats, ChangeListener, Decoder, Encoded, EngineStats, ModelInfo
+from .api import BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo
 from .batching import Batcher
 from .build import apply_limits, load_encoder, video_sandbox, warmup
 
@@ -88,4 +89,6 @@ class LocalEngine:
         return await self.batcher.submit(items, **kwargs)
 
     async def stats(self) -> EngineStats:
-        return EngineStats([self.batcher.stats()] if self.batcher is not None else [])
+        if self.batcher is None:  # loading
+            return EngineStats([DeviceStats(self.settings.resolved_device(), state="down", pid=os.getpid())])
+        return EngineStats([self.batcher.stats()])

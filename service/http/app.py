@@ -270,8 +270,9 @@ class Service:
             "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items", "max_video_frames")}
         body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
             enc.preprocessor.config.max_pixels if enc else None)
-        body["engine"] = {"state": eng.state, **(await eng.stats()).as_dict(),
-                          "process": "separate" if settings.engine_socket else "this"}
+        stats = await eng.stats()
+        body["engine"] = {"state": eng.state, **stats.as_dict(),
+                          "process": "this" if any(e.pid == os.getpid() for e in stats.engines) else "separate"}
         body["embedding_cache"] = {"max_bytes": self.cache.max_bytes, "bytes": self.cache.bytes,
                                    "path": self.cache.path}
         body["http_workers"] = settings.resolved_http_workers()
