@@ -1,4 +1,5 @@
-"""`qwen3vl-encoder`: `encode` files to a safetensors file, or `serve` the HTTP API."""
+"""`qwen3vl-encoder`: `encode` files to a safetensors file, `serve` the HTTP API, or `quant-check` what FP8 does to a
+checkpoint's embeddings."""
 
 from __future__ import annotations
 
@@ -44,6 +45,38 @@ def encode_main(args) -> int:
     return 0
 
 
+def quant_check_main(args) -> int:
+    import json
+
+    from .model.encoder import Encoder
+    from .model.quant_check import all_tokens, compare, fp8_copy
+
+    encoder = Encoder.load(args.model, args.device, args.dtype)
+    inputs = []
+    for path in args.files:
+        try:
+            inputs.append((str(path), encoder.preprocess(Path(path).read_bytes(), max_pixels=args.max_pixels)))
+        except OSError as e:
+            raise EncoderError(f"{path}: cannot read ({e.strerror})") from e
+        except EncoderError as e:
+            raise type(e)(f"{path}: {e}") from e
+    report = compare(encoder, fp8_copy(encoder.tower), [item for _, item in inputs])
+    report.update(model=args.model, dtype=args.dtype, device=args.device, files=[p for p, _ in inputs],
+                  all_tokens=all_tokens(report))
+    print(f"FP8 against {args.dtype}, {len(inputs)} inputs, per-token cosine (mean / min):")
+    print(f"  merged tokens   {report['merged']['mean_token_cosine']:.5f} / {report['merged']['min_token_cosine']:.5f}")
+    for level, d in enumerate(report["deepstack"]):
+        print(f"  DeepStack {level}     {d['mean_token_cosine']:.5f} / {d['min_token_cosine']:.5f}")
+    for layer, d in enumerate(report["layers"]):
+        print(f"  after block {layer:<3} {d['mean_token_cosine']:.5f} / {d['min_token_cosine']:.5f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    worst = report["all_tokens"]
+    ok = worst["mean_token_cosine"] >= 0.999 and worst["min_token_cosine"] >= 0.99
+    print(("within" if ok else "OUTSIDE") + " the targets (mean >= 0.999, worst token >= 0.99)")
+    return 0 if ok else 1
+
+
 def serve_main(args) -> int:
     from .server import run
 
@@ -75,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--quiet", action="store_true", help="no progress bars")
     enc.add_argument("files", nargs="+", type=Path)
     enc.set_defaults(func=encode_main)
+
+    qc = sub.add_parser("quant-check", help="what FP8 does to a checkpoint's embeddings, per token and layer by layer",
+                        description="Compare the FP8 tower (QUANTIZATION=fp8) with the tower in --dtype on your own "
+                        "images and videos: per-token cosine of the merged tokens, each DeepStack level and each "
+                        "block's output. Exit 1 outside the targets (mean >= 0.999, worst token >= 0.99).")
+    qc.add_argument("--model", required=True, help="checkpoint directory or random:<preset>")
+    qc.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu computes the FP8 GEMMs in float32)")
+    qc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    qc.add_argument("--max-pixels", type=int, default=None, help="resize larger inputs down to this many pixels")
+    qc.add_argument("--json", default=None, help="also write the report here")
+    qc.add_argument("files", nargs="+", type=Path)
+    qc.set_defaults(func=quant_check_main)
 
     srv = sub.add_parser("serve", help="run the HTTP service", description="Run the HTTP service. Every setting is a "
                          "flag and a QWEN3VL_* environment variable (the flag wins); both are validated alike.")

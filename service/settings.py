@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "triton", "sdpa"] = Field(
         "auto", description="attention backend for eager forwards and CUDA graphs alike; auto: the Triton kernels "
                             "where they run (sm80+), SDPA elsewhere")
+    quantization: Literal["none", "fp8"] = Field("none", description="fp8: the blocks' linear layers in e4m3 "
+                                                 "(weights per output channel at load, activations per token); "
+                                                 "check a checkpoint's error first with `qwen3vl-encoder quant-check`")
     fused_qkv_rope: bool = Field(True, description="Triton backend on Hopper: the QKV projection adds its bias and "
                                  "rotates Q and K in its own epilogue, instead of cuBLAS and a RoPE pass")
     residual_in_gemm: bool | None = Field(None, description="the output projections add the residual in their GEMM's "

@@ -31,16 +31,18 @@ class ModelInfo:
     device: torch.device
     dtype: torch.dtype
     backend: str
+    quantization: str = "none"  # "fp8": the blocks' linear layers in e4m3
 
     def wire(self) -> dict[str, Any]:
         """The picklable description an engine process sends its front-ends (`from_wire` reads it back)."""
         return {"config": self.config, "preprocess": self.preprocessor.config, "device": str(self.device),
-                "dtype": str(self.dtype).removeprefix("torch."), "backend": self.backend}
+                "dtype": str(self.dtype).removeprefix("torch."), "backend": self.backend,
+                "quantization": self.quantization}
 
     @classmethod
     def from_wire(cls, info: dict[str, Any]) -> "ModelInfo":
         return cls(info["config"], Preprocessor(info["preprocess"]), torch.device(info["device"]),
-                   getattr(torch, info["dtype"]), info["backend"])
+                   getattr(torch, info["dtype"]), info["backend"], info.get("quantization", "none"))
 
 
 @dataclass(frozen=True)

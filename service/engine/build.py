@@ -100,7 +100,8 @@ def load_encoder(settings: Settings) -> Encoder:
                     "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
     return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(),
                         TowerOptions(attention_backend=settings.attention_backend, fused_qkv_rope=settings.fused_qkv_rope,
-                                     residual_in_gemm=settings.residual_in_gemm), settings.graph_buckets())
+                                     residual_in_gemm=settings.residual_in_gemm, quantization=settings.quantization),
+                        settings.graph_buckets())
 
 
 def apply_limits(enc: Encoder, settings: Settings) -> None:

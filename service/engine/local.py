@@ -67,7 +67,8 @@ class LocalEngine:
                                max_batch_items=settings.max_batch_items, max_wait_ms=settings.max_wait_ms,
                                max_queue_items=settings.max_queue_items, on_batch=batch_done, on_fault=self.on_fault)
         await self.batcher.start()
-        self.model = ModelInfo(enc.config, enc.preprocessor, enc.device, enc.dtype, enc.backend)
+        self.model = ModelInfo(enc.config, enc.preprocessor, enc.device, enc.dtype, enc.backend,
+                               enc.tower.options.quantization)
         self.state = "up"
         if self.on_change is not None:
             self.on_change(device, True)

@@ -127,7 +127,8 @@ class Service:
                                        enc.backend, str(settings.model.startswith("random:")).lower()).set(1)
         self.ready = True
         self._mark_ready(True)
-        log.info("ready: %s (%s), attention backend %s", settings.model, enc.dtype, enc.backend)
+        log.info("ready: %s (%s%s), attention backend %s", settings.model, enc.dtype,
+                 ", FP8 blocks" if enc.quantization == "fp8" else "", enc.backend)
 
     async def stop(self):
         self.ready = False
@@ -260,6 +261,7 @@ class Service:
             pre = enc.preprocessor.config
             body.update({
                 "architecture": enc.config.to_dict(), "dtype": str(enc.dtype).removeprefix("torch."),
+                "quantization": enc.quantization,
                 "device": str(enc.device), "attention_backend": enc.backend,
                 "preprocessing": {"patch_size": pre.patch_size, "merge_size": pre.merge_size,
                                   "temporal_patch_size": pre.temporal_patch_size, "min_pixels": pre.min_pixels,

@@ -12,6 +12,7 @@ from .checkpoint import load_vision_state_dict
 from .config import TowerConfig, preset, tower_config_from_dir
 from ..errors import CheckpointError
 from .preprocess import PreprocessConfig
+from .quant import quantize_blocks
 from .tower import RMSNorm, TowerOptions, VisionTower
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def random_tower(cfg: TowerConfig, device, dtype, seed: int = 0, options: TowerO
             noise += 1.0
         state[name] = noise.to(dtype)
     tower.load_state_dict(state, assign=True, strict=True)
-    return tower.eval()
+    return _quantized(tower.eval())
 
 
 def model_configs(model: str) -> tuple[TowerConfig, PreprocessConfig]:
@@ -104,4 +105,13 @@ def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions 
     tower = tower.to(device).eval()
     log.info("loaded vision tower from %s: %d blocks, hidden %d, %s on %s", path, cfg.depth, cfg.hidden_size,
              dtype, device)
-    return tower, pre
+    return _quantized(tower), pre
+
+
+def _quantized(tower: VisionTower) -> VisionTower:
+    """The tower with its blocks' linear layers in FP8 where its options say so (`quant.quantize_blocks`)."""
+    if tower.options.quantization == "fp8":
+        count = quantize_blocks(tower)
+        log.info("FP8 on: %d linear layers of the blocks in e4m3 (weights per output channel, activations per "
+                 "token); embeddings, norms, attention and mergers in %s", count, tower.dtype)
+    return tower

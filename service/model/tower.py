@@ -34,7 +34,7 @@ from kernels.attention import check_backend
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.pos_embed import pos_embed_add_
-from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_linear
+from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_, qkv_rope_linear
 
 from .config import TowerConfig
 
@@ -55,9 +55,12 @@ class TowerOptions:
     attention_backend: str = "auto"
     fused_qkv_rope: bool = True
     residual_in_gemm: bool | None = None
+    quantization: str = "none"
 
     def __post_init__(self):
         check_backend(self.attention_backend)
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"quantization {self.quantization!r}: use none or fp8")
 
 
 def segment_lengths(grids) -> list[int]:
@@ -206,7 +209,11 @@ def _add_norm(x, y, norm: "nn.LayerNorm | RMSNorm", backend: str, merged_norm: n
 
 def _project(linear: nn.Linear, x, residual):
     """linear(x), or with a residual `residual += x @ W^T` in the GEMM's epilogue (bias left out)."""
-    return linear(x) if residual is None else residual.addmm_(x, linear.weight.t())
+    if residual is None:
+        return linear(x)
+    if isinstance(linear, nn.Linear):
+        return residual.addmm_(x, linear.weight.t())
+    return linear(x, residual=residual, add_bias=False)  # FP8 (`quant.Fp8Linear`)
 
 
 def _bilinear_taps(index, size, side):
@@ -260,6 +267,11 @@ class Attention(nn.Module):
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated, into `out` if given. `backend` is the tower's (it
         decides the fused projection)."""
+        if not isinstance(self.qkv, nn.Linear):  # FP8 (`quant.Fp8Linear`): the projection, then the RoPE pass
+            qkv = self.qkv(x)
+            if out is not None:
+                qkv = out.view(qkv.shape).copy_(qkv)
+            return qkv_rope_(qkv.view(x.shape[0], 3, self.num_heads, -1), cos, sin, use_triton=_fused(backend))
         if (backend == "triton" and options.fused_qkv_rope
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             return qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out)
@@ -300,7 +312,7 @@ class MLP(nn.Module):
 
     def forward(self, x, residual: torch.Tensor | None = None):
         """The MLP; with `residual`, returns `residual` + the MLP without fc2's bias."""
-        if self.tanh_gelu and x.is_cuda and gelu_epilogue_ok(x.device):
+        if self.tanh_gelu and x.is_cuda and isinstance(self.linear_fc1, nn.Linear) and gelu_epilogue_ok(x.device):
             # bias + tanh-GELU in the GEMM's epilogue (cuBLASLt), computed from the fp32 accumulator:
             # saves a read and a write of the widest activation of the block
             h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)

@@ -1,0 +1,75 @@
+"""FP8 (e4m3) linear layers: weights quantised once per output channel, activations per token, products accumulated
+in float32 and scaled back in the GEMM's epilogue.
+
+Scales are absmax / 448 (e4m3's largest finite value), so every row uses the format's whole range: a token whose
+channels span 200x (a ViT's outlier channels) keeps its small channels at e4m3's relative step (2^-3 of the value's
+binade) instead of flushing them, as a per-tensor scale would.
+
+`scaled_linear` runs `torch._scaled_mm` on GPUs with FP8 tensor cores (compute capability 8.9 and later; row-wise
+scales, bf16 out) and elsewhere the same arithmetic in float32 (`reference_scaled_linear`): the CPU tests, and
+`quant-check` on machines without such a GPU, see the quantisation error the GPU path has, up to the order of its
+float32 accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+# the smallest scale: an all-zero row quantises to zeros instead of dividing by zero
+_MIN_SCALE = 1e-12
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `x [M, K]` to e4m3 with its own scale: (q [M, K] e4m3, scale [M] float32), x ≈ q * scale."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1) / E4M3_MAX).clamp_min(_MIN_SCALE)
+    q = (xf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's weight `[N, K]` per output channel: (q [N, K] e4m3, scale [N] float32)."""
+    return quantize_rows(w)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[:, None]
+
+
+def reference_scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """`(xq * x_scale) @ (wq * w_scale).T + bias` in float32, rounded to `out_dtype` once at the end: what the GEMM
+    with a dequantising epilogue computes."""
+    out = (xq.float() @ wq.float().t()) * x_scale[:, None] * w_scale[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether `device` multiplies e4m3 on its tensor cores (sm89 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The FP8 GEMM with row-wise scales (`x_scale [M]`, `w_scale [N]`), bias and the cast to `out_dtype` in its
+    epilogue: cuBLASLt where the device has FP8 tensor cores, else `reference_scaled_linear`."""
+    if fp8_tensor_cores(xq.device):
+        return torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], bias=bias,
+                                out_dtype=out_dtype)
+    return reference_scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T + bias (+ residual)` with W given quantised: x quantised per token here, the product dequantised
+    in the GEMM, in x's dtype. The residual is added after the GEMM."""
+    lead = x.shape[:-1]
+    xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=x.dtype)
+    out = out.view(*lead, wq.shape[0])
+    return out if residual is None else out.add_(residual)

@@ -1,0 +1,60 @@
+"""FP8 blocks (`TowerOptions.quantization = "fp8"`): each block's linear layers become `Fp8Linear`, weights quantised
+once at load per output channel, activations per token at every call (`kernels.fp8`). The patch and position
+embeddings, the norms, attention and the mergers stay in the tower's dtype."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kernels.fp8 import fp8_linear, quantize_weight
+
+QUANTIZATIONS = ("none", "fp8")
+# the blocks' linear layers that run in FP8, by their attribute paths in a block
+FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2", "mlp.gate_proj", "mlp.up_proj",
+               "mlp.down_proj")
+
+
+class Fp8Linear(nn.Module):
+    """An `nn.Linear` with its weight in e4m3 and one float32 scale per output channel; the bias in the
+    activations' dtype."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        q, scale = quantize_weight(linear.weight.detach())
+        return cls(q, scale, None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
+        """`x @ W.T + bias`; with `residual`, added into it in place (then without the bias unless `add_bias`, as
+        the tower's residual GEMMs leave it to the norm that follows)."""
+        bias = self.bias if add_bias else None
+        if residual is None:
+            return fp8_linear(x, self.qweight, self.scale, bias)
+        return residual.add_(fp8_linear(x, self.qweight, self.scale, bias))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scale[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
+
+
+def quantize_blocks(tower: nn.Module) -> int:
+    """Replace the blocks' linear layers with `Fp8Linear` in place; how many were replaced."""
+    count = 0
+    for block in tower.blocks:
+        for path in FP8_LINEARS:
+            owner_name, _, name = path.rpartition(".")
+            owner = block.get_submodule(owner_name)
+            linear = getattr(owner, name, None)
+            if isinstance(linear, nn.Linear):
+                setattr(owner, name, Fp8Linear.from_linear(linear))
+                count += 1
+    return count

@@ -1,0 +1,118 @@
+"""What FP8 does to a checkpoint's embeddings, before a user turns it on (`qwen3vl-encoder quant-check`).
+
+The tower is loaded once in the serving dtype; a copy gets FP8 blocks (`quant.quantize_blocks`). Each input runs
+through both, in lockstep, and every token is compared by cosine similarity: the merged tokens, each DeepStack level,
+and, layer by layer, the residual stream after every block (where the error builds up).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .encoder import Encoder
+from .preprocess import Preprocessed
+from .quant import quantize_blocks
+from .tower import VisionTower
+
+
+@dataclass
+class Cosines:
+    """Per-token cosine similarities, pooled over inputs."""
+
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.values.append(F.cosine_similarity(a.float(), b.float(), dim=-1).flatten().cpu())
+
+    def summary(self) -> dict[str, float]:
+        v = torch.cat(self.values) if self.values else torch.ones(0)
+        return {"mean_token_cosine": float(v.mean()) if v.numel() else float("nan"),
+                "min_token_cosine": float(v.min()) if v.numel() else float("nan"), "tokens": int(v.numel())}
+
+
+def stepwise(tower: VisionTower, pixels: torch.Tensor, grids) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """`tower(pixels, plan)` step by step: the residual stream after each block (with the biases the GEMMs leave to
+    the norms added back), the merged tokens and the DeepStack features."""
+    plan = tower.plan(grids)
+    offsets = tower._bias_offsets() if tower.residual_in_gemm else None
+    deepstack = tower.new_deepstack(pixels.shape[0], pixels.device)
+    x, h = tower.embed(tower.order_tokens(pixels, plan), plan.interp_index, plan.interp_weight)
+    inputs = []
+    for layer in range(len(tower.blocks)):
+        qkv = tower.project_qkv(layer, h, plan.cos, plan.sin)
+        x, h = tower.block_tail(layer, x, tower.attend(layer, qkv, plan, tower.backend), offsets, deepstack)
+        inputs.append(x.float() + offsets[2 * layer + 1] if offsets is not None else x.clone())
+    return inputs, tower.restore_order(tower.merge(h), plan), deepstack
+
+
+def fp8_copy(tower: VisionTower) -> VisionTower:
+    """A copy of `tower` with FP8 blocks (the original untouched)."""
+    twin = copy.deepcopy(tower)
+    quantize_blocks(twin)
+    return twin
+
+
+@torch.inference_mode()
+def compare(reference: Encoder, quantized: VisionTower, items: list[Preprocessed]) -> dict:
+    """Per-token cosines of `quantized` against `reference.tower` on each item: merged tokens, each DeepStack level,
+    and the residual stream after each block."""
+    merged, levels, layers = Cosines(), {}, {}
+    for item in items:
+        pixels = reference.pixels([item])
+        ref_layers, ref_merged, ref_ds = stepwise(reference.tower, pixels, [item.grid_thw])
+        q_layers, q_merged, q_ds = stepwise(quantized, pixels, [item.grid_thw])
+        merged.add(q_merged, ref_merged)
+        for level in range(ref_ds.shape[0]):
+            levels.setdefault(level, Cosines()).add(q_ds[level], ref_ds[level])
+        for layer, (a, b) in enumerate(zip(q_layers, ref_layers)):
+            layers.setdefault(layer, Cosines()).add(a, b)
+    return {"merged": merged.summary(), "deepstack": [levels[k].summary() for k in sorted(levels)],
+            "layers": [layers[k].summary() for k in sorted(layers)], "inputs": len(items)}
+
+
+def all_tokens(report: dict) -> dict[str, float]:
+    """The merged tokens' and every DeepStack level's figures together: the worst and the token-weighted mean."""
+    parts = [report["merged"], *report["deepstack"]]
+    tokens = sum(p["tokens"] for p in parts)
+    return {"mean_token_cosine": sum(p["mean_token_cosine"] * p["tokens"] for p in parts) / max(tokens, 1),
+            "min_token_cosine": min(p["min_token_cosine"] for p in parts)}
+
+
+# -- random weights that behave like trained ones, for presets (no checkpoint can be downloaded here) ---------------
+
+def unit_gain(tower: VisionTower, seed: int = 0) -> None:
+    """Redraw the blocks' linear weights at std 1/sqrt(fan_in), so that every block changes the residual stream as
+    much as trained blocks do (at the presets' std 0.02 the stream is the patch embedding, nearly unchanged, and
+    any quantisation looks free)."""
+    gen = torch.Generator(device=tower.device).manual_seed(seed)
+    with torch.no_grad():
+        for block in tower.blocks:
+            for module in block.modules():
+                if isinstance(module, torch.nn.Linear):
+                    w = module.weight
+                    w.copy_(torch.randn(w.shape, generator=gen, device=w.device) / w.shape[1] ** 0.5)
+
+
+def plant_outliers(tower: VisionTower, channels=(3, 17, 40, 101), factors=(50.0, 100.0, 150.0, 200.0)) -> None:
+    """Outlier channels where trained ViTs have them, without changing the function: each norm before a projection
+    (norm1 before qkv, norm2 before fc1 or gate/up) scales `channels` by `factors`, and the projections after it
+    divide the same input columns by them. The float tower computes what it did; the FP8 one sees activations whose
+    few channels are 50-200x the rest, and weight columns that much smaller."""
+    with torch.no_grad():
+        for block in tower.blocks:
+            hidden = block.norm2.weight.shape[0]
+            mlp_in = [m for m in block.mlp.children() if isinstance(m, torch.nn.Linear) and m.in_features == hidden]
+            for norm, linears in ((block.norm1, [block.attn.qkv]), (block.norm2, mlp_in)):
+                for c, f in zip(channels, factors):
+                    if c >= norm.weight.shape[0]:
+                        continue
+                    norm.weight[c] *= f
+                    if getattr(norm, "bias", None) is not None:
+                        norm.bias[c] *= f
+                    for linear in linears:
+                        linear.weight[:, c] /= f
+

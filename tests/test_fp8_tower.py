@@ -1,0 +1,107 @@
+"""The FP8 tower (`QUANTIZATION=fp8`, `service/model/quant.py`) on the CPU, where its GEMMs compute in float32 what the
+GPU's FP8 GEMMs do: which layers it quantises, its error against the unquantised tower (also with outlier channels
+planted in the residual stream), serving it from a checkpoint, and `quant-check`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from PIL import Image
+
+from service.model.config import preset
+from service.model.encoder import Encoder
+from service.model.loader import random_tower
+from service.model.quant import Fp8Linear
+from service.model.quant_check import all_tokens, compare, fp8_copy, plant_outliers, unit_gain
+from service.model.tower import TowerOptions
+
+from conftest import encode_bytes, rel_err
+from servers import serve
+
+
+def _images(n, seed=0):
+    rng = np.random.default_rng(seed)
+    sizes = [(64, 96), (40, 40), (128, 72), (33, 150)]
+    return [encode_bytes(Image.fromarray(rng.integers(0, 256, (*sizes[i % 4], 3), dtype=np.uint8))) for i in range(n)]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5"])
+def test_fp8_replaces_the_blocks_linear_layers_only(name):
+    cfg = preset(name)
+    tower = random_tower(cfg, "cpu", torch.float32, options=TowerOptions(quantization="fp8"))
+    per_block = 5 if cfg.windowed else 4  # qkv, proj, fc1, fc2 (SwiGLU: gate, up, down)
+    fp8 = [n for n, m in tower.named_modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == per_block * cfg.depth and all(n.startswith("blocks.") for n in fp8)
+    assert isinstance(tower.merger.linear_fc1 if not cfg.windowed else tower.merger.mlp[0], nn.Linear)
+    with pytest.raises(ValueError, match="quantization"):
+        TowerOptions(quantization="int8")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5"])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_fp8_tower_error_against_the_unquantised_one(name, outliers):
+    """Per-token cosine of the merged tokens, the DeepStack features and the residual stream after each block,
+    against the float32 tower with unit-gain block weights (each block moves the stream as trained ones do), with
+    and without outlier channels of 50-200x planted before the projections (`plant_outliers`: the float function
+    unchanged). The bounds are what e4m3's rounding leaves on this 4-block tower (measured: mean 0.994-0.998, worst
+    0.989-0.995); activations quantised without their per-token scale land at 0.981 / 0.957 and fail them. The
+    issue's targets (mean >= 0.999, worst >= 0.99) are for the real presets and checkpoints: fp8_error.json and
+    `quant-check`."""
+    cfg = preset(name)
+    encoder = Encoder.load(f"random:{name}")
+    unit_gain(encoder.tower)
+    items = [encoder.preprocess(data) for data in _images(4)]
+    if outliers:
+        with torch.inference_mode():
+            before = encoder.encode(items[:1])[0].embeds
+        plant_outliers(encoder.tower)
+        with torch.inference_mode():
+            after = encoder.encode(items[:1])[0].embeds
+        assert rel_err(after, before) <= 1e-5  # the float function is unchanged
+    report = compare(encoder, fp8_copy(encoder.tower), items)
+    overall = all_tokens(report)
+    assert overall["mean_token_cosine"] >= 0.99 and overall["min_token_cosine"] >= 0.98, report
+    assert len(report["layers"]) == cfg.depth and min(l["min_token_cosine"] for l in report["layers"]) >= 0.98
+    assert len(report["deepstack"]) == len(cfg.deepstack_visual_indexes)
+    assert not any(isinstance(m, Fp8Linear) for m in encoder.tower.modules())  # the copy is quantised, not it
+
+
+def test_served_fp8_from_a_checkpoint(full_checkpoint):
+    """QUANTIZATION=fp8 on a real checkpoint directory: /info says so, and the embeddings stay close to the
+    unquantised server's."""
+    images = _images(2, seed=5)
+    files = [("file", (f"{i}.png", b, "image/png")) for i, b in enumerate(images)]
+    got = {}
+    for quantization in ("none", "fp8"):
+        with serve(model=str(full_checkpoint), quantization=quantization) as (url, _):
+            info = httpx.get(f"{url}/info").json()
+            assert info["quantization"] == quantization
+            r = httpx.post(f"{url}/embed", files=files, timeout=60)
+            assert r.status_code == 200
+            got[quantization] = [torch.tensor(d["embeddings"]) for d in r.json()["data"]]
+    for a, b in zip(got["none"], got["fp8"]):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() >= 0.99
+        assert 0 < rel_err(b, a) <= 0.1  # quantised: close, not equal
+
+
+def test_quant_check_command(tmp_path):
+    paths = []
+    for i, data in enumerate(_images(2)):
+        paths.append(tmp_path / f"{i}.png")
+        paths[-1].write_bytes(data)
+    out = tmp_path / "report.json"
+    run = subprocess.run([sys.executable, "-m", "service.cli", "quant-check", "--model", "random:tiny", "--device",
+                          "cpu", "--dtype", "float32", "--json", str(out), *map(str, paths)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "merged tokens" in run.stdout and "after block 0" in run.stdout and "within the targets" in run.stdout
+    report = json.loads(out.read_text())
+    assert report["inputs"] == 2 and len(report["layers"]) == preset("tiny").depth
+    assert report["all_tokens"]["min_token_cosine"] >= 0.99
