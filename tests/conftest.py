@@ -202,3 +202,20 @@ def gpu(test):
 # full-size packs for the GPU tests: lone tokens to 4096, many segments, a mixed pack of image sizes
 GPU_LENGTHS = [[1], [7], [131], [1023], [4096], [1, 7, 131, 1023, 4096], [64] * 100,
                [3, 256, 784, 1, 1024, 2304, 17]]
+
+
+def check_attention_configs(q, k, v, cu, configs) -> None:
+    """Each attention configuration (None: the tuned call) into a NaN-poisoned output: nothing left unwritten, and
+    within 2x the error of PyTorch's own math in the inputs' dtype against float32 (flash-attention's rule)."""
+    from kernels.attention.launch import triton_varlen_attention
+    from kernels.attention.reference import reference_varlen_attention
+
+    max_seqlen = int((cu[1:] - cu[:-1]).max())
+    ref = reference_varlen_attention(q, k, v, cu)
+    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
+    for cfg in configs:
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+        triton_varlen_attention(q, k, v, cu, max_seqlen, out=out, config=cfg)
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"unwritten output elements with {cfg}"
+        assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)

@@ -19,7 +19,7 @@ from kernels.attention.reference import reference_varlen_attention
 from kernels.attention.tiles import head_dim_split, TileConfig
 from kernels.attention.tma import tma_layout_ok
 
-from conftest import GPU_LENGTHS as LENGTHS, gpu, make_inputs, rel_err
+from conftest import GPU_LENGTHS as LENGTHS, check_attention_configs, gpu, make_inputs, rel_err
 
 
 @pytest.mark.parametrize("lengths,head_dim", [([1, 7, 40], 64), ([7, 33, 5], 72), ([8, 1, 16, 23], 72), ([19, 5, 1, 45], 80),
@@ -170,14 +170,7 @@ def test_tma_kernel_every_candidate(lengths, head_dim):
     """Each configuration the tuner may pick (the Gluon kernel's too, at 64, 72 and 80), and the automatic call,
     against fp32 (bf16)."""
     q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=head_dim, device="cuda")
-    ref = reference_varlen_attention(q, k, v, cu)
-    torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
-    for cfg in [*tiles.hopper_candidates(head_dim, True), None]:
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-        triton_varlen_attention(q, k, v, cu, max(lengths), out=out, config=cfg)
-        torch.cuda.synchronize()
-        assert not out.isnan().any(), f"unwritten output elements with {cfg}"
-        assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)
+    check_attention_configs(q, k, v, cu, [*tiles.hopper_candidates(head_dim, True), None])
 
 
 @gpu
