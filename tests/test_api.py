@@ -235,6 +235,12 @@ def test_health_ready_info_docs(server, full_checkpoint):
     assert info["model"] == str(full_checkpoint) and info["random_weights"] is False
     assert info["attention_backend"] == "sdpa" and info["device"] == "cpu"
     assert info["architecture"]["out_hidden_size"] == 48 and info["limits"]["max_batch_patches"] == 32768
+    assert info["quantization"] == "none"
+    # the engine in one shape, this process's: one device, up, its counters, no Triton launch on the CPU
+    engine = info["engine"]
+    assert engine["state"] == "up" and engine["process"] == "this" and engine["pid"] == engine["engines"][0]["pid"]
+    assert [e["device"] for e in engine["engines"]] == ["cpu"] and engine["engines"][0]["lean_launch"] is None
+    assert engine["forwards"] == engine["engines"][0]["forwards"] and engine["restarts"] == 0
     assert httpx.get(f"{url}/openapi.json").json()["paths"]["/embed"]["post"]
     assert httpx.get(f"{url}/docs").status_code == 200
 
