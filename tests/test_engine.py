@@ -284,6 +284,26 @@ def test_device_fault_fails_the_pack_and_queue_and_reports_once(tiny):
     assert len(faults) == 1 and enc.batches == [2]
 
 
+def test_a_device_fault_takes_a_single_process_server_out_of_service(tiny):
+    """With no engine process (`http_workers=0`) nothing replaces the engine after a device fault: the request that
+    hit it gets 503, /ready turns 503 (an orchestrator restarts the container), and every later request gets 503
+    naming the fault, with Retry-After."""
+    def fail(batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    image = {"content": _images(1)[0], "headers": {"content-type": "image/png"}, "timeout": 30}
+    with serve(RecordingEncoder(tiny, fail=fail), warmup=False) as (url, _):
+        assert httpx.get(f"{url}/ready").status_code == 200
+        first = httpx.post(f"{url}/embed", **image)
+        ready = httpx.get(f"{url}/ready")
+        later = httpx.post(f"{url}/embed", **image)
+        info = httpx.get(f"{url}/info").json()
+    assert first.status_code == 503 and first.json()["error"]["type"] == "engine_unavailable"
+    assert ready.status_code == 503 and info["engine"]["state"] == "failed"
+    assert later.status_code == 503 and "device fault" in later.json()["error"]["message"]
+    assert int(later.headers["retry-after"]) > 0
+
+
 def test_engine_overload_and_deadline(tiny):
     enc = RecordingEncoder(tiny, delay_s=0.5)
     items = [tiny.preprocess(img) for img in _images(4, seed=4)]

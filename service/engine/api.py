@@ -120,7 +120,8 @@ class Engine(Protocol):
     """An engine as the HTTP layer uses it.
 
     `state` is `starting` until the model is loaded and warm (or, for engine processes, until the first connects),
-    `up` while one serves, and `restarting` while every engine process is being replaced; `alive` is `state == "up"`.
+    `up` while one serves, `restarting` while every engine process is being replaced, and `failed` after a device
+    fault in this process (nothing replaces it: the process must be restarted); `alive` is `state == "up"`.
     `model` is None until the model's description is known. `start` returns once the engine serves (local) or at
     once, following the engine processes in the background (pool); `on_change` hears of each device coming up or
     going away. `submit` raises the typed errors of `service.errors`; `stop` answers everything accepted first."""

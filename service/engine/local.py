@@ -63,9 +63,18 @@ class LocalEngine:
             if on_batch is not None:
                 on_batch(device, stats)
 
+        def faulted(e: BaseException) -> None:
+            # the CUDA context is unusable: this engine serves no more (an engine process exits in `on_fault` and is
+            # replaced; a single-process server answers 503 and /ready 503 until it is restarted)
+            self.state = "failed"
+            if self.on_change is not None:
+                self.on_change(device, False)
+            if self.on_fault is not None:
+                self.on_fault(e)
+
         self.batcher = Batcher(enc, max_batch_patches=settings.max_batch_patches,
                                max_batch_items=settings.max_batch_items, max_wait_ms=settings.max_wait_ms,
-                               max_queue_items=settings.max_queue_items, on_batch=batch_done, on_fault=self.on_fault)
+                               max_queue_items=settings.max_queue_items, on_batch=batch_done, on_fault=faulted)
         await self.batcher.start()
         self.model = ModelInfo(enc.config, enc.preprocessor, enc.device, enc.dtype, enc.backend,
                                enc.tower.options.quantization)

@@ -149,6 +149,9 @@ class Service:
         state = self.engine.state
         if state == "restarting":
             raise HTTPError(503, "engine_unavailable", "the engine process is restarting", headers={"Retry-After": "2"})
+        if state == "failed":
+            raise HTTPError(503, "engine_unavailable", "the engine hit a device fault; this server must be restarted "
+                            "(/ready answers 503)", headers={"Retry-After": "10"})
         if state != "up" or not self.ready:
             raise HTTPError(503, "not_ready", "the model is still loading or warming up", headers={"Retry-After": "5"})
         return self.engine
