@@ -9,6 +9,8 @@ so numbers read off a plain `triton.compile` are not the ones the GPU runs.
 
 Usage: python -m tools.inspect_sass [--head-dims 64 72] [--tiles 64/128/4/2 ...] [--json]
        python -m tools.inspect_sass --head-dims 64 --gluon [128/128/8/2/128 ...] [--uniform]  (the Gluon kernel)
+       python -m tools.inspect_sass --dump-gluon-sass DIR  (every Gluon candidate's SASS, both variants, one file
+       each: diff two such directories to see whether a change to the kernel's source changed what the GPU runs)
 (with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled)
 """
 
@@ -127,9 +129,9 @@ def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = Fal
     return report
 
 
-def _report(kernel, num_warps: int, tile_scores: int, loads_in_loop: bool = True) -> dict:
-    """ptxas's report and the main loop's SASS mix of a kernel compiled for sm90 (ptxas run again here on its PTX,
-    which carries any register cap as .maxnreg, so that the -v report is captured)."""
+def _ptxas(kernel) -> tuple[str, str]:
+    """ptxas run again here on the kernel's PTX (which carries any register cap as .maxnreg), so that its -v report
+    is captured; the report and the SASS."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
@@ -137,6 +139,12 @@ def _report(kernel, num_warps: int, tile_scores: int, loads_in_loop: bool = True
         log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True,
                              text=True, check=True).stderr
         sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
+    return log, sass
+
+
+def _report(kernel, num_warps: int, tile_scores: int, loads_in_loop: bool = True) -> dict:
+    """ptxas's report and the main loop's SASS mix of a kernel compiled for sm90 (and the SASS itself, `sass`)."""
+    log, sass = _ptxas(kernel)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     threads = 32 * num_warps
     smem = kernel.metadata.shared
@@ -149,7 +157,7 @@ def _report(kernel, num_warps: int, tile_scores: int, loads_in_loop: bool = True
         "shared_bytes": smem, "programs_per_sm": per_sm,
         "wgmma_serialised": serialised.group(1) if serialised else None,
         "loop_instructions": len(loop), "per_score": round(len(loop) / scores, 2),
-        "loop_ops": collections.Counter(_opcode(i) for i in loop).most_common(),
+        "loop_ops": collections.Counter(_opcode(i) for i in loop).most_common(), "sass": sass,
     }
 
 
@@ -192,12 +200,24 @@ def main():
                     help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap"
                          "[/remainder copied[/sum_mma[/ws]]]")
     ap.add_argument("--uniform", action="store_true", help="the Gluon kernel's variant for packs of equal lengths")
+    ap.add_argument("--dump-gluon-sass", metavar="DIR", help="write every Gluon candidate's SASS under DIR")
     args = ap.parse_args()
+    if args.dump_gluon_sass:
+        os.makedirs(args.dump_gluon_sass, exist_ok=True)
+        for head_dim, candidates in tiles.GLUON_TILES.items():
+            for config in candidates:
+                for uniform in (False, True):
+                    tile = gluon_fields(config)
+                    name = f"d{head_dim}_" + "_".join(map(str, tile)) + ("_uniform" if uniform else "")
+                    with open(os.path.join(args.dump_gluon_sass, name + ".sass"), "w") as f:
+                        f.write(compile_gluon_tile(tile, head_dim, uniform)["sass"])
+        return
     if args.gluon is not None:
         for head_dim in args.head_dims:
             listed = [gluon_fields(c) for c in tiles.GLUON_TILES.get(head_dim, [])]
             for tile in [tuple(map(int, t.split("/"))) for t in args.gluon] or listed:
                 report = compile_gluon_tile(tile, head_dim, args.uniform)
+                del report["sass"]
                 name = "/".join(map(str, map(int, tile)))
                 print(json.dumps({"head_dim": head_dim, "tile": name, **report}) if args.json
                       else f"gluon d{head_dim} {name} {report}", flush=True)
@@ -210,6 +230,7 @@ def main():
         for config in configs:
             tile = f"{config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
             report = compile_tile(config, head_dim)
+            del report["sass"]
             if args.json:
                 print(json.dumps({"head_dim": head_dim, "tile": tile, **report}), flush=True)
             else:

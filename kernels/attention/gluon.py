@@ -26,13 +26,13 @@ Against the `tl.dot` kernel, the gain is in registers and staging: ~130 register
 TMA, and 128-row tiles on two warpgroups capped at 128 registers, two CTAs per SM.
 """
 
-from __future__ import annotations
 
 import functools
 
 import torch
 
 try:
+    from triton.language.core import _aggregate as aggregate
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,19 +49,77 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
+    @aggregate
+    class Config:
+        """A kernel's compile-time shape: key tile rows, ring depth, the remainder's width W1 and its columns past the
+        head's power of two R_V, whether K's and V's remainder come from R (REM_T), whether PV sums P's rows
+        (SUM_MMA); and the compute warps' register layouts: the score tile S, the accumulator O (D0 columns) and its
+        remainder (16 columns), and P as PV's A operand."""
+
+        BLOCK_N: gl.constexpr
+        NBUF: gl.constexpr
+        W1: gl.constexpr
+        R_V: gl.constexpr
+        REM_T: gl.constexpr
+        SUM_MMA: gl.constexpr
+        s: gl.constexpr
+        o: gl.constexpr
+        o1: gl.constexpr
+        p: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, BLOCK_N, D0, NBUF, W1, R_V, REM_T, SUM_MMA, num_warps):
+            self.BLOCK_N = gl.constexpr(BLOCK_N)
+            self.NBUF = gl.constexpr(NBUF)
+            self.W1 = gl.constexpr(W1)
+            self.R_V = gl.constexpr(R_V)
+            self.REM_T = gl.constexpr(REM_T)
+            self.SUM_MMA = gl.constexpr(SUM_MMA)
+            self.s = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_N, 16]))
+            self.o = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, D0, 16]))
+            self.o1 = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, 16, 16]))
+            self.p = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o.value, k_width=2))
+
+    @aggregate
+    class Operands:
+        """A program's operands in shared memory: Q and its remainder, the K and V rings and their remainders' (R's
+        boxes, or the columns past D0), and each ring's barriers that a slot's load has landed."""
+
+        q: gl.shared_memory_descriptor
+        q1: gl.shared_memory_descriptor
+        k: gl.shared_memory_descriptor
+        v: gl.shared_memory_descriptor
+        rk: gl.shared_memory_descriptor
+        rv: gl.shared_memory_descriptor
+        k_ready: gl.shared_memory_descriptor
+        v_ready: gl.shared_memory_descriptor
+
+        @gluon.constexpr_function
+        def __init__(self, q, q1, k, v, rk, rv, k_ready, v_ready):
+            self.q = q
+            self.q1 = q1
+            self.k = k
+            self.v = v
+            self.rk = rk
+            self.rv = rv
+            self.k_ready = k_ready
+            self.v_ready = v_ready
+
     @gluon.jit
-    def _softmax(s, m_i, l_i, qk_scale, n_valid, MASK: gl.constexpr, SUM_MMA: gl.constexpr,
-                 s_layout: gl.constexpr):
+    def _softmax(s, m_i, l_i, qk_scale, n_valid, MASK: gl.constexpr, cfg):
         """Online softmax of one score tile in base 2: P (fp32), the rescale factor of the running sums, the new
         row maxima (already scaled) and row sums (unchanged with SUM_MMA: PV sums P's rows). MASK: only the first
         n_valid columns are keys."""
         if MASK:
-            cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+            cols = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, cfg.s))
             s = gl.where((cols < n_valid)[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        if not SUM_MMA:
+        if not cfg.SUM_MMA:
             l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
 
@@ -81,14 +139,13 @@ if gluon is not None:
                 _tma_load(r_desc, [tok, col + desc.block_type.shape[1]], bar, r_bufs.index(slot), pred=pred)
 
     @gluon.jit
-    def _load_kv(desc, bufs, r_desc, r_bufs, ready, tile, tok0, col, r_row, r_col, n, BLOCK_N: gl.constexpr,
-                 NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr):
+    def _load_kv(desc, bufs, r_desc, r_bufs, ready, tile, tok0, col, r_row, r_col, n, cfg):
         """Key tile `tile` of the segment into its ring slot, if the segment has it (`_load_tile`). The caller has
         waited for the slot's last reader, a wgmma; with two warpgroups, both have (`_both_done`: one thread issues
         the copy)."""
-        slot = tile % NBUF
-        _load_tile(desc, bufs, r_desc, r_bufs, ready.index(slot), slot, tok0 + tile * BLOCK_N, col, r_row,
-                   r_col + tile * BLOCK_N, tile < n, BLOCK_N, W1, REM_T)
+        slot = tile % cfg.NBUF
+        _load_tile(desc, bufs, r_desc, r_bufs, ready.index(slot), slot, tok0 + tile * cfg.BLOCK_N, col, r_row,
+                   r_col + tile * cfg.BLOCK_N, tile < n, cfg.BLOCK_N, cfg.W1, cfg.REM_T)
 
     @gluon.jit
     def _both_done():
@@ -99,64 +156,56 @@ if gluon is not None:
             _cta_barrier()
 
     @gluon.jit
-    def _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, tile, s_zero, NBUF: gl.constexpr, W1: gl.constexpr,
-            REM_T: gl.constexpr):
+    def _qk(ops, tile, s_zero, cfg):
         """S = Q K^T for key tile `tile`, once its K tile has landed; with a remainder, + Q's remainder columns
         times K's (R's K box [W1, BLOCK_N] is the B operand as it is)."""
-        slot = tile % NBUF
-        mbarrier.wait(k_ready.index(slot), (tile // NBUF) & 1)
-        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if W1 > 0:
-            if REM_T:
-                s = warpgroup_mma(q1_smem, rk_bufs.index(slot), s, is_async=True)
+        slot = tile % cfg.NBUF
+        mbarrier.wait(ops.k_ready.index(slot), (tile // cfg.NBUF) & 1)
+        s = warpgroup_mma(ops.q, ops.k.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if cfg.W1 > 0:
+            if cfg.REM_T:
+                s = warpgroup_mma(ops.q1, ops.rk.index(slot), s, is_async=True)
             else:
-                s = warpgroup_mma(q1_smem, rk_bufs.index(slot).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(ops.q1, ops.rk.index(slot).permute((1, 0)), s, is_async=True)
         return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     @gluon.jit
-    def _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, tile, n_valid, qk_scale, MASK: gl.constexpr,
-                    NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr, SUM_MMA: gl.constexpr,
-                    s_layout: gl.constexpr, o_layout: gl.constexpr, o1_layout: gl.constexpr,
-                    p_layout: gl.constexpr):
+    def _softmax_pv(s, acc, acc1, m_i, l_i, ops, tile, n_valid, qk_scale, MASK: gl.constexpr, cfg):
         """The softmax of score tile S (`_softmax`), the accumulators rescaled, and O += P V for key tile `tile`
         once its V tile has landed (V's remainder too: R's box transposed is a K-major B operand), waited for."""
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, n_valid, MASK, SUM_MMA, s_layout)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        slot = tile % NBUF
-        p_op = gl.convert_layout(p.to(v_bufs.dtype), p_layout)
-        mbarrier.wait(v_ready.index(slot), (tile // NBUF) & 1)
-        acc = warpgroup_mma(p_op, v_bufs.index(slot), acc, is_async=True)
-        if W1 > 0:
-            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
-            if REM_T:
-                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot).permute((1, 0)), acc1, is_async=True)
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, n_valid, MASK, cfg)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o))[:, None]
+        slot = tile % cfg.NBUF
+        p_op = gl.convert_layout(p.to(ops.v.dtype), cfg.p)
+        mbarrier.wait(ops.v_ready.index(slot), (tile // cfg.NBUF) & 1)
+        acc = warpgroup_mma(p_op, ops.v.index(slot), acc, is_async=True)
+        if cfg.W1 > 0:
+            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, cfg.o1))[:, None]
+            if cfg.REM_T:
+                acc1 = warpgroup_mma(p_op, ops.rv.index(slot).permute((1, 0)), acc1, is_async=True)
             else:
-                acc1 = warpgroup_mma(p_op, rv_bufs.index(slot), acc1, is_async=True)
+                acc1 = warpgroup_mma(p_op, ops.rv.index(slot), acc1, is_async=True)
             acc, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc1))
         else:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         return acc, acc1, m_i, l_i
 
     @gluon.jit
-    def _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc, k_bufs, v_bufs, rk_bufs, rv_bufs,
-              k_ready, v_ready, s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, MASK: gl.constexpr,
-              NEXT: gl.constexpr, BLOCK_N: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, R_V: gl.constexpr,
-              REM_T: gl.constexpr, SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-              o1_layout: gl.constexpr, p_layout: gl.constexpr):
+    def _step(j, s, acc, acc1, m_i, l_i, ops, kv_desc, kv1_desc, s_zero, tok0, k_col, v_col, r_row, r_col, n, seqlen,
+              qk_scale, MASK: gl.constexpr, NEXT: gl.constexpr, cfg):
         """Key tile j: the softmax of S_j, the accumulators rescaled, O += P_j V_j, then (NEXT) S_{j+1}; only then
         are the slots read by both wgmmas refilled with the tiles NBUF ahead (refilling V's slot before issuing QK^T
         puts the copy's issue in front of the tensor cores, which is slower)."""
-        acc, acc1, m_i, l_i = _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, j, seqlen - j * BLOCK_N,
-                                          qk_scale, MASK, NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
-                                          p_layout)
+        acc, acc1, m_i, l_i = _softmax_pv(s, acc, acc1, m_i, l_i, ops, j, seqlen - j * cfg.BLOCK_N, qk_scale, MASK,
+                                          cfg)
         if NEXT:
-            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, j + 1, s_zero, NBUF, W1, REM_T)
+            s = _qk(ops, j + 1, s_zero, cfg)
         _both_done()
-        _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, j + NBUF, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
-                 NBUF, W1, REM_T)
+        _load_kv(kv_desc, ops.v, kv1_desc, ops.rv, ops.v_ready, j + cfg.NBUF, tok0, v_col, r_row + cfg.R_V, r_col, n,
+                 cfg)
         if NEXT:
-            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, j + 1 + NBUF, tok0, k_col, r_row, r_col, n,
-                     BLOCK_N, NBUF, W1, REM_T)
+            _load_kv(kv_desc, ops.k, kv1_desc, ops.rk, ops.k_ready, j + 1 + cfg.NBUF, tok0, k_col, r_row, r_col, n,
+                     cfg)
         return s, acc, acc1, m_i, l_i
 
     @gluon.jit
@@ -249,13 +298,7 @@ if gluon is not None:
             r_row = head * R_ROWS
             r_col = 8 * ((tok0 + 7) // 8 + seg)  # common.r_start: the segment's first column in R
             n = (seqlen + BLOCK_N - 1) // BLOCK_N
-            s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                               instr_shape=[16, BLOCK_N, 16])
-            o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                               instr_shape=[16, D0, 16])
-            o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                                instr_shape=[16, 16, 16])
-            p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+            cfg = Config(BLOCK_N, D0, NBUF, W1, R_V, REM_T, SUM_MMA, num_warps)
             dtype: gl.constexpr = q_desc.dtype
 
             q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D0], q_desc.layout)
@@ -277,49 +320,38 @@ if gluon is not None:
                 mbarrier.init(k_ready.index(i), count=1)
                 mbarrier.init(v_ready.index(i), count=1)
             fence_async_shared()
+            ops = Operands(q_smem, q1_smem, k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready)
 
             mbarrier.expect(q_bar, BLOCK_M * (D0 + W1) * dtype.primitive_bitwidth // 8)
             _tma_load(q_desc, [tok0 + row0, col], q_bar, q_smem)
             if W1 > 0:
                 _tma_load(q1_desc, [tok0 + row0, col + D0], q_bar, q1_smem)
             for i in gl.static_range(NBUF):
-                _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
-                         W1, REM_T)
-                _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, i, tok0, v_col, r_row + R_V, r_col, n, BLOCK_N,
-                         NBUF, W1, REM_T)
+                _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, i, tok0, k_col, r_row, r_col, n, cfg)
+                _load_kv(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready, i, tok0, v_col, r_row + R_V, r_col, n, cfg)
 
-            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([BLOCK_M, D0], gl.float32, layout=o_layout)
-            acc1 = gl.zeros([BLOCK_M, 16], gl.float32, layout=o1_layout)
-            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, cfg.s))
+            l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, cfg.s))
+            acc = gl.zeros([BLOCK_M, D0], gl.float32, layout=cfg.o)
+            acc1 = gl.zeros([BLOCK_M, 16], gl.float32, layout=cfg.o1)
+            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=cfg.s)
 
             mbarrier.wait(q_bar, 0)
             if R_V < W1:  # Q's remainder box runs past the head (into the next head, or TMA's zero fill): zeroed
                 _zero_past(q1_smem, R_V, num_warps)
-            s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, 0, s_zero, NBUF, W1, REM_T)
+            s = _qk(ops, 0, s_zero, cfg)
             _both_done()
-            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, BLOCK_N, NBUF,
-                     W1, REM_T)
+            _load_kv(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready, NBUF, tok0, k_col, r_row, r_col, n, cfg)
             for j in range(0, n - 1):
-                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
-                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, True,
-                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
-                                               p_layout)
+                s, acc, acc1, m_i, l_i = _step(j, s, acc, acc1, m_i, l_i, ops, kv_desc, kv1_desc, s_zero, tok0, k_col,
+                                               v_col, r_row, r_col, n, seqlen, qk_scale, False, True, cfg)
             # the last key tile: masked only where the segment ends inside it
             if seqlen % BLOCK_N == 0:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
-                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False,
-                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
-                                               p_layout)
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, ops, kv_desc, kv1_desc, s_zero, tok0,
+                                               k_col, v_col, r_row, r_col, n, seqlen, qk_scale, False, False, cfg)
             else:
-                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, q_smem, q1_smem, kv_desc, kv1_desc,
-                                               k_bufs, v_bufs, rk_bufs, rv_bufs, k_ready, v_ready, s_zero,
-                                               tok0, k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False,
-                                               BLOCK_N, NBUF, W1, R_V, REM_T, SUM_MMA, s_layout, o_layout, o1_layout,
-                                               p_layout)
+                s, acc, acc1, m_i, l_i = _step(n - 1, s, acc, acc1, m_i, l_i, ops, kv_desc, kv1_desc, s_zero, tok0,
+                                               k_col, v_col, r_row, r_col, n, seqlen, qk_scale, True, False, cfg)
 
             mbarrier.invalidate(q_bar)
             for i in gl.static_range(NBUF):
@@ -330,6 +362,27 @@ if gluon is not None:
                      num_warps)
 
     # ---- persistent, warp-specialised variant: a one-warp loader partition feeds the compute warps ----
+
+    @aggregate
+    class Barriers:
+        """The persistent kernel's mbarriers: per Q buffer (two per compute partition) and per K and V ring slot, one
+        that a TMA load has landed (`*_ready`) and one that its readers are done with it (`*_empty`)."""
+
+        q_ready: gl.shared_memory_descriptor
+        q_empty: gl.shared_memory_descriptor
+        k_ready: gl.shared_memory_descriptor
+        k_empty: gl.shared_memory_descriptor
+        v_ready: gl.shared_memory_descriptor
+        v_empty: gl.shared_memory_descriptor
+
+        @gluon.constexpr_function
+        def __init__(self, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty):
+            self.q_ready = q_ready
+            self.q_empty = q_empty
+            self.k_ready = k_ready
+            self.k_empty = k_empty
+            self.v_ready = v_ready
+            self.v_empty = v_empty
 
     @gluon.jit
     def _ws_item(i, n_qt, heads, CU_SEQLENS, max_seqlen, BLOCK_M: gl.constexpr, UNIFORM: gl.constexpr):
@@ -355,7 +408,6 @@ if gluon is not None:
         K and V tile by tile into their rings, each slot as soon as the compute warps have released it. It runs
         ahead of them across items: the next item's Q and first key tiles are in flight while the current item's
         last tiles are computed."""
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
         D0: gl.constexpr = q_desc.block_type.shape[1]
         R_V: gl.constexpr = HEAD_DIM - D0
         BLOCK_MH: gl.constexpr = BLOCK_M // HALVES  # each compute partition's rows
@@ -369,11 +421,11 @@ if gluon is not None:
                 col = head * HEAD_DIM
                 for h in gl.static_range(HALVES):
                     qs = it % 2 * HALVES + h
-                    mbarrier.wait(q_empty.index(qs), ((it // 2) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(qs), q_bytes)
-                    _tma_load(q_desc, [tok0 + row0 + h * BLOCK_MH, col], q_ready.index(qs), q_bufs.index(qs))
+                    mbarrier.wait(bars.q_empty.index(qs), ((it // 2) & 1) ^ 1)
+                    mbarrier.expect(bars.q_ready.index(qs), q_bytes)
+                    _tma_load(q_desc, [tok0 + row0 + h * BLOCK_MH, col], bars.q_ready.index(qs), q_bufs.index(qs))
                     if W1 > 0:
-                        _tma_load(q1_desc, [tok0 + row0 + h * BLOCK_MH, col + D0], q_ready.index(qs),
+                        _tma_load(q1_desc, [tok0 + row0 + h * BLOCK_MH, col + D0], bars.q_ready.index(qs),
                                   q1_bufs.index(qs))
                 r_row = head * R_ROWS
                 r_col = 8 * ((tok0 + 7) // 8 + seg)  # common.r_start
@@ -382,28 +434,23 @@ if gluon is not None:
                     slot = kt % NBUF
                     phase = ((kt // NBUF) & 1) ^ 1
                     tok = tok0 + j * BLOCK_N
-                    mbarrier.wait(k_empty.index(slot), phase)
-                    _load_tile(kv_desc, k_bufs, kv1_desc, rk_bufs, k_ready.index(slot), slot, tok, k_col0 + col,
+                    mbarrier.wait(bars.k_empty.index(slot), phase)
+                    _load_tile(kv_desc, k_bufs, kv1_desc, rk_bufs, bars.k_ready.index(slot), slot, tok, k_col0 + col,
                                r_row, r_col + j * BLOCK_N, True, BLOCK_N, W1, REM_T)
-                    mbarrier.wait(v_empty.index(slot), phase)
-                    _load_tile(kv_desc, v_bufs, kv1_desc, rv_bufs, v_ready.index(slot), slot, tok, v_col0 + col,
+                    mbarrier.wait(bars.v_empty.index(slot), phase)
+                    _load_tile(kv_desc, v_bufs, kv1_desc, rv_bufs, bars.v_ready.index(slot), slot, tok, v_col0 + col,
                                r_row + R_V, r_col + j * BLOCK_N, True, BLOCK_N, W1, REM_T)
                     kt += 1
                 it += 1
 
     @gluon.jit
-    def _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs, rk_bufs, rv_bufs, bars, n_valid,
-                 qk_scale, MASK: gl.constexpr, NBUF: gl.constexpr, W1: gl.constexpr, REM_T: gl.constexpr,
-                 SUM_MMA: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                 o1_layout: gl.constexpr, p_layout: gl.constexpr):
+    def _ws_step(kt, s_zero, acc, acc1, m_i, l_i, ops, bars, n_valid, qk_scale, MASK: gl.constexpr, cfg):
         """Ring tile kt: S = Q K^T, K's slot released, the softmax, O += P V, V's slot released."""
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-        slot = kt % NBUF
-        s = _qk(q_smem, q1_smem, k_bufs, rk_bufs, k_ready, kt, s_zero, NBUF, W1, REM_T)
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        acc, acc1, m_i, l_i = _softmax_pv(s, acc, acc1, m_i, l_i, v_bufs, rv_bufs, v_ready, kt, n_valid, qk_scale,
-                                          MASK, NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
-        mbarrier.arrive(v_empty.index(slot), count=1)
+        slot = kt % cfg.NBUF
+        s = _qk(ops, kt, s_zero, cfg)
+        mbarrier.arrive(bars.k_empty.index(slot), count=1)
+        acc, acc1, m_i, l_i = _softmax_pv(s, acc, acc1, m_i, l_i, ops, kt, n_valid, qk_scale, MASK, cfg)
+        mbarrier.arrive(bars.v_empty.index(slot), count=1)
         return acc, acc1, m_i, l_i
 
     @gluon.jit
@@ -417,17 +464,10 @@ if gluon is not None:
         item's first and second half of its rows (HALF), on their own Q buffers, and each releases the shared K/V
         slots for itself (their barriers count both): neither waits for the other, as an 8-warp partition's
         warpgroups would at every release."""
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
         D0: gl.constexpr = q_bufs.type.shape[2]
         R_V: gl.constexpr = HEAD_DIM - D0
         SUM_MMA: gl.constexpr = SUM_ASKED and REM_T and 0 < R_V and R_V < W1
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, D0, 16])
-        o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, 16, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        cfg = Config(BLOCK_N, D0, NBUF, W1, R_V, REM_T, SUM_MMA, num_warps)
         stride_oh = stride_oh // 8 * 8
         BLOCK_MH: gl.constexpr = q_bufs.type.shape[1]
         n_qt = (max_seqlen + BLOCK_M - 1) // BLOCK_M
@@ -440,28 +480,27 @@ if gluon is not None:
                 qs = it % 2 * HALVES + HALF
                 q_smem = q_bufs.index(qs)
                 q1_smem = q1_bufs.index(qs)
-                m_i = gl.full([BLOCK_MH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-                l_i = gl.zeros([BLOCK_MH], gl.float32, layout=gl.SliceLayout(1, s_layout))
-                acc = gl.zeros([BLOCK_MH, D0], gl.float32, layout=o_layout)
-                acc1 = gl.zeros([BLOCK_MH, 16], gl.float32, layout=o1_layout)
-                s_zero = gl.zeros([BLOCK_MH, BLOCK_N], gl.float32, layout=s_layout)
-                mbarrier.wait(q_ready.index(qs), (it // 2) & 1)
+                ops = Operands(q_smem, q1_smem, k_bufs, v_bufs, rk_bufs, rv_bufs, bars.k_ready, bars.v_ready)
+                m_i = gl.full([BLOCK_MH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, cfg.s))
+                l_i = gl.zeros([BLOCK_MH], gl.float32, layout=gl.SliceLayout(1, cfg.s))
+                acc = gl.zeros([BLOCK_MH, D0], gl.float32, layout=cfg.o)
+                acc1 = gl.zeros([BLOCK_MH, 16], gl.float32, layout=cfg.o1)
+                s_zero = gl.zeros([BLOCK_MH, BLOCK_N], gl.float32, layout=cfg.s)
+                mbarrier.wait(bars.q_ready.index(qs), (it // 2) & 1)
                 if R_V < W1:  # Q's remainder box runs past the head: zeroed, as in the plain kernel
                     _zero_past(q1_smem, R_V, num_warps)
                 n = (seqlen + BLOCK_N - 1) // BLOCK_N
                 for j in range(0, n - 1):
-                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
-                                                   rk_bufs, rv_bufs, bars, BLOCK_N, qk_scale, False, NBUF, W1, REM_T,
-                                                   SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                    acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, ops, bars, BLOCK_N, qk_scale, False,
+                                                   cfg)
                     kt += 1
                 # the last key tile, masked (a no-op where the segment fills it). One masked copy only: with an
                 # unmasked copy beside it, selected at run time, Triton 3.6 built the masked copy's wgmma operand
                 # addresses wrong (compute-sanitizer: shared reads out of bounds, segments not a multiple of BLOCK_N)
-                acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, q_smem, q1_smem, k_bufs, v_bufs,
-                                               rk_bufs, rv_bufs, bars, seqlen - (n - 1) * BLOCK_N, qk_scale, True,
-                                               NBUF, W1, REM_T, SUM_MMA, s_layout, o_layout, o1_layout, p_layout)
+                acc, acc1, m_i, l_i = _ws_step(kt, s_zero, acc, acc1, m_i, l_i, ops, bars, seqlen - (n - 1) * BLOCK_N,
+                                               qk_scale, True, cfg)
                 kt += 1
-                mbarrier.arrive(q_empty.index(qs), count=1)
+                mbarrier.arrive(bars.q_empty.index(qs), count=1)
                 _store_o(O + head * stride_oh, acc, acc1, l_i, row0, tok0, seqlen, stride_ot, R_V, W1, SUM_MMA,
                          num_warps)
                 it += 1
@@ -513,7 +552,7 @@ if gluon is not None:
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=HALVES)
         fence_async_shared()
-        bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+        bars = Barriers(q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
         # (the argument tuples written out in each call: a tuple built first would not keep the constexprs)
         if HALVES == 2:
             gl.warp_specialize([
