@@ -36,10 +36,6 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(w)
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale[:, None]
-
-
 def reference_scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
     """`(xq * x_scale) @ (wq * w_scale).T + bias` in float32, rounded to `out_dtype` once at the end: what the GEMM
     with a dequantising epilogue computes."""

@@ -219,3 +219,10 @@ def check_attention_configs(q, k, v, cu, configs) -> None:
         torch.cuda.synchronize()
         assert not out.isnan().any(), f"unwritten output elements with {cfg}"
         assert rel_err(out, ref) <= 2 * torch_err, (cfg, rel_err(out, ref), torch_err)
+
+
+def random_pngs(n: int, seed: int = 0) -> list[bytes]:
+    """`n` PNGs of random pixels, 20-89 px a side, each its own size."""
+    rng = np.random.default_rng(seed)
+    return [encode_bytes(Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 90)), int(rng.integers(20, 90)), 3),
+                                                      dtype=np.uint8))) for _ in range(n)]

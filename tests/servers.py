@@ -54,3 +54,30 @@ def serve(encoder=None, **settings):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+class KeepAliveClient:
+    """One load-test client on a shared keep-alive connection pool, as locust's and httpx's clients run: it posts the
+    images in turn (its own offset into them) and knows whether each request goes out on a fresh connection (the
+    first, or after a `Connection: close` answer or a transport error), which is what a drained server may refuse."""
+
+    def __init__(self, client, url: str, images: list[bytes], offset: int):
+        self.client, self.url, self.images, self.sent = client, url, images, offset
+        self.fresh = True
+
+    async def post(self):
+        """One request: (start, end, status code or the transport error, the answer's Connection header, fresh)."""
+        import httpx
+
+        start, fresh = time.monotonic(), self.fresh
+        image = self.images[self.sent % len(self.images)]
+        self.sent += 1
+        try:
+            r = await self.client.post(f"{self.url}/embed", content=image,
+                                       params={"embeddings": "false", "pooling": "mean"},
+                                       headers={"content-type": "image/png"})
+        except httpx.TransportError as e:
+            self.fresh = True
+            return start, time.monotonic(), e, None, fresh
+        self.fresh = r.headers.get("connection") == "close"
+        return start, time.monotonic(), r.status_code, r.headers.get("connection"), fresh

@@ -18,6 +18,7 @@ import psutil
 from PIL import Image
 
 from conftest import encode_bytes
+from servers import KeepAliveClient
 from test_engine_process import _wait_for_engine, server
 
 DEADLINE_S = 10.0
@@ -37,21 +38,10 @@ def test_engine_kills_and_sigterm_under_load():
     log: list[tuple[float, float, object]] = []  # (start, end, status code or exception)
     with server(2, QWEN3VL_REQUEST_TIMEOUT_S=str(DEADLINE_S), QWEN3VL_MAX_QUEUE_ITEMS="16") as (url, proc):
         async def client(i: int, c: httpx.AsyncClient, stop: asyncio.Event):
-            n, fresh = 0, True  # whether the next request goes out on a new connection
+            user = KeepAliveClient(c, url, images, i)
             while not stop.is_set():
-                start = time.monotonic()
-                try:
-                    r = await c.post(f"{url}/embed", content=images[(i + n) % len(images)],
-                                     params={"embeddings": "false", "pooling": "mean"},
-                                     headers={"content-type": "image/png"})
-                    outcome: object = r.status_code
-                    log.append((start, time.monotonic(), outcome, fresh))
-                    fresh = r.headers.get("connection") == "close"
-                except httpx.TransportError as e:
-                    outcome = e
-                    log.append((start, time.monotonic(), outcome, fresh))
-                    fresh = True
-                n += 1
+                start, end, outcome, _, fresh = await user.post()
+                log.append((start, end, outcome, fresh))
                 if not isinstance(outcome, int):
                     if sigterm_at is None:
                         await asyncio.sleep(0.05)

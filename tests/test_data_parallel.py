@@ -14,7 +14,8 @@ import httpx
 import torch
 
 from conftest import rel_err
-from test_engine_process import _images, _post_all, server
+from conftest import random_pngs
+from test_engine_process import _post_all, server
 from service.model.encoder import Encoder
 
 
@@ -24,7 +25,7 @@ def _engines(url) -> list[dict]:
 
 def test_two_engines_share_the_load_and_survive_each_other():
     tiny = Encoder.load("random:tiny")
-    images = _images(24, seed=31)
+    images = random_pngs(24, seed=31)
     with server(2, engines=2, QWEN3VL_DEVICES="cpu,cpu", QWEN3VL_MAX_WAIT_MS="20") as (url, proc):
         deadline = time.time() + 60
         while not all(e["state"] == "up" for e in _engines(url)):  # /ready needs one; this test wants both

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import encode_bytes, rel_err
+from conftest import random_pngs, rel_err
 from servers import serve
 from service.model.encoder import Encoder
 from service.engine.batching import Batcher
@@ -48,15 +48,9 @@ def tiny():
     return Encoder.load("random:tiny")
 
 
-def _images(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [encode_bytes(Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 90)), int(rng.integers(20, 90)), 3),
-                                                      dtype=np.uint8))) for _ in range(n)]
-
-
 def test_concurrent_requests_are_batched_and_exact(tiny):
     enc = RecordingEncoder(tiny, delay_s=0.02)
-    images = _images(32)
+    images = random_pngs(32)
     with serve(enc, max_wait_ms=30) as (url, app):
         async def go():
             async with httpx.AsyncClient(timeout=60) as c:
@@ -75,7 +69,7 @@ def test_concurrent_requests_are_batched_and_exact(tiny):
 
 def test_overload_answers_429_and_serves_every_accepted_request(tiny):
     enc = RecordingEncoder(tiny, delay_s=0.05)
-    images = _images(60, seed=1)
+    images = random_pngs(60, seed=1)
     with serve(enc, max_wait_ms=1, max_queue_items=4, max_batch_items=2) as (url, _):
         async def go():
             async with httpx.AsyncClient(timeout=60) as c:
@@ -96,7 +90,7 @@ def test_overload_answers_429_and_serves_every_accepted_request(tiny):
 def test_request_deadline_gives_503(tiny):
     enc = RecordingEncoder(tiny, delay_s=1.0)
     with serve(enc, request_timeout_s=0.3, warmup=False) as (url, _):
-        r = httpx.post(f"{url}/embed", content=_images(1)[0], headers={"content-type": "image/png"}, timeout=30)
+        r = httpx.post(f"{url}/embed", content=random_pngs(1)[0], headers={"content-type": "image/png"}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["type"] == "deadline_exceeded"
 
 
@@ -169,7 +163,7 @@ def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_ti
 
 def test_abandoned_items_are_dropped_before_compute(tiny):
     enc = RecordingEncoder(tiny)
-    items = [tiny.preprocess(img) for img in _images(3, seed=2)]
+    items = [tiny.preprocess(img) for img in random_pngs(3, seed=2)]
 
     async def go():
         eng = _engine(enc)
@@ -189,7 +183,7 @@ def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_f
     nothing in flight and nothing queued behind it is dispatched from the event loop's thread, and the loop polls
     for its end until other work arrives (then the finisher thread waits); while one is in flight, packs go to the
     forward thread and the finisher thread. Results are the same either way."""
-    items = [tiny.preprocess(img) for img in _images(4, seed=6)]
+    items = [tiny.preprocess(img) for img in random_pngs(4, seed=6)]
     device = SimulatedDevice(tiny, seconds=0.2)
     threads, finished_on = [], []
     launch, finish = device.launch, device.finish
@@ -228,7 +222,7 @@ def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_f
 def test_oom_splits_the_batch_and_a_failing_item_fails_alone(tiny, inline):
     """A pack that runs out of device memory is split down until its parts fit; an item that fails alone gets a
     503-class `InferenceFailed` (out of memory even alone, or any other exception) and nothing else is affected."""
-    items = [tiny.preprocess(img) for img in _images(7, seed=3)]
+    items = [tiny.preprocess(img) for img in random_pngs(7, seed=3)]
     poison, hog = items[4], items[6]
 
     def fail(batch):
@@ -262,7 +256,7 @@ def test_device_fault_fails_the_pack_and_queue_and_reports_once(tiny):
     """A CUDA error other than out-of-memory poisons the context: no split and retry; the pack and everything
     queued fail with `EngineUnavailable` (503), later submits too, and `on_fault` fires once (the engine process
     exits there and is restarted)."""
-    items = [tiny.preprocess(img) for img in _images(6, seed=8)]
+    items = [tiny.preprocess(img) for img in random_pngs(6, seed=8)]
 
     def fail(batch):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -291,7 +285,7 @@ def test_a_device_fault_takes_a_single_process_server_out_of_service(tiny):
     def fail(batch):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    image = {"content": _images(1)[0], "headers": {"content-type": "image/png"}, "timeout": 30}
+    image = {"content": random_pngs(1)[0], "headers": {"content-type": "image/png"}, "timeout": 30}
     with serve(RecordingEncoder(tiny, fail=fail), warmup=False) as (url, _):
         assert httpx.get(f"{url}/ready").status_code == 200
         first = httpx.post(f"{url}/embed", **image)
@@ -306,7 +300,7 @@ def test_a_device_fault_takes_a_single_process_server_out_of_service(tiny):
 
 def test_engine_overload_and_deadline(tiny):
     enc = RecordingEncoder(tiny, delay_s=0.5)
-    items = [tiny.preprocess(img) for img in _images(4, seed=4)]
+    items = [tiny.preprocess(img) for img in random_pngs(4, seed=4)]
 
     async def go():
         eng = _engine(enc, max_queue_items=2, max_wait_ms=0)

@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load as safetensors_load
 
-from conftest import encode_bytes, make_video, rel_err
-from servers import free_port, wait_until_ready
+from conftest import encode_bytes, make_video, random_pngs, rel_err
+from servers import KeepAliveClient, free_port, wait_until_ready
 from service.engine.protocol import read_message, write_message
 from service.model.encoder import Encoder
 
@@ -58,12 +58,6 @@ def server(workers: int = 2, engines: int = 1, **env):
                 proc.kill()
 
 
-def _images(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [encode_bytes(Image.fromarray(rng.integers(0, 256, (int(rng.integers(20, 90)), int(rng.integers(20, 90)), 3),
-                                                      dtype=np.uint8))) for _ in range(n)]
-
-
 async def _post_all(url, bodies, params=None):
     async with httpx.AsyncClient(timeout=120) as c:
         return await asyncio.gather(*(c.post(f"{url}/embed", params=params, content=b,
@@ -87,7 +81,7 @@ def test_results_equal_in_process_encoding_and_forwards_are_shared(two_workers, 
     process, and the engine served them in fewer forwards than requests."""
     url, _ = two_workers
     before = httpx.get(f"{url}/info").json()["engine"]["forwards"]
-    images = _images(22, seed=11) + [make_video(30, 48, 32, seed=3), make_video(20, 32, 64, "webm", "libvpx-vp9")]
+    images = random_pngs(22, seed=11) + [make_video(30, 48, 32, seed=3), make_video(20, 32, 64, "webm", "libvpx-vp9")]
     responses = asyncio.run(_post_all(url, images, {"format": "safetensors"}))
     assert [r.status_code for r in responses] == [200] * 24
     for img, r in zip(images, responses):
@@ -105,7 +99,7 @@ def test_pooled_only_and_tokens_in_one_pack_across_processes(two_workers, tiny):
     """Requests for the pooled vector alone and for every token, concurrent (so packed together): each gets what it
     asked for, and the pooled-only ones receive no token bytes (their bodies are a few hundred bytes)."""
     url, _ = two_workers
-    images = _images(6, seed=5)
+    images = random_pngs(6, seed=5)
 
     async def both():
         return await asyncio.gather(_post_all(url, images[:3], {"embeddings": "false", "pooling": "mean"}),
@@ -123,7 +117,7 @@ def test_pooled_only_and_tokens_in_one_pack_across_processes(two_workers, tiny):
 
 def test_bad_item_fails_alone_across_processes(two_workers, tiny):
     url, _ = two_workers
-    good = _images(2, seed=3)
+    good = random_pngs(2, seed=3)
     files = [("file", ("a.png", good[0], "image/png")), ("file", ("b.png", b"\x89PNG broken", "image/png"))]
     bad = httpx.post(f"{url}/embed", files=files, timeout=60)
     ok = httpx.post(f"{url}/embed", content=good[1], headers={"content-type": "image/png"}, timeout=60)
@@ -192,7 +186,7 @@ def test_metrics_merge_every_process(two_workers):
     """Whichever front-end answers /metrics, it reports the requests of all of them and the engine's forwards."""
     url, _ = two_workers
     n = 12
-    asyncio.run(_post_all(url, _images(n, seed=5)))
+    asyncio.run(_post_all(url, random_pngs(n, seed=5)))
     text = httpx.get(f"{url}/metrics").text
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line and not line.startswith("#")}
@@ -205,7 +199,7 @@ def test_metrics_merge_every_process(two_workers):
 
 def test_overload_gets_429_and_every_accepted_request_is_answered():
     with server(2, QWEN3VL_MAX_QUEUE_ITEMS="2", QWEN3VL_MAX_BATCH_ITEMS="1", QWEN3VL_MAX_WAIT_MS="0") as (url, _):
-        responses = asyncio.run(_post_all(url, _images(40, seed=9)))
+        responses = asyncio.run(_post_all(url, random_pngs(40, seed=9)))
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
     for r in responses:
@@ -259,7 +253,7 @@ def test_engine_death_is_survived(tiny):
     """SIGKILL of the engine under the front-ends: /health stays 200, /ready and /embed answer 503 with Retry-After
     while it is away (never 500, never a dropped connection), a new engine is started, the restart is counted,
     and results are the same as before."""
-    image = _images(1, seed=21)[0]
+    image = random_pngs(1, seed=21)[0]
     ref = tiny.encode([tiny.preprocess(image)])[0]
     with server(2) as (url, proc):
         pid = httpx.get(f"{url}/info").json()["engine"]["pid"]
@@ -554,7 +548,7 @@ def test_the_embedding_cache_is_shared_by_every_front_end():
     every one a hit, and the engine ran no further forward; the cache's directory goes with the server."""
     import http.client
 
-    body = _images(1, seed=21)[0]
+    body = random_pngs(1, seed=21)[0]
     with server(4) as (url, proc):
         port = int(url.rsplit(":", 1)[1])
 
@@ -625,26 +619,18 @@ def test_sigterm_drains_keep_alive_connections(run):
     answered 200. The clients never stop (no load balancer takes them elsewhere), so they reconnect until the server
     stops listening: then their connections are refused, or, for one the kernel had queued but no process ever
     accepted, reset at its first read; a request on a reused connection never fails. Exit 0."""
-    images = _images(6, seed=run)
+    images = random_pngs(6, seed=run)
     with server(2, QWEN3VL_DRAIN_S="2") as (url, proc):
         async def go():
             outcomes, stop = [], asyncio.Event()
             async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=32)) as c:
                 async def client(i):
-                    n, fresh = 0, True  # whether the next request goes out on a new connection
+                    user = KeepAliveClient(c, url, images, i)
                     while not stop.is_set():
-                        t = time.monotonic()
-                        try:
-                            r = await c.post(f"{url}/embed", content=images[(i + n) % len(images)],
-                                             params={"embeddings": "false", "pooling": "mean"},
-                                             headers={"content-type": "image/png"})
-                            outcomes.append((t, r.status_code, r.headers.get("connection"), fresh))
-                            fresh = r.headers.get("connection") == "close"
-                        except httpx.TransportError as e:
-                            outcomes.append((t, e, None, fresh))
-                            fresh = True
+                        t, _, outcome, connection, fresh = await user.post()
+                        outcomes.append((t, outcome, connection, fresh))
+                        if not isinstance(outcome, int):
                             await asyncio.sleep(0.05)
-                        n += 1
 
                 tasks = [asyncio.create_task(client(i)) for i in range(32)]
                 await asyncio.sleep(1.5)

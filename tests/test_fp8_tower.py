@@ -9,11 +9,9 @@ import subprocess
 import sys
 
 import httpx
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from PIL import Image
 
 from service.model.config import preset
 from service.model.encoder import Encoder
@@ -22,14 +20,8 @@ from service.model.quant import Fp8Linear
 from service.model.quant_check import all_tokens, compare, fp8_copy, plant_outliers, unit_gain
 from service.model.tower import TowerOptions
 
-from conftest import encode_bytes, rel_err
+from conftest import random_pngs, rel_err
 from servers import serve
-
-
-def _images(n, seed=0):
-    rng = np.random.default_rng(seed)
-    sizes = [(64, 96), (40, 40), (128, 72), (33, 150)]
-    return [encode_bytes(Image.fromarray(rng.integers(0, 256, (*sizes[i % 4], 3), dtype=np.uint8))) for i in range(n)]
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5"])
@@ -50,14 +42,15 @@ def test_fp8_tower_error_against_the_unquantised_one(name, outliers):
     """Per-token cosine of the merged tokens, the DeepStack features and the residual stream after each block,
     against the float32 tower with unit-gain block weights (each block moves the stream as trained ones do), with
     and without outlier channels of 50-200x planted before the projections (`plant_outliers`: the float function
-    unchanged). The bounds are what e4m3's rounding leaves on this 4-block tower (measured: mean 0.994-0.998, worst
-    0.989-0.995); activations quantised without their per-token scale land at 0.981 / 0.957 and fail them. The
+    unchanged). The bounds are what e4m3's rounding leaves on this 4-block tower (measured: mean 0.995-0.998, worst
+    0.990-0.995); activations quantised without their per-token scale land at 0.977-0.983 / 0.953-0.961 with the
+    outliers and fail them. The
     issue's targets (mean >= 0.999, worst >= 0.99) are for the real presets and checkpoints: fp8_error.json and
     `quant-check`."""
     cfg = preset(name)
     encoder = Encoder.load(f"random:{name}")
     unit_gain(encoder.tower)
-    items = [encoder.preprocess(data) for data in _images(4)]
+    items = [encoder.preprocess(data) for data in random_pngs(4)]
     if outliers:
         with torch.inference_mode():
             before = encoder.encode(items[:1])[0].embeds
@@ -76,7 +69,7 @@ def test_fp8_tower_error_against_the_unquantised_one(name, outliers):
 def test_served_fp8_from_a_checkpoint(full_checkpoint):
     """QUANTIZATION=fp8 on a real checkpoint directory: /info says so, and the embeddings stay close to the
     unquantised server's."""
-    images = _images(2, seed=5)
+    images = random_pngs(2, seed=5)
     files = [("file", (f"{i}.png", b, "image/png")) for i, b in enumerate(images)]
     got = {}
     for quantization in ("none", "fp8"):
@@ -93,7 +86,7 @@ def test_served_fp8_from_a_checkpoint(full_checkpoint):
 
 def test_quant_check_command(tmp_path):
     paths = []
-    for i, data in enumerate(_images(2)):
+    for i, data in enumerate(random_pngs(2)):
         paths.append(tmp_path / f"{i}.png")
         paths[-1].write_bytes(data)
     out = tmp_path / "report.json"

@@ -39,9 +39,6 @@ class Fp8Linear(nn.Module):
             return fp8_linear(x, self.qweight, self.scale, bias)
         return residual.add_(fp8_linear(x, self.qweight, self.scale, bias))
 
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scale[:, None]
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
 

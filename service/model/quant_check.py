@@ -35,18 +35,10 @@ class Cosines:
 
 
 def stepwise(tower: VisionTower, pixels: torch.Tensor, grids) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """`tower(pixels, plan)` step by step: the residual stream after each block (with the biases the GEMMs leave to
-    the norms added back), the merged tokens and the DeepStack features."""
-    plan = tower.plan(grids)
-    offsets = tower._bias_offsets() if tower.residual_in_gemm else None
-    deepstack = tower.new_deepstack(pixels.shape[0], pixels.device)
-    x, h = tower.embed(tower.order_tokens(pixels, plan), plan.interp_index, plan.interp_weight)
-    inputs = []
-    for layer in range(len(tower.blocks)):
-        qkv = tower.project_qkv(layer, h, plan.cos, plan.sin)
-        x, h = tower.block_tail(layer, x, tower.attend(layer, qkv, plan, tower.backend), offsets, deepstack)
-        inputs.append(x.float() + offsets[2 * layer + 1] if offsets is not None else x.clone())
-    return inputs, tower.restore_order(tower.merge(h), plan), deepstack
+    """The residual stream after each block, the merged tokens and the DeepStack features of `tower(pixels)`."""
+    stream: list[torch.Tensor] = []
+    merged, deepstack = tower(pixels, tower.plan(grids), residual_stream=stream)
+    return stream, merged, deepstack
 
 
 def fp8_copy(tower: VisionTower) -> VisionTower:

@@ -37,6 +37,7 @@ from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_, qkv_rope_linear
 
 from .config import TowerConfig
+from .quant import QUANTIZATIONS
 
 @dataclass(frozen=True)
 class TowerOptions:
@@ -59,8 +60,8 @@ class TowerOptions:
 
     def __post_init__(self):
         check_backend(self.attention_backend)
-        if self.quantization not in ("none", "fp8"):
-            raise ValueError(f"quantization {self.quantization!r}: use none or fp8")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r}: use one of {QUANTIZATIONS}")
 
 
 def segment_lengths(grids) -> list[int]:
@@ -468,11 +469,13 @@ class VisionTower(nn.Module):
     def plan(self, grids) -> PackPlan:
         return PackPlan.build(grids, self.config, self.device)
 
-    def forward(self, pixel_values: torch.Tensor, plan: PackPlan,
-                attention: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, pixel_values: torch.Tensor, plan: PackPlan, attention: str | None = None,
+                residual_stream: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """pixel_values [T, C*t*p*p] -> merged tokens [T/4, out], DeepStack [n_deepstack, T/4, out] (n_deepstack 0
         for Qwen2.5-VL).
-        `attention`: the attention backend of this forward ('triton' or 'sdpa'; default `backend`); every other kernel is the same either way.
+        `attention`: the attention backend of this forward ('triton' or 'sdpa'; default `backend`); every other kernel
+        is the same either way. `residual_stream`: if given, the residual stream after each block is appended to it
+        (float32, with the biases the GEMMs leave to the norms added back): `quant_check` compares it layer by layer.
 
         The steps (`embed`, then per block `project_qkv`, `attend`, `block_tail`, then `merge`) are also what
         `graphs.BucketedTower` runs: everything but the attention as CUDA graphs over padded token counts, between
@@ -486,6 +489,8 @@ class VisionTower(nn.Module):
         for layer in range(len(self.blocks)):
             qkv = self.project_qkv(layer, h, plan.cos, plan.sin)
             x, h = self.block_tail(layer, x, self.attend(layer, qkv, plan, attention), offsets, deepstack)
+            if residual_stream is not None:
+                residual_stream.append(x.float() + offsets[2 * layer + 1] if offsets is not None else x.float())
         return self.restore_order(self.merge(h), plan), deepstack
 
     @staticmethod
