@@ -161,8 +161,8 @@ class Settings(BaseSettings):
                                      "none kept (identical inputs in flight in one process still share one encoding)")
     embedding_cache_path: str | None = Field(None, description="internal: the cache's directory, made by `serve`")
     shared_memory_mib: int = Field(64, ge=0, description="per front-end process and engine: shared memory in "
-                                   "/dev/shm through which decoded frames reach the engine (frames that do not fit go "
-                                   "over the socket, as all do with 0). Containers need room for it: 4 front-ends "
+                                   "/dev/shm through which decoded frames reach the engine and its results come back "
+                                   "(what does not fit goes over the socket, as all does with 0). Containers need room for it: 4 front-ends "
                                    "take 256 MiB (compose: shm_size)")
 
     @field_validator("device")

@@ -1,12 +1,14 @@
-"""Frames through shared memory between a front-end and the engine process (`service.engine.shm`): the arena's
-regions against a model of them, what the engine reads back, and a front-end and an engine server talking over a
-real socket with and without an arena (tiny random preset on the CPU)."""
+"""Frames and results through shared memory between a front-end and the engine process (`service.engine.shm`):
+the arena's regions against a model of them, what the engine reads back, and a front-end and an engine server
+talking over a real socket with and without an arena (tiny random preset on the CPU)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import tempfile
+
+import torch
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from PIL import Image
 from conftest import rel_err
 from service.engine.local import LocalEngine
 from service.settings import Settings
+from service.engine import process
 from service.engine.process import EngineServer
 from service.engine.remote import RemoteEngine
 from service.engine.shm import PREFIX, SHM_DIR, Arena, attach, new_arena
@@ -72,24 +75,37 @@ def tiny():
     return Encoder.load("random:tiny")
 
 
-@pytest.mark.parametrize("arena_bytes", [0, 1 << 20])
-def test_frames_through_the_arena_or_the_message(tiny, arena_bytes):
+async def _serving(tiny, path, **settings):
+    settings = Settings(**{"max_batch_patches": 1 << 16, "max_batch_items": 64, "max_wait_ms": 5,
+                           "max_queue_items": 64, "warmup": False, "device": "cpu", **settings})
+    engine = LocalEngine(settings, tiny)
+    await engine.start()
+    listener = await EngineServer(engine).serve(path)
+    return engine, listener
+
+
+def _items(tiny, sizes, seed=1):
+    rng = np.random.default_rng(seed)
+    return [tiny.preprocess(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), max_pixels=1 << 22)
+            for h, w in sizes]
+
+
+@pytest.mark.parametrize("arena_bytes", [0, 3 << 19, 200 << 10])
+def test_frames_and_results_through_the_arena_or_the_message(tiny, arena_bytes, monkeypatch):
     """Items that fit the arena travel as offsets, the one that does not (and every item without an arena) in the
-    message; the engine's results equal in-process encoding; every region is free again after the replies, and the
+    message; so do results, each request's in the region it reserved, or in the reply where none was free (a
+    200 KiB arena, which most requests' frames and results do not fit at once). The engine's results, with and
+    without DeepStack and tokens, equal in-process encoding; every region is free again after the replies, and the
     arena's file is gone from /dev/shm as soon as the engine has mapped it."""
-    rng = np.random.default_rng(1)
-    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-              for h, w in ((40, 72), (64, 64), (700, 640), (33, 20))]  # the third: 1.3 MB of frames, past 1 MiB
-    items = [tiny.preprocess(img, max_pixels=1 << 22) for img in images]
+    items = _items(tiny, ((40, 72), (64, 64), (700, 640), (33, 20), (2, 300)))  # the third: 1.3 MB of frames
+    asks = [(True, True), (False, True), (True, False), (True, True), (False, False)]  # (deepstack, tokens)
     path = os.path.join(tempfile.mkdtemp(), "engine.sock")
+    written = []
+    write = process.write_tensors
+    monkeypatch.setattr(process, "write_tensors", lambda *a: written.append(write(*a)) or written[-1])
 
     async def go():
-        settings = Settings(max_batch_patches=1 << 16, max_batch_items=64, max_wait_ms=5, max_queue_items=64,
-                            warmup=False, device="cpu")
-        engine = LocalEngine(settings, tiny)
-        await engine.start()
-        server = EngineServer(engine)
-        listener = await server.serve(path)
+        engine, listener = await _serving(tiny, path)
         remote = RemoteEngine(path, shared_memory_bytes=arena_bytes)
         await remote.connect()
         arena = remote._link.arena
@@ -98,15 +114,87 @@ def test_frames_through_the_arena_or_the_message(tiny, arena_bytes):
         put = arena.put if arena is not None else None
         if arena is not None:
             arena.put = lambda data: sent.append(put(data)) or sent[-1]
-        results = await asyncio.gather(*(remote.submit([it], timeout_s=30) for it in items))
+        results = await asyncio.gather(*(remote.submit([it], timeout_s=30, deepstack=ds, tokens=tok)
+                                         for it, (ds, tok) in zip(items, asks)))
         await remote.stop()
         listener.close()
         await engine.stop()
         return results, arena, sent
 
     results, arena, sent = asyncio.run(go())
-    for it, done in zip(items, results):
-        assert rel_err(done.results[0].embeds, tiny.encode([it])[0].embeds) <= 1e-5
+    for it, (ds, tok), done in zip(items, asks, results):
+        got, want = done.results[0], tiny.encode([it])[0]
+        assert rel_err(got.pooled, want.pooled) <= 1e-5
+        assert got.embeds.shape == (want.embeds.shape if tok else (0, want.embeds.shape[1]))
+        if tok:
+            assert rel_err(got.embeds, want.embeds) <= 1e-5
+        if ds:
+            assert rel_err(got.deepstack, want.deepstack) <= 1e-5
+        else:
+            assert got.deepstack.numel() == 0
+    if arena_bytes == 3 << 19:
+        assert [s is None for s in sent] == [False, False, True, False, False]
+        assert written == [True] * 5  # every request's results in its region
+    elif arena_bytes:
+        assert False in written or len(written) < 5  # some came back in the reply
     if arena is not None:
-        assert [s is None for s in sent] == [False, False, True, False]
         assert arena._free == [(0, arena.size)]
+
+
+def test_a_region_given_up_on_is_held_until_the_engine_has_answered(tiny):
+    """A request given up on while the engine holds it: its results' region stays reserved (the engine could still
+    write there) until the engine's last word on it, then it is free; the next request's results are right."""
+    items = _items(tiny, ((64, 96), (48, 48)), seed=2)
+    path = os.path.join(tempfile.mkdtemp(), "engine.sock")
+
+    async def go():
+        engine, listener = await _serving(tiny, path, max_wait_ms=300, max_batch_items=64)
+        remote = RemoteEngine(path, shared_memory_bytes=1 << 20)
+        await remote.connect()
+        link = remote._link
+        gone = asyncio.Event()
+        task = asyncio.create_task(remote.submit([items[0]], timeout_s=30, abandoned=gone))
+        await asyncio.sleep(0.05)  # sent, and waiting in the engine's batch window
+        gone.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        held = dict(link.held)
+        for _ in range(200):  # the engine's answer to the cancelled request frees the region
+            if not link.held:
+                break
+            await asyncio.sleep(0.01)
+        free_after = list(link.arena._free)
+        done = await remote.submit([items[1]], timeout_s=30)
+        await remote.stop()
+        listener.close()
+        await engine.stop()
+        return held, link.held, free_after, link.arena, done
+
+    held, still_held, free_after, arena, done = asyncio.run(go())
+    assert len(held) == 1 and not still_held
+    assert free_after == [(0, arena.size)]
+    assert rel_err(done.results[0].embeds, tiny.encode([items[1]])[0].embeds) <= 1e-5
+
+
+def test_write_tensors_places_what_tensor_at_reads():
+    """Tensors of any strides and dtypes written at aligned offsets read back equal; what does not fit the region
+    (or lies outside the mapping) writes nothing."""
+    from service.engine.protocol import ALIGN, region_bytes, tensor_at, write_tensors
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(7, 33, generator=g).bfloat16(), torch.randn(3, 5, 9, generator=g)[:, 1:4],
+               torch.empty(0, 16), torch.randn(131, generator=g).half(), torch.randn(1, 1, generator=g)]
+    size = region_bytes([t.nbytes for t in tensors])
+    mapping = bytearray(size + 3 * ALIGN)
+    assert write_tensors(mapping, ALIGN, size, tensors)
+    payload, offset = bytes(mapping[ALIGN:ALIGN + size]), 0
+    for t in tensors:
+        got, offset = tensor_at(payload, offset, t.shape, t.dtype, align=True)
+        assert torch.equal(got, t)
+    before = bytes(mapping)
+    exact = size - ALIGN + tensors[-1].nbytes  # the last tensor's padding is not needed
+    assert not write_tensors(mapping, ALIGN, exact - 1, tensors)
+    assert not write_tensors(mapping, 4 * ALIGN, size, tensors)  # past the end of the mapping
+    assert not write_tensors(mapping, -ALIGN, size, tensors)
+    assert bytes(mapping) == before
+    assert write_tensors(mapping, ALIGN, exact, tensors)

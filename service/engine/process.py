@@ -29,7 +29,7 @@ import numpy as np
 from .. import errors
 from .api import BatchStats
 from .local import LocalEngine
-from .protocol import error_header, raw_bytes, read_message, write_message
+from .protocol import error_header, raw_bytes, read_message, write_message, write_tensors
 from .shm import attach, page_lock, page_unlock
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class EngineServer:
         gone: set[int] = set()  # request ids cancelled by the front-end
         closed = False
         tasks: set[asyncio.Task] = set()
-        arena = None  # the front-end's frame arena (`shm`), mapped read-only
+        arena = None  # the front-end's arena (`shm`): frames in, results out
         locked = None  # its address where it is page-locked for the GPU
         device = self.engine.model.device
 
@@ -143,6 +143,11 @@ class EngineServer:
         try:
             done = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
                                             deepstack=header["deepstack"], tokens=header["tokens"])
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            # the batcher dropped its items (the front-end gave up on it): a last word, which frees its region
+            reply, buffers = {"op": "dropped", "id": rid}, []
         except Exception as e:  # noqa: BLE001 - every failure goes back to the front-end as a typed error
             reply, buffers = error_header(rid, e), []
         else:
@@ -152,9 +157,14 @@ class EngineServer:
             reply = {"op": "result", "id": rid, "timing": (done.timing.queue_s, done.timing.inference_s),
                      "results": [(r.grid_thw, r.num_tokens, str(e.dtype).removeprefix("torch."), tuple(e.shape),
                                   tuple(d.shape), tuple(p.shape)) for r, (e, d, p) in zip(done.results, sent)]}
-            buffers = [raw_bytes(t) for ts in sent for t in ts]
-        if abandoned() and reply["op"] == "result":
-            return
+            tensors = [t for ts in sent for t in ts]
+            out = header.get("out")  # (offset, bytes): the region the front-end reserved in its arena for them
+            if out is not None and arena is not None and not abandoned() and write_tensors(arena, *out, tensors):
+                reply["in_arena"], buffers = True, []
+            else:
+                buffers = [raw_bytes(t) for t in tensors]
+        if abandoned() and reply["op"] == "result":  # computed, but no one waits for it: nothing was written
+            reply, buffers = {"op": "dropped", "id": rid}, []
         with contextlib.suppress(ConnectionError, RuntimeError):
             self._reply(writer, reply, buffers)
             await writer.drain()

@@ -1,10 +1,12 @@
 """The wire format between the HTTP front-end processes and the engine process (a Unix socket).
 
 A message is a 12-byte prefix (header length u32, payload length u64), a pickled header dict, then a raw
-payload: the uint8 frames going in, the embeddings coming back, no per-element encoding.
+payload: the uint8 frames going in, the embeddings coming back, no per-element encoding (either may lie in the
+front-end's shared arena instead, `shm`: then only offsets travel).
 Front-end -> engine ops: `hello`, `submit`, `cancel`, `stats`, and `expect` (no reply: a lone request's submit
 is on its way, `EngineServer.expect`). The engine answers `hello` (the model's
-description), `result` or `error` (with the typed error's class, message, index and retry-after), `stats`. Any
+description), `result` or `error` (with the typed error's class, message, index and retry-after) or `dropped` (a
+request the front-end gave up on), `stats`. Any
 reply may carry `batches`: the stats of forwards finished since the last reply, for the front-end's metrics.
 """
 
@@ -65,10 +67,46 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
 _NUMPY = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.float16, torch.int64: np.int64}
 
 
-def tensor_at(payload: bytes, offset: int, shape, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-    """The tensor of `shape` and `dtype` at `offset` in `payload` (no copy), and the offset after it. Read through
-    numpy: one or two torch calls rather than four, each of which costs a front-end tens of microseconds on a lone
-    request's cold path."""
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """`t`'s elements as numpy sees them, any strides (bfloat16 as the int16 of its bits)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+ALIGN = 64  # where tensors start in a region of shared memory
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def region_bytes(nbytes) -> int:
+    """The bytes `write_tensors` takes for tensors of `nbytes` each, in a region that starts aligned."""
+    return sum(_aligned(n) for n in nbytes)
+
+
+def write_tensors(mapping, offset: int, size: int, tensors: list[torch.Tensor]) -> bool:
+    """Copy `tensors` (any strides) one after another, each at an ALIGN boundary, into `mapping[offset:offset+size]`;
+    False, having written nothing, where they do not fit there. numpy's copies let go of the interpreter lock."""
+    at, spans = offset, []
+    for t in tensors:
+        at = _aligned(at)
+        spans.append(at)
+        at += t.nbytes
+    if offset < 0 or at > min(offset + size, len(mapping)):
+        return False
+    for t, at in zip(tensors, spans):
+        if t.numel():
+            src = _numpy(t)
+            np.copyto(np.frombuffer(mapping, src.dtype, src.size, at).reshape(src.shape), src)
+    return True
+
+
+def tensor_at(payload: bytes, offset: int, shape, dtype: torch.dtype, align: bool = False) -> tuple[torch.Tensor, int]:
+    """The tensor of `shape` and `dtype` at `offset` in `payload` (no copy), and the offset after it; `align`: at
+    the next ALIGN boundary, as `write_tensors` put it. Read through numpy: one or two torch calls rather than four,
+    each of which costs a front-end tens of microseconds on a lone request's cold path."""
+    if align:
+        offset = _aligned(offset)
     n = math.prod(shape)
     t = torch.from_numpy(np.frombuffer(payload, _NUMPY[dtype], n, offset).reshape(shape))
     return (t.view(dtype) if t.dtype != dtype else t), offset + n * dtype.itemsize

@@ -19,7 +19,7 @@ from ..model.encoder import EncodeResult
 from ..model.preprocess import Preprocessed, Preprocessor, jpeg_size
 from .api import (BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo,
                   Timing)
-from .protocol import read_message, rebuild_error, tensor_at, write_message
+from .protocol import read_message, rebuild_error, region_bytes, tensor_at, write_message
 from .shm import Arena, new_arena
 
 log = logging.getLogger(__name__)
@@ -148,11 +148,16 @@ class RemoteEngine:
         frames = [np.ascontiguousarray(it.frames) for it in items]
         # each item's frames in the arena (their offset), or in the message (None)
         placed = [link.arena.put(f) if link.arena is not None else None for f in frames]
+        # a region for the results, which the engine writes there rather than into its reply
+        out_bytes = self._result_bytes(items, deepstack, tokens) if link.arena is not None else 0
+        out = link.arena.reserve(out_bytes) if out_bytes else None
         header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack, "tokens": tokens,
-                  "items": [(f.shape, it.grid_thw, it.meta, at) for f, it, at in zip(frames, items, placed)]}
+                  "items": [(f.shape, it.grid_thw, it.meta, at) for f, it, at in zip(frames, items, placed)],
+                  "out": (out, out_bytes) if out is not None else None}
         patches = sum(it.num_patches for it in items)
         self.sent_patches += patches
         fut = waiter = None
+        replied = False
         try:
             fut = link.send(header, [f for f, at in zip(frames, placed) if at is None])
             if abandoned is not None:  # the client went away: stop waiting, and the engine drops the request
@@ -164,6 +169,9 @@ class RemoteEngine:
                 while poll is not None and not fut.done() and poll():
                     await asyncio.sleep(0)
                 reply, payload = await fut
+            replied = True
+            if reply.get("in_arena"):
+                payload = link.arena.read(out, out_bytes)
         except BaseException as e:
             if fut is not None and (not fut.done() or fut.cancelled()):
                 link.cancel(rid)
@@ -173,21 +181,37 @@ class RemoteEngine:
         finally:
             self.sent_patches -= patches
             _release(link.arena, placed)
+            if out is not None:
+                if replied or fut is None or rid not in link.pending:  # (not pending: its reply has come)
+                    link.arena.release(out)
+                else:  # the engine may still write there: free it on the request's last reply (`_Link.read_loop`)
+                    link.held[rid] = out
             if fut is not None:
                 link.forget(rid, fut)
             if waiter is not None:
                 waiter.cancel()
         if reply["op"] == "error":
             raise rebuild_error(reply)
-        results, offset = [], 0
+        results, offset, align = [], 0, bool(reply.get("in_arena"))
         for grid, num_tokens, dtype, shape, ds_shape, pooled_shape in reply["results"]:
             dt = getattr(torch, dtype)
-            embeds, offset = tensor_at(payload, offset, shape, dt)
-            ds, offset = tensor_at(payload, offset, ds_shape, dt)
-            pooled, offset = tensor_at(payload, offset, pooled_shape, torch.float32)
+            embeds, offset = tensor_at(payload, offset, shape, dt, align)
+            ds, offset = tensor_at(payload, offset, ds_shape, dt, align)
+            pooled, offset = tensor_at(payload, offset, pooled_shape, torch.float32, align)
             results.append(EncodeResult(embeds=embeds, deepstack=ds, grid_thw=tuple(grid), pooled=pooled,
                                         num_tokens=num_tokens))
         return Encoded(results, Timing(*reply["timing"]))
+
+    def _result_bytes(self, items: list[Preprocessed], deepstack: bool, tokens: bool) -> int:
+        """The bytes the engine's results for `items` take in a region (`protocol.write_tensors`): per item its
+        merged tokens and DeepStack features where asked for, in the model's dtype, and its float32 pooled vector."""
+        config, size = self.model.config, self.model.dtype.itemsize
+        width, levels = config.out_hidden_size, len(config.deepstack_visual_indexes) if deepstack else 0
+        nbytes = []
+        for it in items:
+            n = it.num_patches // config.merge_unit
+            nbytes += [n * width * size * tokens, levels * n * width * size, width * 4]
+        return region_bytes(nbytes)
 
 
 def _release(arena: Arena | None, placed: list[int | None]) -> None:
@@ -202,6 +226,7 @@ class _Link:
 
     def __init__(self, writer: asyncio.StreamWriter, on_batch, engine: RemoteEngine):
         self.arena: Arena | None = None
+        self.held: dict[int, int] = {}  # request id -> its results' region, of requests given up on before the reply
         self.writer = writer
         self.on_batch = on_batch
         self.engine = engine
@@ -215,8 +240,13 @@ class _Link:
                 header, payload = await read_message(reader)
                 self.engine.reported_patches = header.get("queued_patches", 0)
                 fut = self.pending.pop(header["id"], None)
-                if fut is not None and not fut.done():
-                    fut.set_result((header, payload))
+                if fut is not None:
+                    if not fut.done():
+                        fut.set_result((header, payload))
+                elif self.held:  # the last word on a request given up on: the engine no longer writes its region
+                    held = self.held.pop(header["id"], None)
+                    if held is not None:
+                        self.arena.release(held)
                 if self.on_batch is not None and header.get("batches"):
                     # metrics after the request this reply wakes, which then runs up to writing its response
                     asyncio.get_running_loop().call_soon(self._observe, header["batches"])

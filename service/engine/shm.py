@@ -1,15 +1,18 @@
-"""Shared memory for the frames a front-end process sends to an engine process.
+"""Shared memory between a front-end process and an engine process: the frames going in, the results coming back.
 
-A 448 px image is 600 KB of uint8 frames; through the Unix socket that takes several wake-ups of both processes
-(the socket holds a fraction of it at a time), a visible delay for a request that comes alone to an idle host,
-and the engine's event loop
-reassembles every byte under load. Instead each connection of a front-end to an engine (`remote._Link`) owns an
-`Arena`: a file in /dev/shm that the front-end creates and sizes, the engine maps when it answers `hello`, and the
-front-end then unlinks (the memory lives while either process maps it, so a crash leaves nothing behind). Frames
-are copied into the arena and only their offsets travel in the message; a region is freed when the request's reply
-arrives or it is given up on (an engine still reading a given-up region computes garbage for an item whose result
-nobody reads). An item that does not fit, or a front-end without an arena (no /dev/shm, or not enough room in it),
-sends its bytes in the message as before.
+A 448 px image is 600 KB of uint8 frames, and its merged tokens and DeepStack features 3.2 MB of bfloat16. Through
+the Unix socket each takes several wake-ups of both processes (the socket holds a fraction of it at a time) and
+about a millisecond of CPU on each side per 3 MB: a visible delay for a request that comes alone to an idle host,
+and under load the engine's one event loop spends a core on it. Instead each connection of a front-end to an engine
+(`remote._Link`) owns an `Arena`: a file in /dev/shm that the front-end creates and sizes, the engine maps when it
+answers `hello`, and the front-end then unlinks (the memory lives while either process maps it, so a crash leaves
+nothing behind). Only offsets travel in the messages:
+- frames: the front-end copies them into a region, freed when the request's reply arrives or it is given up on (an
+  engine still reading a given-up region computes garbage for an item whose result nobody reads);
+- results: the front-end reserves a region of their size with the request, the engine copies them there before it
+  replies, and the front-end copies them out. A region the engine may still write (a request given up on before its
+  reply) stays reserved until the reply comes (`_Link.held`), since it could otherwise land in another request's.
+What does not fit, or a front-end without an arena (no /dev/shm, or not enough room in it), travels in the messages.
 
 On a GPU the engine page-locks its mapping with the CUDA driver (`page_lock`): the copy engine then reads frames from
 the arena where they lie, with no copy through pinned memory in front of a forward.
@@ -33,7 +36,7 @@ PREFIX = "qwen3vl-frames-"
 
 
 class Arena:
-    """A front-end's shared frame buffer: first-fit regions, freed in any order (one event loop uses it)."""
+    """A front-end's shared buffer: first-fit regions, freed in any order (one event loop uses it)."""
 
     ALIGN = 64
 
@@ -64,9 +67,8 @@ class Arena:
     def free_bytes(self) -> int:
         return sum(length for _, length in self._free)
 
-    def put(self, data: np.ndarray) -> int | None:
-        """Copy `data` (contiguous uint8) into a free region; its offset, or None where no region is large enough."""
-        n = data.nbytes
+    def reserve(self, n: int) -> int | None:
+        """A free region of at least `n` bytes (first fit); its offset, or None where no region is large enough."""
         need = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
         for i, (offset, length) in enumerate(self._free):
             if length >= need:
@@ -75,9 +77,19 @@ class Arena:
                 else:
                     self._free[i] = (offset + need, length - need)
                 self._used[offset] = need
-                np.frombuffer(self._map, np.uint8, n, offset)[:] = data.reshape(-1)
                 return offset
         return None
+
+    def put(self, data: np.ndarray) -> int | None:
+        """Copy `data` (contiguous uint8) into a free region; its offset, or None where no region is large enough."""
+        offset = self.reserve(data.nbytes)
+        if offset is not None:
+            np.frombuffer(self._map, np.uint8, data.nbytes, offset)[:] = data.reshape(-1)
+        return offset
+
+    def read(self, offset: int, n: int) -> bytes:
+        """A copy of `n` bytes at `offset` (what the engine wrote into a reserved region)."""
+        return self._map[offset:offset + n]
 
     def release(self, offset: int) -> None:
         """Free the region at `offset`, merged with free neighbours."""
@@ -103,24 +115,25 @@ def new_arena(size: int) -> Arena | None:
     try:
         return Arena(size)
     except OSError as e:
-        log.warning("no shared memory for frames (%s: %s); frames go over the engine socket. Give the container "
+        log.warning("no shared memory for frames and results (%s: %s); they go over the engine socket. Give the container "
                     "more /dev/shm (compose: shm_size) or set QWEN3VL_SHARED_MEMORY_MIB=0 to silence this",
                     type(e).__name__, e)
         return None
 
 
 def attach(path: str) -> mmap.mmap:
-    """The engine's read-only mapping of a front-end's arena (`path` as the front-end's `hello` gave it)."""
+    """The engine's mapping of a front-end's arena (`path` as the front-end's `hello` gave it): it reads frames from
+    it and writes results into the regions a request reserved."""
     if os.path.dirname(path) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
         raise ValueError(f"not a frame arena: {path!r}")
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        return mmap.mmap(fd, 0)
     finally:
         os.close(fd)
 
 
-# CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY: pinned for every context, mapped read-only by the engine
+# CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY: pinned for every context, only read by the GPU (frames)
 _LOCK_FLAGS = 0x01 | 0x08
 
 
