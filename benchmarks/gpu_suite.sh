@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run: environment, GPU test suite (plus the video-processor parity tests, which need the
 # torchvision the GPU machine has), benchmarks. Everything lands under $OUT.
-# Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|all]...
+# Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|service|all]...
 # The GPU machine lacks the server's web stack: carry its py3.12 wheels (README of the device tool) for fastapi,
 # fastapi-offline, starlette, uvicorn, httptools, pydantic, pydantic-core, pydantic-settings, python-dotenv,
 # typing-inspection, annotated-types, opentelemetry-api, python-multipart, orjson, pybase64, simplejpeg and av, and
@@ -12,12 +12,15 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+XDIST=$(python -c "import xdist" 2>/dev/null && echo "-n 4 --dist loadfile")
 for step in "${@:-all}"; do
   case $step in
     # the GPU tests: tests/gpu, and the GPU half of each kernel's file under tests/kernels (marked gpu; their other
     # half runs in Triton's interpreter, in CI)
-    tests|all) { python -m pytest -q -x -p no:cacheprovider tests/gpu tests/test_video.py
-                 python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels; } 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
+    # (with pytest-xdist, in 4 processes a file each: most of their time is Triton compiling, on the CPU)
+    tests|all) { python -m pytest -q -x -p no:cacheprovider $XDIST tests/gpu tests/test_video.py
+                 python -m pytest -q -x -p no:cacheprovider $XDIST -m gpu tests/kernels; } 2>&1 \
+                 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
     kernel-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
     # the kernels' GPU tests in two parts, each within one 600 s device call
     kernel-tests-a) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels -k every_candidate 2>&1 \
@@ -36,6 +39,7 @@ for step in "${@:-all}"; do
              timeout ${SWEEP_TIMEOUT:-240} python -m tools.sweep_attention --group $g --out "$OUT/sweep.jsonl" \
                ${SWEEP_ARGS:-} > "$OUT/sweep_$g.log" 2>&1 || echo "sweep group $g: exit $?"
            done ;;
-    tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;
+    tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;&
+    service|all) python -m benchmarks.bench_service --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/bench_service.log" ;;
   esac
 done
