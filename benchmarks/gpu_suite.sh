@@ -41,5 +41,9 @@ for step in "${@:-all}"; do
            done ;;
     tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;&
     service|all) python -m benchmarks.bench_service --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/bench_service.log" ;;
+    # 20 minutes and more: the device tool ends a command's processes when it returns, so start this one in a
+    # session of its own (setsid nohup bash benchmarks/gpu_suite.sh soak &) and collect soak.json later. Carry the
+    # generator, built here: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
+    soak) python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 ;;
   esac
 done
