@@ -12,6 +12,11 @@ per-column float32 `offset` that the LayerNorm adds back before normalising.
 Statistics in float32. With `y` the sum is rounded to the activations' dtype before normalising,
 exactly as the unfused PyTorch code does.
 
+FP8 (`quantize=True`): the normalised rows leave as e4m3 with one float32 scale per row (absmax / 448) instead of
+in the activations' dtype, the input that `kernels.fp8.scaled_linear` takes for the next GEMM (qkv, fc1): no
+separate pass reads them again to quantise. Each value is rounded to the activations' dtype first, so the codes are
+those `kernels.fp8.quantize_rows` gives the unfused output.
+
 Where a block's output also feeds a DeepStack merger, the same pass computes that merger's post-shuffle
 LayerNorm too (over groups of `merge_unit` consecutive rows, one merged token each), so the merger does
 not read the block's output again.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import E4M3, E4M3_MAX, MIN_SCALE, quantize_rows
 from .runtime import cdiv, launch, next_power_of_2
 
 try:
@@ -52,25 +58,33 @@ def _norms(s, weight, bias, eps, merged_norm, offset):
     return out
 
 
-def reference_add_layernorm(x, y, weight, bias, eps, merged_norm=None):
+def _quantized(norms, quantize):
+    return (*quantize_rows(norms[0]), *norms[1:]) if quantize else tuple(norms)
+
+
+def reference_add_layernorm(x, y, weight, bias, eps, merged_norm=None, quantize=False):
     s = x + y
-    return (s, *_norms(s, weight, bias, eps, merged_norm, None))
+    return (s, *_quantized(_norms(s, weight, bias, eps, merged_norm, None), quantize))
 
 
-def reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm=None):
-    return tuple(_norms(s, weight, bias, eps, merged_norm, offset))
+def reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm=None, quantize=False):
+    return _quantized(_norms(s, weight, bias, eps, merged_norm, offset), quantize)
 
 
 if triton is not None:
+    _Q_MAX = tl.constexpr(E4M3_MAX)
+    _Q_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
     @triton.jit
-    def _add_layernorm_kernel(X, Y, OFFSET, W, B, S, OUT, W2, B2, OUT2, n_rows, n_cols, eps, eps2,
+    def _add_layernorm_kernel(X, Y, OFFSET, W, B, S, OUT, SCALE, W2, B2, OUT2, n_rows, n_cols, eps, eps2,
                               BLOCK_N: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                              HAS_Y: tl.constexpr, HAS_OFFSET: tl.constexpr, RMS: tl.constexpr):
+                              HAS_Y: tl.constexpr, HAS_OFFSET: tl.constexpr, RMS: tl.constexpr,
+                              QUANT: tl.constexpr, ACT: tl.constexpr):
         # ROWS rows per program as one 2-D tile: all their loads are in flight at once. HAS_Y: the sum
         # X + Y is stored to S and normalised; else X (+ OFFSET, float32 per column) is normalised.
         # GROUP > 0: OUT2 is the LayerNorm (W2, B2, eps2) of each GROUP consecutive rows taken as one row
-        # (ROWS % GROUP == 0). RMS: an RMSNorm (no mean, no bias; not with GROUP).
+        # (ROWS % GROUP == 0). RMS: an RMSNorm (no mean, no bias; not with GROUP). QUANT: OUT is e4m3, each
+        # row's values rounded to ACT (the activations' dtype) and divided by the row's SCALE (absmax / 448).
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
@@ -93,7 +107,14 @@ if triton is not None:
             var = tl.sum(diff * diff, 1) / n_cols
             b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
             y = diff * tl.math.rsqrt(var + eps)[:, None] * w[None, :] + b[None, :]
-        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
+        if QUANT:
+            y = tl.where(mask, y.to(ACT).to(tl.float32), 0.0)
+            scale = tl.maximum(tl.max(tl.abs(y), 1) / _Q_MAX, _Q_MIN_SCALE)
+            tl.store(SCALE + rows, scale, mask=rows < n_rows)
+            q = tl.minimum(tl.maximum(y / scale[:, None], -_Q_MAX), _Q_MAX)
+            tl.store(OUT + offs, q.to(OUT.dtype.element_ty), mask=mask)
+        else:
+            tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
         if GROUP > 0:
             G: tl.constexpr = ROWS // GROUP
             n2 = n_cols * GROUP
@@ -120,10 +141,15 @@ def _merged_group(rows: int, cols: int, merged_norm) -> int:
     return group
 
 
-def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=None, num_warps=None):
+_ACT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if triton else {}
+
+
+def _launch(x, y, offset, weight, bias, eps, merged_norm, group, quantize=False, rows_per_prog=None,
+            num_warps=None):
     rows, cols = x.shape
     s = torch.empty_like(x) if y is not None else x  # S is only written with Y
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=E4M3 if quantize else x.dtype, device=x.device)
+    scale = torch.empty(rows if quantize else 0, dtype=torch.float32, device=x.device)
     out2 = torch.empty_like(x) if group else out  # a placeholder without the merged norm
     w2, b2, eps2 = merged_norm if group else (weight, bias, eps)
     block_n = next_power_of_2(cols)
@@ -133,20 +159,23 @@ def _launch(x, y, offset, weight, bias, eps, merged_norm, group, rows_per_prog=N
         num_warps = 4
     launch(
         _add_layernorm_kernel, (cdiv(rows, rows_per_prog),), x, x if y is None else y,
-        weight if offset is None else offset, weight, weight if bias is None else bias, s, out, w2,
+        weight if offset is None else offset, weight, weight if bias is None else bias, s, out, scale, w2,
         weight if b2 is None else b2, out2, rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group,
-        HAS_Y=y is not None, HAS_OFFSET=offset is not None, RMS=bias is None, num_warps=num_warps)
+        HAS_Y=y is not None, HAS_OFFSET=offset is not None, RMS=bias is None, QUANT=quantize,
+        ACT=_ACT[x.dtype], num_warps=num_warps)
     merged = (out2.view(rows // group, group * cols),) if group else ()
-    return ((s,) if y is not None else ()) + (out, *merged)
+    return ((s,) if y is not None else ()) + (out, *((scale,) if quantize else ()), *merged)
 
 
 def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                  use_triton: bool | None = None, merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
+                  use_triton: bool | None = None, merged_norm: tuple | None = None,
+                  quantize: bool = False) -> tuple[torch.Tensor, ...]:
     """x, y `[T, N]` (same dtype, contiguous) -> (x + y, LayerNorm(x + y)) (RMSNorm with `bias` None); Triton on
     CUDA.
 
     `merged_norm` = (weight, bias, eps) of a LayerNorm over G * N features (G = weight.numel() // N, a
-    power of two dividing T): also returns that norm of `(x + y).view(T / G, G * N)`."""
+    power of two dividing T): also returns that norm of `(x + y).view(T / G, G * N)`. `quantize`: the norm as
+    (e4m3 `[T, N]`, float32 scales `[T]`), as `kernels.fp8.quantize_rows` gives it."""
     if x.shape != y.shape or x.dim() != 2 or x.dtype != y.dtype:
         raise ValueError(f"x and y must be 2-D of one shape and dtype; got {tuple(x.shape)} {x.dtype}, "
                          f"{tuple(y.shape)} {y.dtype}")
@@ -154,15 +183,15 @@ def add_layernorm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: 
     if use_triton is None:
         use_triton = triton is not None and x.is_cuda
     if not use_triton:
-        return reference_add_layernorm(x, y, weight, bias, eps, merged_norm)
-    return _launch(x.contiguous(), y.contiguous(), None, weight, bias, eps, merged_norm, group)
+        return reference_add_layernorm(x, y, weight, bias, eps, merged_norm, quantize)
+    return _launch(x.contiguous(), y.contiguous(), None, weight, bias, eps, merged_norm, group, quantize)
 
 
 def layernorm_offset(s: torch.Tensor, offset: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
-                     eps: float, use_triton: bool | None = None,
-                     merged_norm: tuple | None = None) -> tuple[torch.Tensor, ...]:
+                     eps: float, use_triton: bool | None = None, merged_norm: tuple | None = None,
+                     quantize: bool = False) -> tuple[torch.Tensor, ...]:
     """s `[T, N]`, float32 offset `[N]` (or None) -> (LayerNorm(s + offset),), computed in float32 and
-    rounded once to the weight's dtype; with `merged_norm` as in `add_layernorm`, also that norm."""
+    rounded once to the weight's dtype; with `merged_norm` and `quantize` as in `add_layernorm`."""
     if s.dim() != 2 or offset is not None and (offset.shape != (s.shape[1],) or offset.dtype != torch.float32):
         got = "no offset" if offset is None else f"offset {offset.dtype} {tuple(offset.shape)}"
         raise ValueError(f"s must be 2-D and offset float32 of its width; got {tuple(s.shape)}, {got}")
@@ -170,6 +199,6 @@ def layernorm_offset(s: torch.Tensor, offset: torch.Tensor | None, weight: torch
     if use_triton is None:
         use_triton = triton is not None and s.is_cuda
     if not use_triton:
-        return reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm)
+        return reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm, quantize)
     return _launch(s.contiguous(), None, None if offset is None else offset.contiguous(), weight, bias, eps,
-                   merged_norm, group)
+                   merged_norm, group, quantize)

@@ -20,13 +20,13 @@ import torch
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 # the smallest scale: an all-zero row quantises to zeros instead of dividing by zero
-_MIN_SCALE = 1e-12
+MIN_SCALE = 1e-12
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of `x [M, K]` to e4m3 with its own scale: (q [M, K] e4m3, scale [M] float32), x ≈ q * scale."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / E4M3_MAX).clamp_min(_MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)
     q = (xf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
 

@@ -3,10 +3,13 @@ against float64 references."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import gpu
 from kernels.add_layernorm import add_layernorm, layernorm_offset, reference_add_layernorm, reference_layernorm_offset
 
 
@@ -136,3 +139,116 @@ def test_layernorm_offset_validates():
         layernorm_offset(s, torch.zeros(64, dtype=torch.float16), torch.ones(64), torch.zeros(64), 1e-6)
     with pytest.raises(ValueError, match="offset float32"):
         layernorm_offset(s, torch.zeros(32), torch.ones(64), torch.zeros(64), 1e-6)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _as_hardware_would(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Triton's interpreter converts float32 to e4m3 wrongly in two cases (`test_interpreter_e4m3_conversion`): a
+    value that rounds up to a power of two comes out as half of it, and subnormals (below 2^-6) flush to zero.
+    Under the interpreter, codes that are exactly those errors of the expected ones count as the expected ones;
+    on a GPU the codes are taken as they are."""
+    if not _interpreted():
+        return got
+    g, w = got.float(), want.float()
+    power_of_two = (w != 0) & (torch.frexp(w.abs()).mantissa == 0.5)
+    defect = (power_of_two & (g == w / 2)) | ((w.abs() < 2 ** -6) & (g == 0))
+    return torch.where(defect, want, got)
+
+
+def _exact_codes(s: torch.Tensor, offset, w, b, eps, act_dtype):
+    """float64 norm of `s` (+ offset), rounded to the activations' dtype, quantised per row in float64: the codes
+    and scales the fused FP8 epilogue should give."""
+    from kernels.fp8 import E4M3, E4M3_MAX
+
+    sd = s.double() + (offset.double() if offset is not None else 0)
+    if b is None:
+        y = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    else:
+        y = F.layer_norm(sd, (sd.shape[1],), w.double(), b.double(), eps)
+    y = y.to(act_dtype).double()
+    scale = (y.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
+    return (y / scale[:, None]).to(E4M3), scale
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1024), (131, 1152), (9, 72), (5, 80)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_quantized_to_e4m3(rows, cols, dtype, rms):
+    """The FP8 epilogue (`quantize=True`) of both passes, with planted outlier channels (50-200x) and an all-zero
+    row: scales within float32 rounding of float64's absmax / 448, at most 1% of codes one e4m3 step off (values on
+    a rounding boundary, where float32 statistics and float64 differ), none further; the sum as without it."""
+    from kernels.fp8 import E4M3
+
+    g = torch.Generator().manual_seed(rows * cols + rms)
+    x, y = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(2))
+    x[:, :: max(1, cols // 3)] *= torch.empty(1).uniform_(50, 200, generator=g).item()  # outlier channels
+    x[rows // 2], y[rows // 2] = 0, 0  # a zero row
+    w = (1 + 0.1 * torch.randn(cols, generator=g)).to(dtype)
+    b = None if rms else (0.1 * torch.randn(cols, generator=g)).to(dtype)
+    offset = 0.05 * torch.randn(cols, generator=g)
+    s, q, scale = add_layernorm(x, y, w, b, 1e-6, use_triton=True, quantize=True)
+    assert torch.equal(s, x + y) and q.dtype == E4M3 and scale.shape == (rows,)
+    for got_q, got_scale, src, off in ((q, scale, s, None),
+                                       layernorm_offset(s, offset, w, b, 1e-6, use_triton=True, quantize=True)
+                                       + (s, offset)):
+        want_q, want_scale = _exact_codes(src, off, w, b, 1e-6, dtype)
+        assert torch.allclose(got_scale.double(), want_scale, rtol=1e-5, atol=0)
+        got_q = _as_hardware_would(got_q, want_q)
+        steps = (got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()  # same sign: code distance
+        assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01, (steps.max(), (steps > 0).float().mean())
+    if rms:  # a zero row's RMSNorm is zero: the smallest scale, all codes 0 (a LayerNorm's is its bias)
+        assert scale[rows // 2] == 1e-12 and (q[rows // 2].float() == 0).all()
+
+
+@pytest.mark.skipif(not _interpreted(), reason="the interpreter's conversion; GPUs convert in hardware")
+@pytest.mark.xfail(strict=True, reason="Triton's interpreter rounds float32 to e4m3 wrongly at a binade's top and "
+                   "flushes subnormals: when this passes, `_as_hardware_would` can go")
+def test_interpreter_e4m3_conversion():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(x_ptr, y_ptr, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(y_ptr + o, tl.load(x_ptr + o).to(tl.float8e4nv))
+
+    x = torch.tensor([31.84, 7.9, 1.97, 0.001, 30.9, 250.0, 0.0, -3.95])
+    y = torch.empty(8, dtype=torch.float8_e4m3fn)
+    convert[(1,)](x, y, 8)
+    assert torch.equal(y.float(), x.to(torch.float8_e4m3fn).float())
+
+
+def test_quantized_norm_matches_quantize_rows_of_the_unfused_path():
+    """The fused path's codes against `quantize_rows` of the reference path's output (what the unfused FP8 layer
+    quantises): equal, up to values on a rounding boundary."""
+    from kernels.fp8 import quantize_rows
+
+    g = torch.Generator().manual_seed(7)
+    x, y = (torch.randn(64, 1024, generator=g).half() for _ in range(2))
+    w, b = (1 + 0.1 * torch.randn(1024, generator=g)).half(), (0.1 * torch.randn(1024, generator=g)).half()
+    _, q, scale = add_layernorm(x, y, w, b, 1e-6, use_triton=True, quantize=True)
+    _, out = add_layernorm(x, y, w, b, 1e-6, use_triton=True)
+    rq, rscale = quantize_rows(out)
+    assert torch.allclose(scale, rscale, rtol=1e-6)
+    assert (_as_hardware_would(q, rq).float() != rq.float()).float().mean() <= 0.002
+
+
+@gpu
+@pytest.mark.parametrize("rows,cols", [(1, 1024), (784, 1152), (25088, 1024), (131, 1280)])
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_quantized_to_e4m3_on_the_gpu(rows, cols, rms):
+    """The compiled FP8 epilogue in bfloat16 with outlier channels: scales within float32 rounding of float64's,
+    codes as float64 gives them up to one e4m3 step on at most 1% of values (no allowance for the interpreter)."""
+    g = torch.Generator(device="cuda").manual_seed(rows + cols)
+    x, y = (torch.randn(rows, cols, generator=g, device="cuda").bfloat16() for _ in range(2))
+    x[:, ::97] *= 120
+    w = (1 + 0.1 * torch.randn(cols, generator=g, device="cuda")).bfloat16()
+    b = None if rms else (0.1 * torch.randn(cols, generator=g, device="cuda")).bfloat16()
+    s, q, scale = add_layernorm(x, y, w, b, 1e-6, quantize=True)
+    want_q, want_scale = _exact_codes(s.cpu(), None, w.cpu(), None if b is None else b.cpu(), 1e-6, torch.bfloat16)
+    assert torch.allclose(scale.cpu().double(), want_scale, rtol=1e-5, atol=0)
+    steps = (q.cpu().view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
+    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01
