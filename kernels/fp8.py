@@ -14,6 +14,7 @@ float32 accumulation.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -21,6 +22,14 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 # the smallest scale: an all-zero row quantises to zeros instead of dividing by zero
 MIN_SCALE = 1e-12
+
+
+class Quantized(NamedTuple):
+    """Activations already in e4m3 (`codes [M, K]`) with one float32 scale per row: what the norm kernels' FP8
+    epilogue (`add_layernorm(..., quantize=True)`) hands the next GEMM, which then skips quantising."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,12 +69,18 @@ def scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16)
     return reference_scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W.T + bias (+ residual)` with W given quantised: x quantised per token here, the product dequantised
-    in the GEMM, in x's dtype. The residual is added after the GEMM."""
-    lead = x.shape[:-1]
-    xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
-    out = scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=x.dtype)
+def fp8_linear(x: "torch.Tensor | Quantized", wq: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`x @ W.T + bias (+ residual)` with W given quantised: x quantised per token here (or given as `Quantized`),
+    the product dequantised in the GEMM, in x's dtype (`out_dtype` for a `Quantized` x: the bias's by default). The
+    residual is added after the GEMM."""
+    if isinstance(x, Quantized):
+        (xq, x_scale), lead = x, x.codes.shape[:-1]
+        out_dtype = out_dtype or (bias.dtype if bias is not None else torch.bfloat16)
+    else:
+        lead, out_dtype = x.shape[:-1], out_dtype or x.dtype
+        xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype)
     out = out.view(*lead, wq.shape[0])
     return out if residual is None else out.add_(residual)

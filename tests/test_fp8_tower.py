@@ -98,3 +98,28 @@ def test_quant_check_command(tmp_path):
     report = json.loads(out.read_text())
     assert report["inputs"] == 2 and len(report["layers"]) == preset("tiny").depth
     assert report["all_tokens"]["min_token_cosine"] >= 0.99
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5"])
+def test_norms_hand_the_fp8_gemms_quantised_rows(name, monkeypatch):
+    """The inputs of qkv and of the MLP's first GEMMs come out of their norm's pass as `Quantized` rows, and the
+    tower computes bit for bit what it computes when each FP8 layer quantises its own input (on the CPU both are
+    `quantize_rows` of the same norm)."""
+    import service.model.tower as tower_module
+    from kernels.fp8 import Quantized
+
+    encoder = Encoder.load(f"random:{name}")
+    fp8 = fp8_copy(encoder.tower)
+    items = [encoder.preprocess(data) for data in random_pngs(2, seed=4)]
+    pixels = encoder.pixels(items)
+    plan = fp8.plan([it.grid_thw for it in items])
+    seen = []
+    forward = Fp8Linear.forward
+    monkeypatch.setattr(Fp8Linear, "forward", lambda self, x, *a, **k: seen.append(type(x)) or forward(self, x, *a,
+                                                                                                         **k))
+    with torch.inference_mode():
+        handed = fp8(pixels, plan)
+        assert seen.count(Quantized) == (3 if fp8.config.windowed else 2) * len(fp8.blocks)
+        monkeypatch.setattr(tower_module, "_reads_fp8", lambda part: False)
+        own = fp8(pixels, plan)
+    assert all(torch.equal(a, b) for a, b in zip(handed, own))

@@ -1,13 +1,15 @@
 """FP8 blocks (`TowerOptions.quantization = "fp8"`): each block's linear layers become `Fp8Linear`, weights quantised
-once at load per output channel, activations per token at every call (`kernels.fp8`). The patch and position
-embeddings, the norms, attention and the mergers stay in the tower's dtype."""
+once at load per output channel, activations per token at every call (`kernels.fp8`). The inputs of qkv and of the
+MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks the norm for `Quantized` rows where
+`takes_quantized` says the consumer is FP8); the others (proj, fc2) are quantised in front of their GEMM. The patch
+and position embeddings, the norms, attention and the mergers stay in the tower's dtype."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from kernels.fp8 import fp8_linear, quantize_weight
+from kernels.fp8 import Quantized, fp8_linear, quantize_weight
 
 QUANTIZATIONS = ("none", "fp8")
 # the blocks' linear layers that run in FP8, by their attribute paths in a block
@@ -31,16 +33,24 @@ class Fp8Linear(nn.Module):
         q, scale = quantize_weight(linear.weight.detach())
         return cls(q, scale, None if linear.bias is None else linear.bias.detach())
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, add_bias: bool = True) -> torch.Tensor:
-        """`x @ W.T + bias`; with `residual`, added into it in place (then without the bias unless `add_bias`, as
+    def forward(self, x: "torch.Tensor | Quantized", residual: torch.Tensor | None = None,
+                add_bias: bool = True) -> torch.Tensor:
+        """`x @ W.T + bias` (x in the activations' dtype, or quantised already); with `residual`, added into it in place (then without the bias unless `add_bias`, as
         the tower's residual GEMMs leave it to the norm that follows)."""
         bias = self.bias if add_bias else None
+        # a `Quantized` x (from a norm's FP8 epilogue) carries no dtype: the output takes the bias's
+        out_dtype = self.bias.dtype if self.bias is not None and isinstance(x, Quantized) else None
         if residual is None:
-            return fp8_linear(x, self.qweight, self.scale, bias)
-        return residual.add_(fp8_linear(x, self.qweight, self.scale, bias))
+            return fp8_linear(x, self.qweight, self.scale, bias, out_dtype=out_dtype)
+        return residual.add_(fp8_linear(x, self.qweight, self.scale, bias, out_dtype=out_dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
+
+
+def takes_quantized(*linears: nn.Module) -> bool:
+    """Whether these layers (that read one input) are FP8, so that their input can be handed over quantised."""
+    return all(isinstance(linear, Fp8Linear) for linear in linears)
 
 
 def quantize_blocks(tower: nn.Module) -> int:

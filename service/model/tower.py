@@ -33,11 +33,12 @@ import torch.nn.functional as F
 from kernels.attention import check_backend
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.add_layernorm import add_layernorm, layernorm_offset
+from kernels.fp8 import Quantized
 from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_, qkv_rope_linear
 
 from .config import TowerConfig
-from .quant import QUANTIZATIONS
+from .quant import QUANTIZATIONS, takes_quantized
 
 @dataclass(frozen=True)
 class TowerOptions:
@@ -198,14 +199,27 @@ def _fused(backend: str) -> bool | None:
 
 
 def _add_norm(x, y, norm: "nn.LayerNorm | RMSNorm", backend: str, merged_norm: nn.LayerNorm | None = None,
-              offset: torch.Tensor | None = None):
+              offset: torch.Tensor | None = None, quantize: bool = False):
     """(x + y, norm(x + y)), or without y (the GEMM added the residual) (x, norm(x + offset)) with the
-    float32 `offset` (or none); plus `merged_norm` of the same rows grouped into merged tokens."""
+    float32 `offset` (or none); plus `merged_norm` of the same rows grouped into merged tokens. `quantize`: the
+    norm as `Quantized` rows, for an FP8 GEMM, from the same pass."""
     merged = None if merged_norm is None else (merged_norm.weight, merged_norm.bias, merged_norm.eps)
     if y is None:
-        return x, *layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
-                                    merged_norm=merged)
-    return add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged)
+        out = x, *layernorm_offset(x, offset, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend),
+                                   merged_norm=merged, quantize=quantize)
+    else:
+        out = add_layernorm(x, y, norm.weight, norm.bias, norm.eps, use_triton=_fused(backend), merged_norm=merged,
+                            quantize=quantize)
+    return (out[0], Quantized(out[1], out[2]), *out[3:]) if quantize else out
+
+
+def _reads_fp8(part: nn.Module) -> bool:
+    """Whether the GEMMs that read a block part's input (qkv; fc1, or gate and up) are FP8."""
+    if isinstance(part, Attention):
+        return takes_quantized(part.qkv)
+    if isinstance(part, GatedMLP):
+        return takes_quantized(part.gate_proj, part.up_proj)
+    return takes_quantized(part.linear_fc1)
 
 
 def _project(linear: nn.Linear, x, residual):
@@ -269,10 +283,10 @@ class Attention(nn.Module):
         """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated, into `out` if given. `backend` is the tower's (it
         decides the fused projection)."""
         if not isinstance(self.qkv, nn.Linear):  # FP8 (`quant.Fp8Linear`): the projection, then the RoPE pass
-            qkv = self.qkv(x)
+            qkv = self.qkv(x)  # x: `Quantized` rows from the norm's pass
             if out is not None:
                 qkv = out.view(qkv.shape).copy_(qkv)
-            return qkv_rope_(qkv.view(x.shape[0], 3, self.num_heads, -1), cos, sin, use_triton=_fused(backend))
+            return qkv_rope_(qkv.view(qkv.shape[0], 3, self.num_heads, -1), cos, sin, use_triton=_fused(backend))
         if (backend == "triton" and options.fused_qkv_rope
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             return qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out)
@@ -313,7 +327,7 @@ class MLP(nn.Module):
 
     def forward(self, x, residual: torch.Tensor | None = None):
         """The MLP; with `residual`, returns `residual` + the MLP without fc2's bias."""
-        if self.tanh_gelu and x.is_cuda and isinstance(self.linear_fc1, nn.Linear) and gelu_epilogue_ok(x.device):
+        if self.tanh_gelu and isinstance(self.linear_fc1, nn.Linear) and x.is_cuda and gelu_epilogue_ok(x.device):
             # bias + tanh-GELU in the GEMM's epilogue (cuBLASLt), computed from the fp32 accumulator:
             # saves a read and a write of the widest activation of the block
             h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
@@ -515,7 +529,7 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)
         if interp_index is not None:
             pos_embed_add_(x, self.pos_embed.weight, interp_index, interp_weight, use_triton=_fused(self.backend))
-        _, h = _add_norm(x, None, self.blocks[0].norm1, self.backend)
+        _, h = _add_norm(x, None, self.blocks[0].norm1, self.backend, quantize=_reads_fp8(self.blocks[0].attn))
         return x, h
 
     def project_qkv(self, layer: int, h, cos, sin, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -538,7 +552,8 @@ class VisionTower(nn.Module):
             x, y = _project(block.attn.proj, attended, x), None
         else:
             y = block.attn.proj(attended)
-        x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None)
+        x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None,
+                         quantize=_reads_fp8(block.mlp))
         if in_gemm:
             x, y = block.mlp(h, residual=x), None
         else:
@@ -547,7 +562,8 @@ class VisionTower(nn.Module):
         tap = self._taps.get(layer)
         merger = self.deepstack_merger_list[tap] if tap is not None else None
         x, h, *tapped = _add_norm(x, y, norm, self.backend, merger.norm if merger is not None else None,
-                                  offset=offsets[2 * layer + 1] if in_gemm else None)
+                                  offset=offsets[2 * layer + 1] if in_gemm else None,
+                                  quantize=layer + 1 < len(blocks) and _reads_fp8(blocks[layer + 1].attn))
         if merger is not None:
             merger.project(tapped[0], out=deepstack[tap])
         return x, h
