@@ -199,7 +199,19 @@ def environment() -> dict:
         "git_revision": os.environ.get("GIT_REVISION", rev),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": {k: v for k, v in os.environ.items() if k.startswith(("QWEN3VL_", "CUBLAS"))},
+        "event_loop": event_loop(),
     }
+
+
+def event_loop() -> str:
+    """The server's event loop where this Python runs it: uvloop where installed (uvicorn[standard], which the
+    package and the image install, brings it), else asyncio's. Carry its wheel to a machine that lacks it, or the
+    HTTP figures are not what a user's install gets."""
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio"
+    return f"uvloop {uvloop.__version__}"
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:

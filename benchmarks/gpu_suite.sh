@@ -4,7 +4,8 @@
 # Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|service|all]...
 # The GPU machine lacks the server's web stack: carry its py3.12 wheels (README of the device tool) for fastapi,
 # fastapi-offline, starlette, uvicorn, httptools, pydantic, pydantic-core, pydantic-settings, python-dotenv,
-# typing-inspection, annotated-types, opentelemetry-api, python-multipart, orjson, pybase64, simplejpeg and av, and
+# typing-inspection, annotated-types, opentelemetry-api, python-multipart, orjson, pybase64, simplejpeg, av and
+# uvloop (uvicorn[standard] brings it to every install: without it the HTTP figures are asyncio's, not a user's), and
 # set GIT_REVISION (the device's copy of .git may be stale) before bench_service.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
