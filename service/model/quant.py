@@ -1,7 +1,8 @@
 """FP8 blocks (`TowerOptions.quantization = "fp8"`): each block's linear layers become `Fp8Linear`, weights quantised
 once at load per output channel, activations per token at every call (`kernels.fp8`). The inputs of qkv and of the
 MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks the norm for `Quantized` rows where
-`takes_quantized` says the consumer is FP8); the others (proj, fc2) are quantised in front of their GEMM. The patch
+`takes_quantized` says the consumer is FP8), and fc2's (down_proj's) the activation's (`kernels.act_quant`); only the
+attention's output projection quantises its input in front of its GEMM. The patch
 and position embeddings, the norms, attention and the mergers stay in the tower's dtype."""
 
 from __future__ import annotations

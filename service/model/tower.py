@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from kernels.attention import check_backend
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
+from kernels.act_quant import ACTIVATIONS as QUANTIZED_ACTIVATIONS, act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.fp8 import Quantized
 from kernels.pos_embed import pos_embed_add_
@@ -213,6 +214,11 @@ def _add_norm(x, y, norm: "nn.LayerNorm | RMSNorm", backend: str, merged_norm: n
     return (out[0], Quantized(out[1], out[2]), *out[3:]) if quantize else out
 
 
+def _quantizes_activation(output: nn.Module, act: str) -> bool:
+    """Whether an MLP hands its FP8 output projection e4m3 rows from the activation's pass (`act_quantize`)."""
+    return act in QUANTIZED_ACTIVATIONS and takes_quantized(output)
+
+
 def _reads_fp8(part: nn.Module) -> bool:
     """Whether the GEMMs that read a block part's input (qkv; fc1, or gate and up) are FP8."""
     if isinstance(part, Attention):
@@ -323,6 +329,7 @@ class MLP(nn.Module):
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act_fn = activation(cfg.hidden_act)
+        self.hidden_act = cfg.hidden_act
         self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x, residual: torch.Tensor | None = None):
@@ -331,6 +338,8 @@ class MLP(nn.Module):
             # bias + tanh-GELU in the GEMM's epilogue (cuBLASLt), computed from the fp32 accumulator:
             # saves a read and a write of the widest activation of the block
             h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
+        elif _quantizes_activation(self.linear_fc2, self.hidden_act):
+            h = act_quantize(self.linear_fc1(x), self.hidden_act)  # FP8 fc2: e4m3 rows from the GELU's pass
         else:
             h = self.act_fn(self.linear_fc1(x))
         return _project(self.linear_fc2, h, residual)
@@ -349,10 +358,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act_fn = activation(cfg.hidden_act)
+        self.hidden_act = cfg.hidden_act
 
     def forward(self, x, residual: torch.Tensor | None = None):
         """The MLP; with `residual`, returns `residual` + the MLP without down_proj's bias."""
-        h = self.act_fn(self.gate_proj(x)).mul_(self.up_proj(x))
+        if _quantizes_activation(self.down_proj, self.hidden_act):  # FP8 down_proj: e4m3 rows from the SwiGLU's pass
+            h = act_quantize(self.gate_proj(x), self.hidden_act, self.up_proj(x))
+        else:
+            h = self.act_fn(self.gate_proj(x)).mul_(self.up_proj(x))
         return _project(self.down_proj, h, residual)
 
     @property

@@ -3,13 +3,11 @@ against float64 references."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import gpu
+from conftest import as_hardware_would, gpu, interpreted
 from kernels.add_layernorm import add_layernorm, layernorm_offset, reference_add_layernorm, reference_layernorm_offset
 
 
@@ -141,23 +139,6 @@ def test_layernorm_offset_validates():
         layernorm_offset(s, torch.zeros(32), torch.ones(64), torch.zeros(64), 1e-6)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _as_hardware_would(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Triton's interpreter converts float32 to e4m3 wrongly in two cases (`test_interpreter_e4m3_conversion`): a
-    value that rounds up to a power of two comes out as half of it, and subnormals (below 2^-6) flush to zero.
-    Under the interpreter, codes that are exactly those errors of the expected ones count as the expected ones;
-    on a GPU the codes are taken as they are."""
-    if not _interpreted():
-        return got
-    g, w = got.float(), want.float()
-    power_of_two = (w != 0) & (torch.frexp(w.abs()).mantissa == 0.5)
-    defect = (power_of_two & (g == w / 2)) | ((w.abs() < 2 ** -6) & (g == 0))
-    return torch.where(defect, want, got)
-
-
 def _exact_codes(s: torch.Tensor, offset, w, b, eps, act_dtype):
     """float64 norm of `s` (+ offset), rounded to the activations' dtype, quantised per row in float64: the codes
     and scales the fused FP8 epilogue should give."""
@@ -196,16 +177,16 @@ def test_norm_quantized_to_e4m3(rows, cols, dtype, rms):
                                        + (s, offset)):
         want_q, want_scale = _exact_codes(src, off, w, b, 1e-6, dtype)
         assert torch.allclose(got_scale.double(), want_scale, rtol=1e-5, atol=0)
-        got_q = _as_hardware_would(got_q, want_q)
+        got_q = as_hardware_would(got_q, want_q)
         steps = (got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()  # same sign: code distance
         assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01, (steps.max(), (steps > 0).float().mean())
     if rms:  # a zero row's RMSNorm is zero: the smallest scale, all codes 0 (a LayerNorm's is its bias)
         assert scale[rows // 2] == 1e-12 and (q[rows // 2].float() == 0).all()
 
 
-@pytest.mark.skipif(not _interpreted(), reason="the interpreter's conversion; GPUs convert in hardware")
+@pytest.mark.skipif(not interpreted(), reason="the interpreter's conversion; GPUs convert in hardware")
 @pytest.mark.xfail(strict=True, reason="Triton's interpreter rounds float32 to e4m3 wrongly at a binade's top and "
-                   "flushes subnormals: when this passes, `_as_hardware_would` can go")
+                   "rounds subnormals toward zero: when this passes, `as_hardware_would` can go")
 def test_interpreter_e4m3_conversion():
     import triton
     import triton.language as tl
@@ -233,7 +214,7 @@ def test_quantized_norm_matches_quantize_rows_of_the_unfused_path():
     _, out = add_layernorm(x, y, w, b, 1e-6, use_triton=True)
     rq, rscale = quantize_rows(out)
     assert torch.allclose(scale, rscale, rtol=1e-6)
-    assert (_as_hardware_would(q, rq).float() != rq.float()).float().mean() <= 0.002
+    assert (as_hardware_would(q, rq).float() != rq.float()).float().mean() <= 0.002
 
 
 @gpu

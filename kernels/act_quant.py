@@ -1,0 +1,87 @@
+"""The MLP's activation and the quantisation of its output, for an FP8 fc2 (or down projection), in one pass.
+
+Unfused, the activation reads and writes the MLP's widest tensor ([T, intermediate]), and quantising it per row
+reads it twice more (absmax, then divide and round) before the GEMM. Here one pass reads fc1's output (with SwiGLU,
+gate's and up's), applies the activation in float32, rounds each value to the activations' dtype as the unfused
+code does (and the product act(gate) * up again), and writes e4m3 codes with one float32 scale per row (absmax /
+448): `kernels.fp8.quantize_rows` of the unfused output.
+
+Activations: `gelu_pytorch_tanh` (Qwen3-VL), `gelu` (erf) and `silu` (Qwen2.5-VL's SwiGLU gate).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import E4M3, E4M3_MAX, MIN_SCALE, Quantized, quantize_rows
+from .runtime import launch, next_power_of_2
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu": 1, "silu": 2}
+_TORCH = {"gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+
+
+def reference_act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None) -> Quantized:
+    """The unfused arithmetic: act(h) (times `up`) in h's dtype, then `quantize_rows`."""
+    a = _TORCH[act](h)
+    return Quantized(*quantize_rows(a if up is None else a * up))
+
+
+if triton is not None:
+    _Q_MAX = tl.constexpr(E4M3_MAX)
+    _Q_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+    @triton.jit
+    def _act_quant_kernel(H, UP, Q, SCALE, n_cols, BLOCK_N: tl.constexpr, ACT_FN: tl.constexpr,
+                          HAS_UP: tl.constexpr, ACT: tl.constexpr):
+        # one row per program; ACT_FN 0: tanh GELU, 1: erf GELU, 2: SiLU; ACT: the activations' dtype
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        h = tl.load(H + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        if ACT_FN == 0:
+            inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+            a = 0.5 * h * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner), without overflow
+        elif ACT_FN == 1:
+            a = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
+        else:
+            a = h / (1.0 + tl.exp(-h))
+        a = a.to(ACT).to(tl.float32)
+        if HAS_UP:
+            a = (a * tl.load(UP + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(ACT).to(tl.float32)
+        a = tl.where(mask, a, 0.0)
+        scale = tl.maximum(tl.max(tl.abs(a), 0) / _Q_MAX, _Q_MIN_SCALE)
+        tl.store(SCALE + row, scale)
+        q = tl.minimum(tl.maximum(a / scale, -_Q_MAX), _Q_MAX)
+        tl.store(Q + row * n_cols + cols, q.to(Q.dtype.element_ty), mask=mask)
+
+    _ACT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None,
+                 use_triton: bool | None = None) -> Quantized:
+    """`h [T, I]` (and `up`, same shape and dtype, for SwiGLU) -> act(h) (* up) as e4m3 rows with per-row scales;
+    Triton on CUDA, else the unfused arithmetic."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r}: one of {', '.join(ACTIVATIONS)}")
+    if h.dim() != 2 or up is not None and (up.shape != h.shape or up.dtype != h.dtype):
+        raise ValueError(f"h must be 2-D and up (if given) of its shape and dtype; got {tuple(h.shape)} {h.dtype}"
+                         + ("" if up is None else f", {tuple(up.shape)} {up.dtype}"))
+    if use_triton is None:
+        use_triton = triton is not None and h.is_cuda
+    if not use_triton:
+        return reference_act_quantize(h, act, up)
+    h = h.contiguous()
+    rows, cols = h.shape
+    q = torch.empty(h.shape, dtype=E4M3, device=h.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=h.device)
+    launch(_act_quant_kernel, (rows,), h, h if up is None else up.contiguous(), q, scale, cols,
+           BLOCK_N=next_power_of_2(cols), ACT_FN=ACTIVATIONS[act], HAS_UP=up is not None, ACT=_ACT[h.dtype],
+           num_warps=4 if cols <= 4096 else 8)
+    return Quantized(q, scale)
