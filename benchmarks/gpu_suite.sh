@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device run: environment, GPU test suite (plus the video-processor parity tests, which need the
 # torchvision the GPU machine has), benchmarks. Everything lands under $OUT.
-# Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|service|all]...
+# Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|service|soak|all]..., or across
+# device commands (what takes longer than one): benchmarks/device_run.sh.
 # The GPU machine lacks the server's web stack: carry its py3.12 wheels (README of the device tool) for fastapi,
 # fastapi-offline, starlette, uvicorn, httptools, pydantic, pydantic-core, pydantic-settings, python-dotenv,
 # typing-inspection, annotated-types, opentelemetry-api, python-multipart, orjson, pybase64, simplejpeg, av and
@@ -42,9 +43,8 @@ for step in "${@:-all}"; do
            done ;;
     tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;&
     service|all) python -m benchmarks.bench_service --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/bench_service.log" ;;
-    # 20 minutes and more: the device tool ends a command's processes when it returns, so start this one in a
-    # session of its own (setsid nohup bash benchmarks/gpu_suite.sh soak &) and collect soak.json later. Carry the
-    # generator, built here: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
+    # 20 minutes and more: start it with benchmarks/device_run.sh (a session of its own) and collect soak.json with
+    # its `wait`. Carry the generator, built here: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
     soak) python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 ;;
   esac
 done
