@@ -15,13 +15,14 @@ import pytest
 from PIL import Image
 
 from conftest import rel_err
+from service.engine.api import Encoded
 from service.engine.local import LocalEngine
 from service.settings import Settings
 from service.engine import process
 from service.engine.process import EngineServer
 from service.engine.remote import RemoteEngine
 from service.engine.shm import PREFIX, SHM_DIR, Arena, attach, new_arena
-from service.model.encoder import Encoder
+from service.model.encoder import EncodeResult, Encoder
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
 
@@ -114,14 +115,25 @@ def test_frames_and_results_through_the_arena_or_the_message(tiny, arena_bytes, 
         put = arena.put if arena is not None else None
         if arena is not None:
             arena.put = lambda data: sent.append(put(data)) or sent[-1]
-        results = await asyncio.gather(*(remote.submit([it], timeout_s=30, deepstack=ds, tokens=tok)
-                                         for it, (ds, tok) in zip(items, asks)))
+        tasks = [asyncio.create_task(remote.submit([it], timeout_s=30, deepstack=ds, tokens=tok))
+                 for it, (ds, tok) in zip(items, asks)]
+        await asyncio.wait(tasks)
+        results = [t.result() for t in tasks]
+        del tasks
+        # results read in place hold their regions until dropped; copies do not
+        held = arena.free_bytes if arena is not None else 0
+        copies = [Encoded([EncodeResult(**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                           for k, v in vars(r).items()}) for r in done.results], done.timing)
+                  for done in results]
+        del results  # (reference counting frees them at once: no collection needed)
+        await asyncio.sleep(0)  # the regions' releases, queued by the last tensors' finalizers
+        freed = arena.free_bytes - held if arena is not None else 0
         await remote.stop()
         listener.close()
         await engine.stop()
-        return results, arena, sent
+        return copies, arena, sent, freed
 
-    results, arena, sent = asyncio.run(go())
+    results, arena, sent, freed = asyncio.run(go())
     for it, (ds, tok), done in zip(items, asks, results):
         got, want = done.results[0], tiny.encode([it])[0]
         assert rel_err(got.pooled, want.pooled) <= 1e-5
@@ -135,6 +147,7 @@ def test_frames_and_results_through_the_arena_or_the_message(tiny, arena_bytes, 
     if arena_bytes == 3 << 19:
         assert [s is None for s in sent] == [False, False, True, False, False]
         assert written == [True] * 5  # every request's results in its region
+        assert freed > 0  # and held there until the results were dropped
     elif arena_bytes:
         assert False in written or len(written) < 5  # some came back in the reply
     if arena is not None:

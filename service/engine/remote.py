@@ -157,7 +157,7 @@ class RemoteEngine:
         patches = sum(it.num_patches for it in items)
         self.sent_patches += patches
         fut = waiter = None
-        replied = False
+        replied = lent = False
         try:
             fut = link.send(header, [f for f, at in zip(frames, placed) if at is None])
             if abandoned is not None:  # the client went away: stop waiting, and the engine drops the request
@@ -170,8 +170,9 @@ class RemoteEngine:
                     await asyncio.sleep(0)
                 reply, payload = await fut
             replied = True
-            if reply.get("in_arena"):
-                payload = link.arena.read(out, out_bytes)
+            if reply.get("in_arena"):  # read in place; the region is freed once the results are dropped
+                loop = asyncio.get_running_loop()
+                payload, lent = link.arena.lend(out, out_bytes, lambda: _release_soon(loop, link.arena, out)), True
         except BaseException as e:
             if fut is not None and (not fut.done() or fut.cancelled()):
                 link.cancel(rid)
@@ -181,7 +182,7 @@ class RemoteEngine:
         finally:
             self.sent_patches -= patches
             _release(link.arena, placed)
-            if out is not None:
+            if out is not None and not lent:
                 if replied or fut is None or rid not in link.pending:  # (not pending: its reply has come)
                     link.arena.release(out)
                 else:  # the engine may still write there: free it on the request's last reply (`_Link.read_loop`)
@@ -212,6 +213,14 @@ class RemoteEngine:
             n = it.num_patches // config.merge_unit
             nbytes += [n * width * size * tokens, levels * n * width * size, width * 4]
         return region_bytes(nbytes)
+
+
+def _release_soon(loop: asyncio.AbstractEventLoop, arena: Arena, offset: int) -> None:
+    """Free a lent region on the event loop that owns the arena, from whatever thread dropped its last tensor."""
+    try:
+        loop.call_soon_threadsafe(arena.release, offset)
+    except RuntimeError:  # the loop is closed: so is the arena's use
+        pass
 
 
 def _release(arena: Arena | None, placed: list[int | None]) -> None:

@@ -10,7 +10,8 @@ nothing behind). Only offsets travel in the messages:
 - frames: the front-end copies them into a region, freed when the request's reply arrives or it is given up on (an
   engine still reading a given-up region computes garbage for an item whose result nobody reads);
 - results: the front-end reserves a region of their size with the request, the engine copies them there before it
-  replies, and the front-end copies them out. A region the engine may still write (a request given up on before its
+  replies, and the front-end reads them in place (`Arena.lend`): the region is freed when the last tensor over it
+  is dropped. A region the engine may still write (a request given up on before its
   reply) stays reserved until the reply comes (`_Link.held`), since it could otherwise land in another request's.
 What does not fit, or a front-end without an arena (no /dev/shm, or not enough room in it), travels in the messages.
 
@@ -26,6 +27,8 @@ import logging
 import mmap
 import os
 import secrets
+import weakref
+from typing import Callable
 
 import numpy as np
 
@@ -87,9 +90,13 @@ class Arena:
             np.frombuffer(self._map, np.uint8, data.nbytes, offset)[:] = data.reshape(-1)
         return offset
 
-    def read(self, offset: int, n: int) -> bytes:
-        """A copy of `n` bytes at `offset` (what the engine wrote into a reserved region)."""
-        return self._map[offset:offset + n]
+    def lend(self, offset: int, n: int, on_free: Callable[[], None]):
+        """The `n` bytes at `offset` in place (what the engine wrote into a reserved region), as a buffer that numpy
+        and torch views keep alive; `on_free` runs, in whatever thread drops the last of them, once none is left.
+        (A ctypes array, not a memoryview: numpy keeps its own view of a memoryview's exporter, not the memoryview.)"""
+        lent = (ctypes.c_char * n).from_buffer(self._map, offset)
+        weakref.finalize(lent, on_free)
+        return lent
 
     def release(self, offset: int) -> None:
         """Free the region at `offset`, merged with free neighbours."""
@@ -105,7 +112,10 @@ class Arena:
 
     def close(self) -> None:
         self.unlink()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # results still lent out: the mapping goes when they do
+            pass
 
 
 def new_arena(size: int) -> Arena | None:
