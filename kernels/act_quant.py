@@ -6,7 +6,9 @@ gate's and up's), applies the activation in float32, rounds each value to the ac
 code does (and the product act(gate) * up again), and writes e4m3 codes with one float32 scale per row (absmax /
 448): `kernels.fp8.quantize_rows` of the unfused output.
 
-Activations: `gelu_pytorch_tanh` (Qwen3-VL), `gelu` (erf) and `silu` (Qwen2.5-VL's SwiGLU gate).
+Activations: `gelu_pytorch_tanh` (Qwen3-VL), `gelu` (erf) and `silu` (Qwen2.5-VL's SwiGLU gate); `none` quantises
+`h` as it is, in one pass rather than the several of `quantize_rows`' tensor ops (the input of the attention's output
+projection, which no kernel of ours produces in e4m3).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu": 1, "silu": 2}
-_TORCH = {"gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+ACTIVATIONS = {"gelu_pytorch_tanh": 0, "gelu": 1, "silu": 2, "none": 3}
+_TORCH = {"gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "gelu": F.gelu, "silu": F.silu,
+          "none": lambda h: h}
 
 
 def reference_act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None) -> Quantized:
@@ -40,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _act_quant_kernel(H, UP, Q, SCALE, n_cols, BLOCK_N: tl.constexpr, ACT_FN: tl.constexpr,
                           HAS_UP: tl.constexpr, ACT: tl.constexpr):
-        # one row per program; ACT_FN 0: tanh GELU, 1: erf GELU, 2: SiLU; ACT: the activations' dtype
+        # one row per program; ACT_FN 0: tanh GELU, 1: erf GELU, 2: SiLU, 3: none; ACT: the activations' dtype
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
         mask = cols < n_cols
@@ -50,8 +53,10 @@ if triton is not None:
             a = 0.5 * h * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner), without overflow
         elif ACT_FN == 1:
             a = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
-        else:
+        elif ACT_FN == 2:
             a = h / (1.0 + tl.exp(-h))
+        else:
+            a = h
         a = a.to(ACT).to(tl.float32)
         if HAS_UP:
             a = (a * tl.load(UP + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(ACT).to(tl.float32)

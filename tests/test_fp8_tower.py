@@ -20,7 +20,7 @@ from service.model.quant import Fp8Linear
 from service.model.quant_check import all_tokens, compare, fp8_copy, plant_outliers, unit_gain
 from service.model.tower import TowerOptions
 
-from conftest import random_pngs, rel_err
+from conftest import gpu, random_pngs, rel_err
 from servers import serve
 
 
@@ -124,3 +124,22 @@ def test_norms_hand_the_fp8_gemms_quantised_rows(name, monkeypatch):
         monkeypatch.setattr(tower_module, "_quantizes_activation", lambda output, act: False)
         own = fp8(pixels, plan)
     assert all(torch.equal(a, b) for a, b in zip(handed, own))
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 784, 25088])
+def test_fp8_linear_on_the_gpu_quantises_in_one_pass_as_quantize_rows(rows):
+    """On a GPU an FP8 layer given bf16 rows quantises them with `act_quantize(x, "none")` (one pass) rather than
+    `quantize_rows`: the outputs agree up to the codes on rounding boundaries, with and without a residual."""
+    from kernels.fp8 import fp8_linear
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    linear = nn.Linear(1024, 1024).cuda().bfloat16()
+    layer = Fp8Linear.from_linear(linear)
+    x = torch.randn(rows, 1024, generator=g, device="cuda").bfloat16()
+    x[:, ::101] *= 80
+    want = fp8_linear(x.cpu(), layer.qweight.cpu(), layer.scale.cpu(), layer.bias.cpu())  # quantize_rows, float32 GEMM
+    assert rel_err(layer(x).float().cpu(), want.float()) <= 1e-2
+    residual = torch.randn(rows, 1024, generator=g, device="cuda").bfloat16()
+    got = layer(x, residual=residual.clone(), add_bias=False)
+    assert rel_err(got.float().cpu(), (residual.cpu().float() + want.float() - layer.bias.cpu().float())) <= 1e-2

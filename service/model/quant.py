@@ -2,7 +2,7 @@
 once at load per output channel, activations per token at every call (`kernels.fp8`). The inputs of qkv and of the
 MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks the norm for `Quantized` rows where
 `takes_quantized` says the consumer is FP8), and fc2's (down_proj's) the activation's (`kernels.act_quant`); only the
-attention's output projection quantises its input in front of its GEMM. The patch
+attention's output projection quantises its input in front of its GEMM, in one pass (`act_quantize(x, "none")`). The patch
 and position embeddings, the norms, attention and the mergers stay in the tower's dtype."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from kernels.act_quant import act_quantize
 from kernels.fp8 import Quantized, fp8_linear, quantize_weight
 
 QUANTIZATIONS = ("none", "fp8")
@@ -36,9 +37,14 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: "torch.Tensor | Quantized", residual: torch.Tensor | None = None,
                 add_bias: bool = True) -> torch.Tensor:
-        """`x @ W.T + bias` (x in the activations' dtype, or quantised already); with `residual`, added into it in place (then without the bias unless `add_bias`, as
-        the tower's residual GEMMs leave it to the norm that follows)."""
+        """`x @ W.T + bias` (x in the activations' dtype, or quantised already); with `residual`, added into it in
+        place (then without the bias unless `add_bias`, as the tower's residual GEMMs leave it to the norm that
+        follows)."""
         bias = self.bias if add_bias else None
+        if isinstance(x, torch.Tensor) and x.is_cuda:  # quantised in one pass of ours, not quantize_rows' several
+            rows = act_quantize(x.reshape(-1, x.shape[-1]), "none")
+            out = fp8_linear(rows, self.qweight, self.scale, bias, out_dtype=x.dtype).view(*x.shape[:-1], -1)
+            return out if residual is None else residual.add_(out)
         # a `Quantized` x (from a norm's FP8 epilogue) carries no dtype: the output takes the bias's
         out_dtype = self.bias.dtype if self.bias is not None and isinstance(x, Quantized) else None
         if residual is None:

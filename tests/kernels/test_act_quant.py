@@ -11,7 +11,8 @@ from conftest import as_hardware_would, gpu
 from kernels.act_quant import ACTIVATIONS, act_quantize, reference_act_quantize
 from kernels.fp8 import E4M3, E4M3_MAX, quantize_rows
 
-_EXACT = {"gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "gelu": F.gelu, "silu": F.silu}
+_EXACT = {"gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "gelu": F.gelu, "silu": F.silu,
+          "none": lambda h: h}
 
 
 def _exact_codes(h, act, up, dtype):
@@ -39,7 +40,8 @@ def _check(q, scale, want_q, want_scale):
 
 @pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1023), (131, 4096), (9, 72), (3, 3420)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("act,gated", [("gelu_pytorch_tanh", False), ("gelu", False), ("silu", True)])
+@pytest.mark.parametrize("act,gated", [("gelu_pytorch_tanh", False), ("gelu", False), ("silu", True),
+                                      ("none", False)])
 def test_act_quantize(rows, cols, dtype, act, gated):
     """Codes within one e4m3 step of float64's on at most 1% of values (rounding boundaries), scales within
     float32 rounding; SwiGLU's product rounded as the unfused code rounds it."""
@@ -66,7 +68,7 @@ def test_act_quantize_refuses_what_it_cannot_do():
 
 @gpu
 @pytest.mark.parametrize("rows,cols", [(1, 4096), (784, 4304), (25088, 4096), (131, 3420)])
-@pytest.mark.parametrize("act,gated", [("gelu_pytorch_tanh", False), ("silu", True)])
+@pytest.mark.parametrize("act,gated", [("gelu_pytorch_tanh", False), ("silu", True), ("none", False)])
 def test_act_quantize_on_the_gpu(rows, cols, act, gated):
     """The compiled kernel in bfloat16 at the towers' MLP widths (2B, 8B, Qwen2.5-VL), with outlier channels."""
     h, up = _inputs(rows, cols, torch.bfloat16, rows + cols, device="cuda")
