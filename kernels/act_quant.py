@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8 import E4M3, E4M3_MAX, MIN_SCALE, Quantized, quantize_rows
+from .fp8 import E4M3, Quantized, quantize_rows
 from .runtime import launch, next_power_of_2
 
 try:
@@ -37,15 +37,14 @@ def reference_act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = 
 
 
 if triton is not None:
-    _Q_MAX = tl.constexpr(E4M3_MAX)
-    _Q_MIN_SCALE = tl.constexpr(MIN_SCALE)
+    from .fp8 import TL_DTYPES, e4m3_rows
 
     @triton.jit
     def _act_quant_kernel(H, UP, Q, SCALE, n_cols, BLOCK_N: tl.constexpr, ACT_FN: tl.constexpr,
                           HAS_UP: tl.constexpr, ACT: tl.constexpr):
         # one row per program; ACT_FN 0: tanh GELU, 1: erf GELU, 2: SiLU, 3: none; ACT: the activations' dtype
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_N)[None, :]  # a [1, BLOCK_N] tile: the row
         mask = cols < n_cols
         h = tl.load(H + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         if ACT_FN == 0:
@@ -57,16 +56,11 @@ if triton is not None:
             a = h / (1.0 + tl.exp(-h))
         else:
             a = h
-        a = a.to(ACT).to(tl.float32)
-        if HAS_UP:
-            a = (a * tl.load(UP + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)).to(ACT).to(tl.float32)
-        a = tl.where(mask, a, 0.0)
-        scale = tl.maximum(tl.max(tl.abs(a), 0) / _Q_MAX, _Q_MIN_SCALE)
-        tl.store(SCALE + row, scale)
-        q = tl.minimum(tl.maximum(a / scale, -_Q_MAX), _Q_MAX)
+        if HAS_UP:  # act(gate) rounded as the unfused code rounds it, then the product (rounded in e4m3_rows)
+            a = a.to(ACT).to(tl.float32) * tl.load(UP + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        q, scale = e4m3_rows(a, mask, ACT)
+        tl.store(SCALE + row + tl.arange(0, 1), scale)
         tl.store(Q + row * n_cols + cols, q.to(Q.dtype.element_ty), mask=mask)
-
-    _ACT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None,
@@ -87,6 +81,6 @@ def act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None,
     q = torch.empty(h.shape, dtype=E4M3, device=h.device)
     scale = torch.empty(rows, dtype=torch.float32, device=h.device)
     launch(_act_quant_kernel, (rows,), h, h if up is None else up.contiguous(), q, scale, cols,
-           BLOCK_N=next_power_of_2(cols), ACT_FN=ACTIVATIONS[act], HAS_UP=up is not None, ACT=_ACT[h.dtype],
+           BLOCK_N=next_power_of_2(cols), ACT_FN=ACTIVATIONS[act], HAS_UP=up is not None, ACT=TL_DTYPES[h.dtype],
            num_warps=4 if cols <= 4096 else 8)
     return Quantized(q, scale)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fp8 import E4M3, E4M3_MAX, MIN_SCALE, quantize_rows
+from .fp8 import E4M3, quantize_rows
 from .runtime import cdiv, launch, next_power_of_2
 
 try:
@@ -72,8 +72,7 @@ def reference_layernorm_offset(s, offset, weight, bias, eps, merged_norm=None, q
 
 
 if triton is not None:
-    _Q_MAX = tl.constexpr(E4M3_MAX)
-    _Q_MIN_SCALE = tl.constexpr(MIN_SCALE)
+    from .fp8 import TL_DTYPES, e4m3_rows
 
     @triton.jit
     def _add_layernorm_kernel(X, Y, OFFSET, W, B, S, OUT, SCALE, W2, B2, OUT2, n_rows, n_cols, eps, eps2,
@@ -108,10 +107,8 @@ if triton is not None:
             b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
             y = diff * tl.math.rsqrt(var + eps)[:, None] * w[None, :] + b[None, :]
         if QUANT:
-            y = tl.where(mask, y.to(ACT).to(tl.float32), 0.0)
-            scale = tl.maximum(tl.max(tl.abs(y), 1) / _Q_MAX, _Q_MIN_SCALE)
+            q, scale = e4m3_rows(y, mask, ACT)
             tl.store(SCALE + rows, scale, mask=rows < n_rows)
-            q = tl.minimum(tl.maximum(y / scale[:, None], -_Q_MAX), _Q_MAX)
             tl.store(OUT + offs, q.to(OUT.dtype.element_ty), mask=mask)
         else:
             tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
@@ -141,9 +138,6 @@ def _merged_group(rows: int, cols: int, merged_norm) -> int:
     return group
 
 
-_ACT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if triton else {}
-
-
 def _launch(x, y, offset, weight, bias, eps, merged_norm, group, quantize=False, rows_per_prog=None,
             num_warps=None):
     rows, cols = x.shape
@@ -162,7 +156,7 @@ def _launch(x, y, offset, weight, bias, eps, merged_norm, group, quantize=False,
         weight if offset is None else offset, weight, weight if bias is None else bias, s, out, scale, w2,
         weight if b2 is None else b2, out2, rows, cols, eps, eps2, BLOCK_N=block_n, ROWS=rows_per_prog, GROUP=group,
         HAS_Y=y is not None, HAS_OFFSET=offset is not None, RMS=bias is None, QUANT=quantize,
-        ACT=_ACT[x.dtype], num_warps=num_warps)
+        ACT=TL_DTYPES[x.dtype], num_warps=num_warps)
     merged = (out2.view(rows // group, group * cols),) if group else ()
     return ((s,) if y is not None else ()) + (out, *((scale,) if quantize else ()), *merged)
 

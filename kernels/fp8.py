@@ -18,10 +18,32 @@ from typing import NamedTuple
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 # the smallest scale: an all-zero row quantises to zeros instead of dividing by zero
 MIN_SCALE = 1e-12
+
+
+if triton is not None:
+    _Q_MAX = tl.constexpr(E4M3_MAX)
+    _Q_MIN_SCALE = tl.constexpr(MIN_SCALE)
+    TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+    @triton.jit
+    def e4m3_rows(y, mask, ACT: tl.constexpr):
+        """The fused kernels' epilogue: the rows of a float32 tile `y [R, N]` (`mask`: its valid elements), each
+        value rounded to ACT (the activations' dtype, as the unfused output is), as e4m3 codes (float32 values,
+        clamped to the format's range; the caller casts them on store) and one scale per row (absmax / 448):
+        `quantize_rows` of the unfused output."""
+        y = tl.where(mask, y.to(ACT).to(tl.float32), 0.0)
+        scale = tl.maximum(tl.max(tl.abs(y), 1) / _Q_MAX, _Q_MIN_SCALE)
+        return tl.minimum(tl.maximum(y / scale[:, None], -_Q_MAX), _Q_MAX), scale
 
 
 class Quantized(NamedTuple):
