@@ -99,7 +99,8 @@ def load_encoder(settings: Settings) -> Encoder:
         log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
                     "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
     return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(),
-                        TowerOptions(attention_backend=settings.attention_backend, fused_qkv_rope=settings.fused_qkv_rope,
+                        TowerOptions(attention_backend=settings.attention_backend,
+                                     fused_qkv_rope=settings.fused_qkv_rope,
                                      residual_in_gemm=settings.residual_in_gemm, quantization=settings.quantization),
                         settings.graph_buckets())
 

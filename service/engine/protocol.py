@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from .shm import ALIGN, aligned
 
 _PREFIX = struct.Struct("<IQ")
 # Frames and results arrive in read-only bytes; they are only ever read, never written in place.
@@ -72,16 +73,10 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-ALIGN = 64  # where tensors start in a region of shared memory
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
 def region_bytes(nbytes) -> int:
-    """The bytes `write_tensors` takes for tensors of `nbytes` each, in a region that starts aligned."""
-    return sum(_aligned(n) for n in nbytes)
+    """The bytes `write_tensors` takes for tensors of `nbytes` each, in a region that starts aligned (as an arena's
+    regions do)."""
+    return sum(aligned(n) for n in nbytes)
 
 
 def write_tensors(mapping, offset: int, size: int, tensors: list[torch.Tensor]) -> bool:
@@ -89,7 +84,7 @@ def write_tensors(mapping, offset: int, size: int, tensors: list[torch.Tensor]) 
     False, having written nothing, where they do not fit there. numpy's copies let go of the interpreter lock."""
     at, spans = offset, []
     for t in tensors:
-        at = _aligned(at)
+        at = aligned(at)
         spans.append(at)
         at += t.nbytes
     if offset < 0 or at > min(offset + size, len(mapping)):
@@ -106,7 +101,7 @@ def tensor_at(payload: bytes, offset: int, shape, dtype: torch.dtype, align: boo
     the next ALIGN boundary, as `write_tensors` put it. Read through numpy: one or two torch calls rather than four,
     each of which costs a front-end tens of microseconds on a lone request's cold path."""
     if align:
-        offset = _aligned(offset)
+        offset = aligned(offset)
     n = math.prod(shape)
     t = torch.from_numpy(np.frombuffer(payload, _NUMPY[dtype], n, offset).reshape(shape))
     return (t.view(dtype) if t.dtype != dtype else t), offset + n * dtype.itemsize

@@ -38,10 +38,18 @@ SHM_DIR = "/dev/shm"
 PREFIX = "qwen3vl-frames-"
 
 
+ALIGN = 64  # where regions start, and tensors within a region of results (`protocol.write_tensors`)
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
 class Arena:
     """A front-end's shared buffer: first-fit regions, freed in any order (one event loop uses it)."""
 
-    ALIGN = 64
+    ALIGN = ALIGN
 
     def __init__(self, size: int, directory: str = SHM_DIR):
         """Create and map `size` bytes; `OSError` where the directory is missing or has no room for them."""
@@ -72,7 +80,7 @@ class Arena:
 
     def reserve(self, n: int) -> int | None:
         """A free region of at least `n` bytes (first fit); its offset, or None where no region is large enough."""
-        need = max(self.ALIGN, -(-n // self.ALIGN) * self.ALIGN)
+        need = max(ALIGN, aligned(n))
         for i, (offset, length) in enumerate(self._free):
             if length >= need:
                 if length == need:
@@ -125,8 +133,8 @@ def new_arena(size: int) -> Arena | None:
     try:
         return Arena(size)
     except OSError as e:
-        log.warning("no shared memory for frames and results (%s: %s); they go over the engine socket. Give the container "
-                    "more /dev/shm (compose: shm_size) or set QWEN3VL_SHARED_MEMORY_MIB=0 to silence this",
+        log.warning("no shared memory for frames and results (%s: %s); they go over the engine socket. Give the "
+                    "container more /dev/shm (compose: shm_size) or set QWEN3VL_SHARED_MEMORY_MIB=0 to silence this",
                     type(e).__name__, e)
         return None
 

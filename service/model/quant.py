@@ -2,8 +2,9 @@
 once at load per output channel, activations per token at every call (`kernels.fp8`). The inputs of qkv and of the
 MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks the norm for `Quantized` rows where
 `takes_quantized` says the consumer is FP8), and fc2's (down_proj's) the activation's (`kernels.act_quant`); only the
-attention's output projection quantises its input in front of its GEMM, in one pass (`act_quantize(x, "none")`). The patch
-and position embeddings, the norms, attention and the mergers stay in the tower's dtype."""
+attention's output projection quantises its input in front of its GEMM, in one pass on a GPU
+(`act_quantize(x, "none")`). The patch and position embeddings, the norms, attention and the mergers stay in the
+tower's dtype."""
 
 from __future__ import annotations
 
@@ -41,15 +42,17 @@ class Fp8Linear(nn.Module):
         place (then without the bias unless `add_bias`, as the tower's residual GEMMs leave it to the norm that
         follows)."""
         bias = self.bias if add_bias else None
-        if isinstance(x, torch.Tensor) and x.is_cuda:  # quantised in one pass of ours, not quantize_rows' several
-            rows = act_quantize(x.reshape(-1, x.shape[-1]), "none")
-            out = fp8_linear(rows, self.qweight, self.scale, bias, out_dtype=x.dtype).view(*x.shape[:-1], -1)
-            return out if residual is None else residual.add_(out)
-        # a `Quantized` x (from a norm's FP8 epilogue) carries no dtype: the output takes the bias's
-        out_dtype = self.bias.dtype if self.bias is not None and isinstance(x, Quantized) else None
-        if residual is None:
-            return fp8_linear(x, self.qweight, self.scale, bias, out_dtype=out_dtype)
-        return residual.add_(fp8_linear(x, self.qweight, self.scale, bias, out_dtype=out_dtype))
+        lead = None
+        if isinstance(x, Quantized):  # from a norm's or activation's FP8 epilogue: no dtype of its own, the bias's
+            out_dtype = self.bias.dtype if self.bias is not None else None
+        else:
+            out_dtype = x.dtype
+            if x.is_cuda:  # quantised in one pass of ours, not quantize_rows' several tensor ops
+                lead, x = x.shape[:-1], act_quantize(x.reshape(-1, x.shape[-1]), "none")
+        out = fp8_linear(x, self.qweight, self.scale, bias, out_dtype=out_dtype)
+        if lead is not None:
+            out = out.view(*lead, -1)
+        return out if residual is None else residual.add_(out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
