@@ -245,3 +245,25 @@ def as_hardware_would(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     truncated = (w.abs() <= 2 ** -6) & (g.abs() < w.abs()) & ((w - g).abs() == 2 ** -9)
     defect = (power_of_two & (g == w / 2)) | truncated
     return torch.where(defect, want, got)
+
+
+def exact_e4m3_rows(y: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows computed in float64, rounded to the activations' dtype, quantised per row in float64 (absmax / 448):
+    the codes and scales a fused FP8 epilogue should give."""
+    from kernels.fp8 import E4M3, E4M3_MAX
+
+    y = y.to(act_dtype).double()
+    scale = (y.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
+    return (y / scale[:, None]).to(E4M3), scale
+
+
+def assert_e4m3_rows(q, scale, want_q, want_scale) -> None:
+    """A fused FP8 epilogue's e4m3 rows against `exact_e4m3_rows`: scales within float32 rounding (1e-5); codes (the
+    interpreter's known conversion errors aside, `as_hardware_would`) at most one e4m3 step off, on at most 1% of
+    values (those on a rounding boundary, where float32 arithmetic and float64 part)."""
+    from kernels.fp8 import E4M3
+
+    assert q.dtype == E4M3 and torch.allclose(scale.double().cpu(), want_scale, rtol=1e-5, atol=0)
+    # same sign: the distance between codes is the distance between their bytes
+    steps = (as_hardware_would(q.cpu(), want_q).view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
+    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01, (steps.max(), (steps > 0).float().mean())

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import as_hardware_would, gpu, interpreted
+from conftest import as_hardware_would, assert_e4m3_rows, exact_e4m3_rows, gpu, interpreted
 from kernels.add_layernorm import add_layernorm, layernorm_offset, reference_add_layernorm, reference_layernorm_offset
 
 
@@ -142,16 +142,12 @@ def test_layernorm_offset_validates():
 def _exact_codes(s: torch.Tensor, offset, w, b, eps, act_dtype):
     """float64 norm of `s` (+ offset), rounded to the activations' dtype, quantised per row in float64: the codes
     and scales the fused FP8 epilogue should give."""
-    from kernels.fp8 import E4M3, E4M3_MAX
-
     sd = s.double() + (offset.double() if offset is not None else 0)
     if b is None:
         y = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
     else:
         y = F.layer_norm(sd, (sd.shape[1],), w.double(), b.double(), eps)
-    y = y.to(act_dtype).double()
-    scale = (y.abs().amax(-1) / E4M3_MAX).clamp_min(1e-12)
-    return (y / scale[:, None]).to(E4M3), scale
+    return exact_e4m3_rows(y, act_dtype)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 64), (7, 1024), (131, 1152), (9, 72), (5, 80)])
@@ -175,11 +171,7 @@ def test_norm_quantized_to_e4m3(rows, cols, dtype, rms):
     for got_q, got_scale, src, off in ((q, scale, s, None),
                                        layernorm_offset(s, offset, w, b, 1e-6, use_triton=True, quantize=True)
                                        + (s, offset)):
-        want_q, want_scale = _exact_codes(src, off, w, b, 1e-6, dtype)
-        assert torch.allclose(got_scale.double(), want_scale, rtol=1e-5, atol=0)
-        got_q = as_hardware_would(got_q, want_q)
-        steps = (got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()  # same sign: code distance
-        assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01, (steps.max(), (steps > 0).float().mean())
+        assert_e4m3_rows(got_q, got_scale, *_exact_codes(src, off, w, b, 1e-6, dtype))
     if rms:  # a zero row's RMSNorm is zero: the smallest scale, all codes 0 (a LayerNorm's is its bias)
         assert scale[rows // 2] == 1e-12 and (q[rows // 2].float() == 0).all()
 
@@ -230,6 +222,4 @@ def test_norm_quantized_to_e4m3_on_the_gpu(rows, cols, rms):
     b = None if rms else (0.1 * torch.randn(cols, generator=g, device="cuda")).bfloat16()
     s, q, scale = add_layernorm(x, y, w, b, 1e-6, quantize=True)
     want_q, want_scale = _exact_codes(s.cpu(), None, w.cpu(), None if b is None else b.cpu(), 1e-6, torch.bfloat16)
-    assert torch.allclose(scale.cpu().double(), want_scale, rtol=1e-5, atol=0)
-    steps = (q.cpu().view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
-    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01
+    assert_e4m3_rows(q, scale, want_q, want_scale)
