@@ -1,7 +1,8 @@
 """Whole-tower throughput on the GPU: our tower against transformers' and against the GEMM floor.
 
 `ours` is the served path (service.model.graphs: the forward replayed as a CUDA graph once its pack
-signature repeats; graphs only on the Triton backend); `ours-eager` launches kernel by kernel.
+signature repeats; graphs only on the Triton backend); `ours-eager` launches kernel by kernel; `ours-fp8` is `ours`
+with `QUANTIZATION=fp8` (the blocks' linear layers in e4m3, service.model.quant), graphed the same way.
 Workloads, in pixels (Qwen3-VL, patch 16: 448px -> 28x28 patches = 784 tokens; Qwen2.5-VL, patch 14: 448px ->
 32x32 patches, 16 windows of 64 tokens): 8x448px, 32x448px, 1x1024px, 4x768px and one 16-frame 448px video
 (8 temporal patches). Baselines in the same run:
@@ -18,6 +19,7 @@ Usage: python -m benchmarks.bench_tower [--presets qwen3-vl-2b qwen3-vl-8b qwen2
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from dataclasses import replace
@@ -32,6 +34,7 @@ from kernels.qkv_rope import gemm_candidates
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
+from service.model.quant import quantize_blocks
 from service.model.sizing import smart_resize
 from service.model.tower import layer_segments
 
@@ -133,10 +136,19 @@ def hf_tower(cfg, state):
     return model.to(torch.bfloat16).eval()
 
 
-def run_preset(name, workloads, compile_hf):
+def fp8_tower(tower):
+    """A copy of `tower` as the server loads it with QUANTIZATION=fp8 (service.model.loader)."""
+    twin = copy.deepcopy(tower)
+    twin.options = replace(tower.options, quantization="fp8")
+    quantize_blocks(twin)
+    return twin
+
+
+def run_preset(name, workloads, compile_hf, fp8=True):
     cfg = preset(name)
     ours = random_tower(cfg, "cuda", torch.bfloat16)
     hf = hf_tower(cfg, ours.state_dict())
+    ours_fp8 = fp8_tower(ours) if fp8 else None
     hf_compiled = torch.compile(hf) if compile_hf else None
     rows = []
     for wl in workloads:
@@ -170,6 +182,9 @@ def run_preset(name, workloads, compile_hf):
             fns["ours-unfused-qkv"] = unfused
         if hf_compiled is not None and wl == "32x448px":
             fns["hf-compile"] = lambda: hf_compiled(pixels, grid_thw=grid_t)
+        if ours_fp8 is not None:
+            graphed_fp8 = GraphedTower(ours_fp8)
+            fns["ours-fp8"] = lambda: graphed_fp8(pixels, grids)
         res = {}
         with torch.inference_mode():
             for key, fn in fns.items():
@@ -196,6 +211,8 @@ def run_preset(name, workloads, compile_hf):
                "fraction_of_floor": res["floor"]["ms"] / res["ours"]["ms"]}
         if "hf-compile" in res:
             row["speedup_vs_hf_compile"] = res["hf-compile"]["ms"] / res["ours"]["ms"]
+        if "ours-fp8" in res:
+            row["fp8_speedup"] = res["ours"]["ms"] / res["ours-fp8"]["ms"]
         rows.append(row)
     return rows
 
@@ -236,6 +253,7 @@ def main():
     ap.add_argument("--presets", nargs="+", default=["qwen3-vl-2b", "qwen3-vl-8b"])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-fp8", action="store_true", help="leave out the ours-fp8 rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.plot:
@@ -243,7 +261,7 @@ def main():
         return
     rows = []
     for p in args.presets:
-        rows += run_preset(p, args.workloads, compile_hf=not args.no_compile)
+        rows += run_preset(p, args.workloads, compile_hf=not args.no_compile, fp8=not args.no_fp8)
         torch.cuda.empty_cache()  # the preset's towers are gone with run_preset's frame
     table = []
     for r in rows:
@@ -251,11 +269,11 @@ def main():
         table.append({"preset": r["preset"], "workload": r["workload"], "attn": r["attention_backend"], "graph attn": r["graph_attention"],
                       **{f"{k} ms": v["ms"] for k, v in res.items()},
                       "ours img/s": res["ours"]["images_per_s"], "ours TFLOPS": res["ours"]["tflops"],
-                      "MFU": res["ours"]["mfu"], "x eager": r["speedup_vs_hf_eager"],
+                      "MFU": res["ours"]["mfu"], "x eager": r["speedup_vs_hf_eager"], "fp8 x": r.get("fp8_speedup"),
                       "x compile": r.get("speedup_vs_hf_compile"), "floor/ours": r["fraction_of_floor"]})
     cols = ["preset", "workload", "attn", "graph attn", "ours ms", "ours-unfused-qkv ms", "ours-eager ms", "ours-triton-attn ms", "ours-sdpa-attn ms", "hf-eager ms",
-            "hf-compile ms", "floor ms",
-            "ours img/s", "ours TFLOPS", "MFU", "x eager", "x compile", "floor/ours"]
+            "hf-compile ms", "floor ms", "ours-fp8 ms",
+            "ours img/s", "ours TFLOPS", "MFU", "x eager", "x compile", "floor/ours", "fp8 x"]
     print_table(table, cols)
     path = write_results("tower", {"benchmark": "tower", "env": environment(), "rows": rows}, args.out)
     try:
@@ -263,7 +281,8 @@ def main():
     except ImportError:  # matplotlib is optional: --plot draws it later from the JSON
         pass
     print(json.dumps({"benchmark": "tower", "rows": [(r["preset"], r["workload"],
-                      round(r["results"]["ours"]["images_per_s"], 1), round(r["speedup_vs_hf_eager"], 2))
+                      round(r["results"]["ours"]["images_per_s"], 1), round(r["speedup_vs_hf_eager"], 2),
+                      r.get("fp8_speedup") and round(r["fp8_speedup"], 3))
                       for r in rows]}))
 
 
