@@ -76,6 +76,16 @@ def reference_scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch
     return out.to(out_dtype)
 
 
+# cuBLASLt's FP8 GEMM (torch._scaled_mm) takes only operands whose every dimension is a multiple of 16
+GEMM_MULTIPLE = 16
+
+
+def fp8_gemm_shape(in_features: int, out_features: int) -> bool:
+    """Whether a linear layer of this shape can run as an FP8 GEMM (`GEMM_MULTIPLE`): Qwen2.5-VL-7B's MLP, of width
+    3420, cannot."""
+    return in_features % GEMM_MULTIPLE == 0 and out_features % GEMM_MULTIPLE == 0
+
+
 @functools.lru_cache(maxsize=None)
 def fp8_tensor_cores(device: torch.device) -> bool:
     """Whether `device` multiplies e4m3 on its tensor cores (sm89 and later)."""

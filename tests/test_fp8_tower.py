@@ -143,3 +143,47 @@ def test_fp8_linear_on_the_gpu_quantises_in_one_pass_as_quantize_rows(rows):
     residual = torch.randn(rows, 1024, generator=g, device="cuda").bfloat16()
     got = layer(x, residual=residual.clone(), add_bias=False)
     assert rel_err(got.float().cpu(), (residual.cpu().float() + want.float() - layer.bias.cpu().float())) <= 1e-2
+
+
+@pytest.mark.parametrize("intermediate", [120, 3420])
+def test_an_mlp_the_fp8_gemm_cannot_take_stays_whole_in_bf16(intermediate):
+    """cuBLASLt's FP8 GEMM takes only dimensions that are multiples of 16, and Qwen2.5-VL's MLP is 3420 wide (every
+    size of that family): its gate, up and down projections stay `nn.Linear`, fed by the norm and the activation in
+    the tower's dtype, while qkv and proj go to FP8; the tower stays close to the unquantised one."""
+    from dataclasses import replace
+
+    from kernels.fp8 import Quantized, fp8_gemm_shape
+
+    assert not fp8_gemm_shape(1280, 3420) and fp8_gemm_shape(1152, 4304)
+    cfg = replace(preset("tiny-qwen2.5"), intermediate_size=intermediate)
+    ref = random_tower(cfg, "cpu", torch.float32, seed=3)
+    tower = random_tower(cfg, "cpu", torch.float32, seed=3, options=TowerOptions(quantization="fp8"))
+    for block in tower.blocks:
+        assert isinstance(block.attn.qkv, Fp8Linear) and isinstance(block.attn.proj, Fp8Linear)
+        assert all(type(getattr(block.mlp, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+    seen = []
+    forward = Fp8Linear.forward
+    grids = [(1, 8, 12), (1, 4, 4)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_dim, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Fp8Linear, "forward", lambda self, x, *a, **k: seen.append(type(x)) or forward(self, x, *a, **k))
+        got = tower(pixels, tower.plan(grids))[0]
+        want = ref(pixels, ref.plan(grids))[0]
+    assert seen.count(Quantized) == len(tower.blocks)  # qkv's input from its norm; proj quantises its own
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99 and 0 < rel_err(got, want) <= 0.1
+
+
+@gpu
+def test_fp8_qwen2_5_vl_7b_blocks_run_on_the_gpu():
+    """Qwen2.5-VL-7B's widths through the FP8 tower on a GPU (two blocks, one full-attention): the 3420-wide MLP in
+    bf16, qkv and proj on cuBLASLt's FP8 GEMM, close to the bf16 tower."""
+    from dataclasses import replace
+
+    cfg = replace(preset("qwen2.5-vl-7b"), depth=2, fullatt_block_indexes=(1,))
+    ref = random_tower(cfg, "cuda", torch.bfloat16, seed=2)
+    tower = random_tower(cfg, "cuda", torch.bfloat16, seed=2, options=TowerOptions(quantization="fp8"))
+    grids = [(1, 32, 32), (1, 16, 24)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_dim, device="cuda").bfloat16()
+    with torch.inference_mode():
+        got, want = tower(pixels, tower.plan(grids))[0].float(), ref(pixels, ref.plan(grids))[0].float()
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99

@@ -128,7 +128,7 @@ PRESETS: dict[str, TowerConfig] = {
     "qwen2.5-vl-32b": _qwen2_5_vl(5120),
     "qwen2.5-vl-72b": _qwen2_5_vl(8192),
     # CPU tests: head_dim 16, windows of 2x2 merged patches, full attention in blocks 1 and 3.
-    "tiny-qwen2.5": _qwen2_5_vl(96, depth=4, hidden_size=64, intermediate_size=120, num_heads=4, window_size=56,
+    "tiny-qwen2.5": _qwen2_5_vl(96, depth=4, hidden_size=64, intermediate_size=128, num_heads=4, window_size=56,
                                 fullatt_block_indexes=(1, 3)),
 }
 

@@ -4,7 +4,8 @@ MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks 
 `takes_quantized` says the consumer is FP8), and fc2's (down_proj's) the activation's (`kernels.act_quant`); only the
 attention's output projection quantises its input in front of its GEMM, in one pass on a GPU
 (`act_quantize(x, "none")`). The patch and position embeddings, the norms, attention and the mergers stay in the
-tower's dtype."""
+tower's dtype, and so does a block's linear layer of a width that the FP8 GEMM does not take (`fp8_gemm_shape`: a
+multiple of 16; Qwen2.5-VL-7B's MLP, 3420 wide, stays whole in bf16, and its norm and activation then hand it bf16)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from kernels.act_quant import act_quantize
-from kernels.fp8 import Quantized, fp8_linear, quantize_weight
+from kernels.fp8 import Quantized, fp8_gemm_shape, fp8_linear, quantize_weight
 
 QUANTIZATIONS = ("none", "fp8")
 # the blocks' linear layers that run in FP8, by their attribute paths in a block
@@ -64,14 +65,21 @@ def takes_quantized(*linears: nn.Module) -> bool:
 
 
 def quantize_blocks(tower: nn.Module) -> int:
-    """Replace the blocks' linear layers with `Fp8Linear` in place; how many were replaced."""
+    """Replace the blocks' linear layers with `Fp8Linear` in place, those of a shape the FP8 GEMM takes
+    (`fp8_gemm_shape`); how many were replaced. An MLP is converted whole or not at all: its gate and up projections
+    read one quantised input, and a SwiGLU's activation feeds the output projection."""
     count = 0
     for block in tower.blocks:
         for path in FP8_LINEARS:
             owner_name, _, name = path.rpartition(".")
             owner = block.get_submodule(owner_name)
             linear = getattr(owner, name, None)
-            if isinstance(linear, nn.Linear):
+            if isinstance(linear, nn.Linear) and _fp8_fits(owner):
                 setattr(owner, name, Fp8Linear.from_linear(linear))
                 count += 1
     return count
+
+
+def _fp8_fits(owner: nn.Module) -> bool:
+    """Whether every linear layer directly in `owner` (an attention or an MLP) has a shape the FP8 GEMM takes."""
+    return all(fp8_gemm_shape(m.in_features, m.out_features) for m in owner.children() if isinstance(m, nn.Linear))
