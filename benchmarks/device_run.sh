@@ -3,6 +3,8 @@
 # processes when the command returns, unless they run in a session of their own; so `start` launches the suite in
 # one (setsid) and returns, and each `wait` waits up to N seconds, shows progress and copies everything written so
 # far into $OUT (the machine goes back after 30 s idle: issue the next `wait` at once).
+# The suite runs in a copy of the tree under $RUN_DIR: the device tool rewrites the working tree at every command,
+# and a server that imports a module while that happens fails (the soak at d9b6912 lost two video requests so).
 #   GIT_REVISION=abc1234 bash benchmarks/device_run.sh start tests attention service   (carry .whl, and .bin for soak)
 #   bash benchmarks/device_run.sh wait 540
 set -uo pipefail
@@ -12,10 +14,12 @@ case ${1:-} in
     shift
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       >/dev/null 2>&1 || { echo "cannot install .whl/*.whl: carry .whl"; exit 2; }
+    mkdir -p "$RUN_DIR/tree"
+    tar --exclude=./.whl --exclude=./.git -cf - . | tar -C "$RUN_DIR/tree" -xf -
+    cd "$RUN_DIR/tree" || exit 2
     export PYTHONPATH=/tmp/site:$PWD
     python3 -c "import fastapi, pydantic_settings, av, uvloop, xdist" || { echo "a carried wheel is missing"; exit 2; }
     [ -n "${GIT_REVISION:-}" ] || echo "GIT_REVISION is not set: results record the device copy's HEAD"
-    mkdir -p "$RUN_DIR"
     OUT=$RUN_DIR setsid nohup bash -c 'bash benchmarks/gpu_suite.sh "$@"; echo $? > "$OUT/DONE"' suite "$@" \
       > "$RUN_DIR/suite.log" 2>&1 < /dev/null &
     echo "started in its own session: $*" ;;
@@ -24,6 +28,6 @@ case ${1:-} in
     while [ ! -f "$RUN_DIR/DONE" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
     tail -n 8 "$RUN_DIR/suite.log"
     if [ -f "$RUN_DIR/DONE" ]; then echo "done: exit $(cat "$RUN_DIR/DONE")"; else echo "still running"; fi
-    cp -r "$RUN_DIR"/. "${OUT:?}/" ;;
+    find "$RUN_DIR" -maxdepth 1 -type f -exec cp {} "${OUT:?}/" \; ;;
   *) echo "usage: $0 start STEP... | wait SECONDS"; exit 2 ;;
 esac

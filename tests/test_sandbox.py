@@ -13,7 +13,7 @@ import pytest
 
 from conftest import make_video
 from service.engine.sandbox import DecodeSandbox
-from service.errors import ImageTooLarge, UnsupportedVideo
+from service.errors import ImageTooLarge, Unavailable, UnsupportedVideo
 from service.model.preprocess import PreprocessConfig, Preprocessor, decode_in_worker_config
 
 
@@ -81,3 +81,48 @@ def test_corrupt_video_is_a_typed_error(sandbox):
     with pytest.raises(UnsupportedVideo):
         asyncio.run(DecodeSandbox(cpu_s=30).run(decode_in_worker_config, PreprocessConfig(), video[: len(video) // 3],
                                                 None, None))
+
+
+def test_a_child_that_cannot_start_is_unavailable_not_the_inputs_fault(tmp_path, monkeypatch):
+    """A child that dies before the decoder runs is the server's fault (503), not the input's (422), and never an
+    unhandled exception (500): here its target's module is gone from disk after this process imported it, so the
+    child cannot import it, as when the installed code is replaced under a running server. With a small payload the
+    child exits with code 1; with one larger than a pipe's buffer the parent's write of it breaks first
+    (BrokenPipeError)."""
+    import shutil
+
+    box = DecodeSandbox(concurrency=1, cpu_s=5, wall_s=20)
+    (tmp_path / "sandbox_vanishing_target.py").write_text("def size(data):\n    return len(data)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sandbox_vanishing_target
+
+    (tmp_path / "sandbox_vanishing_target.py").unlink()
+    shutil.rmtree(tmp_path / "__pycache__", ignore_errors=True)
+
+    try:
+        for payload in (b"x" * 10, b"x" * (4 << 20)):
+            with pytest.raises(Unavailable, match="video decoder"):
+                _run(box, sandbox_vanishing_target.size, payload)
+        assert _run(box, _sleep, 0) != os.getpid()  # and the sandbox still decodes
+    finally:
+        box.close()
+
+
+def test_the_forkserver_is_started_with_the_sandbox_and_replaced_if_it_dies():
+    """The forkserver starts when the sandbox is made (not at the first video, under load); killed, it is started
+    again by the next call."""
+    import multiprocessing.forkserver
+    import signal
+
+    box = DecodeSandbox(concurrency=1, cpu_s=5, wall_s=20)
+    try:
+        deadline = time.monotonic() + 30
+        while multiprocessing.forkserver._forkserver._forkserver_pid is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = multiprocessing.forkserver._forkserver._forkserver_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        assert _run(box, _sleep, 0) != os.getpid()
+        assert multiprocessing.forkserver._forkserver._forkserver_pid not in (None, pid)
+    finally:
+        box.close()

@@ -2,13 +2,18 @@
 
 FFmpeg (through PyAV) decodes untrusted video containers in native code; a segfault, a runaway loop or a huge
 allocation there would otherwise take down the process serving every other request. The children fork from a
-forkserver that has already imported the decoders and torch, so a call costs a fork (milliseconds) next to a
-video decode (tens to hundreds of milliseconds). What the child returns is pickled back through a pipe.
+forkserver that has already imported the decoders, torch and this module, so a call costs a fork (milliseconds) next
+to a video decode (tens to hundreds of milliseconds) and reads no module from disk. The forkserver is started when the
+sandbox is made, in the background, rather than by the first video: importing torch there takes seconds of CPU,
+which each front-end would otherwise spend at once under load when the first videos arrive. What the child returns is
+pickled back through a pipe.
 
 Outcomes, each a typed `InvalidInput` naming the problem (the API answers 422 or 413):
 - the child is killed by a signal (SIGSEGV, SIGABRT, the kernel's OOM killer): `UnsupportedVideo`;
 - it used more CPU time than `cpu_s` (SIGXCPU from RLIMIT_CPU) or ran past `wall_s`: `UnsupportedVideo`;
 - it asked for more memory than `memory_bytes` (RLIMIT_DATA; MemoryError in Python): `ImageTooLarge`.
+A child that cannot be started, or dies before it runs the decoder (the forkserver gone, its target not importable, no
+processes left), is the server's fault, not the input's: `Unavailable` (503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -16,15 +21,16 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import resource
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..errors import ImageTooLarge, InvalidInput, UnsupportedVideo
+from ..errors import ImageTooLarge, InvalidInput, Unavailable, UnsupportedVideo
 from ..model.preprocess import Preprocessed, Preprocessor, decode_in_worker_config
 
-PRELOAD = ["numpy", "PIL.Image", "av", "torch", "service.model.preprocess"]
+PRELOAD = ["numpy", "PIL.Image", "av", "torch", "service.model.preprocess", __name__]
 
 
 def _child(conn, fn: Callable, args: tuple, cpu_s: float, memory_bytes: int) -> None:
@@ -54,6 +60,8 @@ class DecodeSandbox:
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="sandbox")
+        # the first call waits for this (the forkserver module's lock), later ones find it running
+        self._threads.submit(multiprocessing.forkserver.ensure_running)
 
     async def preprocess(self, preprocessor: Preprocessor, data: bytes, *args) -> Preprocessed:
         """`preprocessor(data, *args)` in a child process: only its uint8 frames, grid and metadata come back."""
@@ -67,9 +75,19 @@ class DecodeSandbox:
         raise value
 
     def _call(self, fn: Callable, args: tuple) -> tuple[bool, Any]:
-        recv, send = self._ctx.Pipe(duplex=False)
-        proc = self._ctx.Process(target=_child, args=(send, fn, args, self.cpu_s, self.memory_bytes), daemon=True)
-        proc.start()
+        for attempt in range(2):
+            recv, send = self._ctx.Pipe(duplex=False)
+            proc = self._ctx.Process(target=_child, args=(send, fn, args, self.cpu_s, self.memory_bytes), daemon=True)
+            try:
+                proc.start()
+                break
+            # the forkserver died (EOFError reading the new child's pid; the next start replaces it), the child died
+            # reading its arguments (BrokenPipeError), or no process could be made: the input never ran, so once more
+            except (OSError, EOFError) as e:
+                recv.close()
+                send.close()
+                if attempt:
+                    return False, Unavailable(f"the video decoder could not be started ({type(e).__name__}: {e})")
         send.close()
         try:
             ready = multiprocessing.connection.wait([recv, proc.sentinel], self.wall_s)
@@ -92,7 +110,7 @@ class DecodeSandbox:
                 proc.kill()
                 proc.join()
 
-    def _death(self, code: int | None) -> InvalidInput:
+    def _death(self, code: int | None) -> InvalidInput | Unavailable:
         if code is not None and code < 0:
             sig = signal.Signals(-code)
             if sig == signal.SIGXCPU:
@@ -100,7 +118,9 @@ class DecodeSandbox:
             if sig == signal.SIGKILL:
                 return ImageTooLarge("the decoder was killed (out of memory, or past its limits)")
             return UnsupportedVideo(f"the decoder crashed on this input ({sig.name})")
-        return UnsupportedVideo(f"the decoder exited with code {code}")
+        # `_child` answers for every exception of the decoder; a process that exits with a code of its own and no
+        # answer failed before it ran (its target could not be unpickled or imported): not this input's fault
+        return Unavailable(f"the video decoder process failed before decoding (exit code {code})")
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
