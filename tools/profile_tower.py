@@ -1,8 +1,12 @@
 """Where one tower forward's time goes: per-kernel CUDA times (torch.profiler) plus micro-benchmarks
 of each GEMM shape and memory-bound pass, so the breakdown can be set against the GEMM floor.
 
-Usage: python -m tools.profile_tower [--preset qwen3-vl-2b] [--workload 32x448px] [--out DIR]
-Writes profile_<preset>_<workload>.json.
+With `--quantization fp8` the tower is the FP8 one the server loads with QUANTIZATION=fp8, and the micro-benchmarks
+add each FP8 GEMM (cuBLASLt's scaled_mm, row-wise scales) beside its bf16 form, and the passes that quantise
+activations: where the FP8 tower's time goes against the bf16 one's.
+
+Usage: python -m tools.profile_tower [--preset qwen3-vl-2b] [--workload 32x448px] [--quantization none|fp8] [--out DIR]
+Writes profile_<preset>_<workload>[_fp8].json.
 """
 
 from __future__ import annotations
@@ -19,17 +23,22 @@ import torch
 import torch.nn.functional as F
 
 import kernels.add_layernorm
-from benchmarks.bench_tower import WORKLOADS
+from benchmarks.bench_tower import workload_grids
 from benchmarks.common import ClockLog, bench, environment, write_results
+from kernels.act_quant import act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
+from kernels.fp8 import fp8_gemm_shape, quantize_weight, scaled_linear
 from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
+from service.model.tower import TowerOptions
 
 CATEGORIES = [  # first match wins
     ("attention", r"varlen_attn|flash|fmha|cudnn|attention"),
+    ("activation quantise", r"act_quant"),
     ("add+layernorm", r"add_layernorm"),
+    ("fp8 gemm", r"e4m3|f8f8|fp8|scaled_mm"),
     ("qkv gemm+rope (triton)", r"qkv_rope_gemm"),
     ("rope", r"rope"),
     ("gemm", r"gemm|nvjet|sm90_xmma|cutlass|cublas|matmul|splitK"),
@@ -179,17 +188,50 @@ def micro(cfg, tokens: int) -> dict:
     return res
 
 
+def micro_fp8(cfg, tokens: int) -> dict:
+    """Each of a block's GEMMs in FP8 (e4m3 operands, row-wise scales, bias and bf16 out in cuBLASLt's epilogue) with
+    its input quantised already, and the passes the FP8 tower adds: quantising a bf16 activation alone
+    (proj's input), the GELU with its e4m3 epilogue, and the residual add after proj and fc2."""
+    h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
+    shapes = {"qkv": (3 * h, h), "proj": (h, h), "fc1": (inter, h), "fc2": (h, inter)}
+    res = {}
+    for name, (n, k) in shapes.items():
+        if not fp8_gemm_shape(k, n):
+            res[f"{name} fp8"] = {"skipped": f"{n} x {k}: not a width the FP8 GEMM takes"}
+            continue
+        x = torch.randn(tokens, k, device="cuda", dtype=dt)
+        wq, ws = quantize_weight(torch.randn(n, k, device="cuda", dtype=dt) * 0.02)
+        bias = torch.randn(n, device="cuda", dtype=dt) * 0.02
+        xq = act_quantize(x, "none")
+        ms = bench(lambda: scaled_linear(xq.codes, xq.scale, wq, ws, bias, out_dtype=dt), warmup_ms=50, rep_ms=300)
+        ms16 = bench(lambda: F.linear(x, wq.to(dt), bias), warmup_ms=50, rep_ms=300)
+        res[f"{name} fp8"] = {"ms": ms, "tflops": 2 * tokens * n * k / ms / 1e9, "bf16_ms": ms16, "speedup": ms16 / ms}
+    act = tokens * h * 2
+    x = torch.randn(tokens, h, device="cuda", dtype=dt)
+    y = torch.randn_like(x)
+    mid = torch.randn(tokens, inter, device="cuda", dtype=dt)
+    for name, fn, nbytes in (
+            ("quantise proj's input (act_quantize none)", lambda: act_quantize(x, "none"), act + act // 2),
+            ("gelu + e4m3 epilogue (act_quantize)", lambda: act_quantize(mid, "gelu_pytorch_tanh"),
+             tokens * inter * 3),
+            ("residual add after the GEMM (add_)", lambda: y.add_(x), 3 * act)):
+        ms = bench(fn, warmup_ms=50, rep_ms=300)
+        res[name] = {"ms": ms, "GB/s": nbytes / ms / 1e6}
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-vl-2b")
     ap.add_argument("--workload", default="32x448px")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--quantization", choices=("none", "fp8"), default="none")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = preset(args.preset)
-    grids = WORKLOADS[args.workload]
+    grids = workload_grids(cfg, args.workload)
     tokens = sum(t * h * w for t, h, w in grids)
-    tower = random_tower(cfg, "cuda", torch.bfloat16)
+    tower = random_tower(cfg, "cuda", torch.bfloat16, options=TowerOptions(quantization=args.quantization))
     pixels = torch.randn(tokens, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
 
     def fwd():
@@ -213,6 +255,8 @@ def main():
         for r in table:
             by_cat[r["category"]] += r["us_per_forward"]
         micro_res = micro(cfg, tokens)
+        if args.quantization == "fp8":
+            micro_res.update(micro_fp8(cfg, tokens))
         # A/B of the QKV projection's RoPE: in its epilogue (served), or by the pass
         served = tower.options
         micro_res["tower wall, Q and K rotated in the QKV projection"] = {"ms": wall}
@@ -239,8 +283,10 @@ def main():
         print(f"  {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:<5.0f} {r['category']:16s} {r['kernel'][:90]}")
     for k, v in micro_res.items():
         print(f"  micro {k:36s} {v}")
-    write_results(f"profile_{args.preset}_{args.workload}", {
+    suffix = "_fp8" if args.quantization == "fp8" else ""
+    write_results(f"profile_{args.preset}_{args.workload}{suffix}", {
         "benchmark": "profile_tower", "env": environment(), "preset": args.preset, "workload": args.workload,
+        "quantization": args.quantization,
         "tokens": tokens, "wall_ms": wall, "gpu_busy_ms": busy, "by_category_ms": {k: v / 1000 for k, v in by_cat.items()},
         "kernels": table, "micro": micro_res, "graphed_wall_ms": graphed_wall, "graphed_wall_gpu": sustained_clocks.summary(),
         "graphed_timeline": graph_timeline},
