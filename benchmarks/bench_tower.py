@@ -19,7 +19,6 @@ Usage: python -m benchmarks.bench_tower [--presets qwen3-vl-2b qwen3-vl-8b qwen2
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from dataclasses import replace
@@ -34,7 +33,7 @@ from kernels.qkv_rope import gemm_candidates
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
-from service.model.quant import quantize_blocks
+from service.model.quant_check import fp8_copy
 from service.model.sizing import smart_resize
 from service.model.tower import layer_segments
 
@@ -136,19 +135,11 @@ def hf_tower(cfg, state):
     return model.to(torch.bfloat16).eval()
 
 
-def fp8_tower(tower):
-    """A copy of `tower` as the server loads it with QUANTIZATION=fp8 (service.model.loader)."""
-    twin = copy.deepcopy(tower)
-    twin.options = replace(tower.options, quantization="fp8")
-    quantize_blocks(twin)
-    return twin
-
-
 def run_preset(name, workloads, compile_hf, fp8=True):
     cfg = preset(name)
     ours = random_tower(cfg, "cuda", torch.bfloat16)
     hf = hf_tower(cfg, ours.state_dict())
-    ours_fp8 = fp8_tower(ours) if fp8 else None
+    ours_fp8 = fp8_copy(ours) if fp8 else None
     hf_compiled = torch.compile(hf) if compile_hf else None
     rows = []
     for wl in workloads:

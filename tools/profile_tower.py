@@ -124,14 +124,19 @@ def timeline(fn, iters: int) -> dict:
             "largest_gaps_us": [(round(g, 1), a[:60], b[:60]) for g, a, b in sorted(gaps, reverse=True)[:15]]}
 
 
+def block_gemms(cfg) -> dict[str, tuple[int, int]]:
+    """A block's GEMMs: name -> (out_features, in_features)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {"qkv": (3 * h, h), "proj": (h, h), "fc1": (inter, h), "fc2": (h, inter)}
+
+
 def micro(cfg, tokens: int) -> dict:
     """Each GEMM shape and memory-bound pass of one block, alone."""
     h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
     x = torch.randn(tokens, h, device="cuda", dtype=dt)
     y = torch.randn_like(x)
     mid = torch.randn(tokens, inter, device="cuda", dtype=dt)
-    w = {n: torch.randn(o, i, device="cuda", dtype=dt) * 0.02 for n, (o, i) in
-         {"qkv": (3 * h, h), "proj": (h, h), "fc1": (inter, h), "fc2": (h, inter)}.items()}
+    w = {n: torch.randn(o, i, device="cuda", dtype=dt) * 0.02 for n, (o, i) in block_gemms(cfg).items()}
     b = {n: torch.randn(t.shape[0], device="cuda", dtype=dt) * 0.02 for n, t in w.items()}
     ln_w, ln_b = torch.ones(h, device="cuda", dtype=dt), torch.zeros(h, device="cuda", dtype=dt)
     qkv = torch.randn(tokens, 3, cfg.num_heads, cfg.head_dim, device="cuda", dtype=dt)
@@ -193,18 +198,18 @@ def micro_fp8(cfg, tokens: int) -> dict:
     its input quantised already, and the passes the FP8 tower adds: quantising a bf16 activation alone
     (proj's input), the GELU with its e4m3 epilogue, and the residual add after proj and fc2."""
     h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
-    shapes = {"qkv": (3 * h, h), "proj": (h, h), "fc1": (inter, h), "fc2": (h, inter)}
     res = {}
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in block_gemms(cfg).items():
         if not fp8_gemm_shape(k, n):
             res[f"{name} fp8"] = {"skipped": f"{n} x {k}: not a width the FP8 GEMM takes"}
             continue
         x = torch.randn(tokens, k, device="cuda", dtype=dt)
-        wq, ws = quantize_weight(torch.randn(n, k, device="cuda", dtype=dt) * 0.02)
+        w = torch.randn(n, k, device="cuda", dtype=dt) * 0.02
+        wq, ws = quantize_weight(w)
         bias = torch.randn(n, device="cuda", dtype=dt) * 0.02
         xq = act_quantize(x, "none")
         ms = bench(lambda: scaled_linear(xq.codes, xq.scale, wq, ws, bias, out_dtype=dt), warmup_ms=50, rep_ms=300)
-        ms16 = bench(lambda: F.linear(x, wq.to(dt), bias), warmup_ms=50, rep_ms=300)
+        ms16 = bench(lambda: F.linear(x, w, bias), warmup_ms=50, rep_ms=300)
         res[f"{name} fp8"] = {"ms": ms, "tflops": 2 * tokens * n * k / ms / 1e9, "bf16_ms": ms16, "speedup": ms16 / ms}
     act = tokens * h * 2
     x = torch.randn(tokens, h, device="cuda", dtype=dt)

@@ -8,7 +8,7 @@ and, layer by layer, the residual stream after every block (where the error buil
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +42,9 @@ def stepwise(tower: VisionTower, pixels: torch.Tensor, grids) -> tuple[list[torc
 
 
 def fp8_copy(tower: VisionTower) -> VisionTower:
-    """A copy of `tower` with FP8 blocks (the original untouched)."""
+    """A copy of `tower` with FP8 blocks, as the loader builds it with QUANTIZATION=fp8 (the original untouched)."""
     twin = copy.deepcopy(tower)
+    twin.options = replace(tower.options, quantization="fp8")
     quantize_blocks(twin)
     return twin
 
