@@ -92,13 +92,15 @@ def fp8_tensor_cores(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+def scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16, out=None) -> torch.Tensor:
     """The FP8 GEMM with row-wise scales (`x_scale [M]`, `w_scale [N]`), bias and the cast to `out_dtype` in its
-    epilogue: cuBLASLt where the device has FP8 tensor cores, else `reference_scaled_linear`."""
+    epilogue: cuBLASLt where the device has FP8 tensor cores, else `reference_scaled_linear`; into `out` (contiguous
+    `[M, N]` of `out_dtype`) if given."""
     if fp8_tensor_cores(xq.device):
         return torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], bias=bias,
-                                out_dtype=out_dtype)
-    return reference_scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype)
+                                out_dtype=out_dtype, **({} if out is None else {"out": out}))
+    y = reference_scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 def fp8_linear(x: "torch.Tensor | Quantized", wq: torch.Tensor, w_scale: torch.Tensor,

@@ -146,37 +146,45 @@ def test_fp8_linear_on_the_gpu_quantises_in_one_pass_as_quantize_rows(rows):
 
 
 @pytest.mark.parametrize("intermediate", [120, 3420])
-def test_an_mlp_the_fp8_gemm_cannot_take_stays_whole_in_bf16(intermediate):
-    """cuBLASLt's FP8 GEMM takes only dimensions that are multiples of 16, and Qwen2.5-VL's MLP is 3420 wide (every
-    size of that family): its gate, up and down projections stay `nn.Linear`, fed by the norm and the activation in
-    the tower's dtype, while qkv and proj go to FP8; the tower stays close to the unquantised one."""
+def test_an_mlp_the_fp8_gemm_cannot_take_is_padded_to_one_it_can(intermediate):
+    """The FP8 GEMM takes only dimensions that are multiples of 16 (TMA's 16-byte rows in e4m3, cuBLASLt's rule), and
+    Qwen2.5-VL's MLP is 3420 wide (every size of that family): gate, up and down are padded with zeros to the next
+    multiple, which computes the same function in float32, then quantised like every other block's; the tower stays
+    close to the unquantised one, every FP8 GEMM fed quantised rows but the attention's output projection."""
     from dataclasses import replace
 
     from kernels.fp8 import Quantized, fp8_gemm_shape
+    from service.model.quant import pad_mlp
 
     assert not fp8_gemm_shape(1280, 3420) and fp8_gemm_shape(1152, 4304)
     cfg = replace(preset("tiny-qwen2.5"), intermediate_size=intermediate)
     ref = random_tower(cfg, "cpu", torch.float32, seed=3)
-    tower = random_tower(cfg, "cpu", torch.float32, seed=3, options=TowerOptions(quantization="fp8"))
-    for block in tower.blocks:
-        assert isinstance(block.attn.qkv, Fp8Linear) and isinstance(block.attn.proj, Fp8Linear)
-        assert all(type(getattr(block.mlp, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
-    seen = []
-    forward = Fp8Linear.forward
+    padded = random_tower(cfg, "cpu", torch.float32, seed=3)
     grids = [(1, 8, 12), (1, 4, 4)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_dim, generator=torch.Generator().manual_seed(1))
+    assert all(pad_mlp(block.mlp, 16) for block in padded.blocks)
+    assert padded.blocks[0].mlp.down_proj.in_features == intermediate + (-intermediate % 16)
+    with torch.inference_mode():
+        want = ref(pixels, ref.plan(grids))[0]
+        torch.testing.assert_close(padded(pixels, padded.plan(grids))[0], want, rtol=1e-5, atol=1e-6)
+    tower = random_tower(cfg, "cpu", torch.float32, seed=3, options=TowerOptions(quantization="fp8"))
+    for block in tower.blocks:
+        assert all(type(getattr(block.mlp, n)) is Fp8Linear for n in ("gate_proj", "up_proj", "down_proj"))
+        assert block.mlp.down_proj.in_features % 16 == 0
+    seen = []
+    forward = Fp8Linear.forward
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(Fp8Linear, "forward", lambda self, x, *a, **k: seen.append(type(x)) or forward(self, x, *a, **k))
         got = tower(pixels, tower.plan(grids))[0]
-        want = ref(pixels, ref.plan(grids))[0]
-    assert seen.count(Quantized) == len(tower.blocks)  # qkv's input from its norm; proj quantises its own
+    # qkv, gate, up, down from their norms and activation; proj quantises its own
+    assert seen.count(Quantized) == 4 * len(tower.blocks) and len(seen) == 5 * len(tower.blocks)
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99 and 0 < rel_err(got, want) <= 0.1
 
 
 @gpu
 def test_fp8_qwen2_5_vl_7b_blocks_run_on_the_gpu():
-    """Qwen2.5-VL-7B's widths through the FP8 tower on a GPU (two blocks, one full-attention): the 3420-wide MLP in
-    bf16, qkv and proj on cuBLASLt's FP8 GEMM, close to the bf16 tower."""
+    """Qwen2.5-VL-7B's widths through the FP8 tower on a GPU (two blocks, one full-attention): the 3420-wide MLP
+    padded to 3424, every block GEMM in FP8, close to the bf16 tower."""
     from dataclasses import replace
 
     cfg = replace(preset("qwen2.5-vl-7b"), depth=2, fullatt_block_indexes=(1,))

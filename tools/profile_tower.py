@@ -28,6 +28,7 @@ from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.act_quant import act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.fp8 import fp8_gemm_shape, quantize_weight, scaled_linear
+from kernels.fp8_gemm import FP8_TILES, UNFUSED, _rope_tiles, fp8_gemm
 from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
@@ -195,8 +196,8 @@ def micro(cfg, tokens: int) -> dict:
 
 def micro_fp8(cfg, tokens: int) -> dict:
     """Each of a block's GEMMs in FP8 (e4m3 operands, row-wise scales, bias and bf16 out in cuBLASLt's epilogue) with
-    its input quantised already, and the passes the FP8 tower adds: quantising a bf16 activation alone
-    (proj's input), the GELU with its e4m3 epilogue, and the residual add after proj and fc2."""
+    its input quantised already, then in its served form (`fused_fp8`), and the passes the FP8 tower adds: quantising
+    a bf16 activation alone (proj's input), the GELU with its e4m3 epilogue, and the residual add cuBLASLt leaves."""
     h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
     res = {}
     for name, (n, k) in block_gemms(cfg).items():
@@ -211,6 +212,7 @@ def micro_fp8(cfg, tokens: int) -> dict:
         ms = bench(lambda: scaled_linear(xq.codes, xq.scale, wq, ws, bias, out_dtype=dt), warmup_ms=50, rep_ms=300)
         ms16 = bench(lambda: F.linear(x, w, bias), warmup_ms=50, rep_ms=300)
         res[f"{name} fp8"] = {"ms": ms, "tflops": 2 * tokens * n * k / ms / 1e9, "bf16_ms": ms16, "speedup": ms16 / ms}
+        res[f"{name} fp8, fused epilogue"] = fused_fp8(cfg, name, xq, wq, ws, bias, x, w)
     act = tokens * h * 2
     x = torch.randn(tokens, h, device="cuda", dtype=dt)
     y = torch.randn_like(x)
@@ -223,6 +225,41 @@ def micro_fp8(cfg, tokens: int) -> dict:
         ms = bench(fn, warmup_ms=50, rep_ms=300)
         res[name] = {"ms": ms, "GB/s": nbytes / ms / 1e6}
     return res
+
+
+def fused_fp8(cfg, name, xq, wq, ws, bias, x, w) -> dict:
+    """One block GEMM in the served FP8 form (`kernels.fp8_gemm`: RoPE for qkv, the residual in place for proj and
+    fc2, the bias for fc1) at each tile and as cuBLASLt plus the pass (`UNFUSED`), beside the bf16 GEMM the bf16
+    tower runs for it (qkv_rope_linear, addmm_, the GELU epilogue)."""
+    tokens, k = x.shape
+    heads = cfg.num_heads
+    cos = torch.rand(tokens, cfg.head_dim // 2, device="cuda")
+    sin = torch.rand_like(cos)
+    acc = torch.randn(tokens, wq.shape[0], device="cuda", dtype=x.dtype)
+    if name == "qkv":
+        call = lambda tile: fp8_gemm(xq, wq, ws, bias, rope=(cos, sin, heads), tile=tile)  # noqa: E731
+        tiles = _rope_tiles(cfg.hidden_size, cfg.head_dim) if cfg.head_dim & (cfg.head_dim - 1) == 0 else []
+        bf16 = lambda: qkv_rope_linear(x, w, bias, cos, sin, heads)  # noqa: E731
+    elif name in ("proj", "fc2"):
+        call = lambda tile: fp8_gemm(xq, wq, ws, residual=acc, tile=tile)  # noqa: E731
+        tiles = FP8_TILES
+        bf16 = lambda: acc.addmm_(x, w.t())  # noqa: E731
+    else:
+        call = lambda tile: fp8_gemm(xq, wq, ws, bias, tile=tile)  # noqa: E731
+        tiles = FP8_TILES
+        bf16 = lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)  # noqa: E731
+    times = {}
+    for tile in [*tiles, UNFUSED]:
+        try:
+            times[str(tile)] = bench(lambda: call(tile), warmup_ms=25, rep_ms=150)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile here
+            times[str(tile)] = f"{type(e).__name__}: {e}"[:200]
+    timed = {t: ms for t, ms in times.items() if isinstance(ms, float)}
+    fused = {t: ms for t, ms in timed.items() if t != UNFUSED}
+    best = min(fused, key=fused.get) if fused else None
+    ms16 = bench(bf16, warmup_ms=50, rep_ms=300)
+    return {"best_tile": best, "best_ms": fused.get(best), "unfused_ms": timed.get(UNFUSED), "bf16_served_ms": ms16,
+            "speedup_over_bf16": ms16 / min(timed.values()), "tiles_ms": times}
 
 
 def main():

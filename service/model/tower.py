@@ -36,7 +36,7 @@ from kernels.act_quant import ACTIVATIONS as QUANTIZED_ACTIVATIONS, act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.fp8 import Quantized
 from kernels.pos_embed import pos_embed_add_
-from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_, qkv_rope_linear
+from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_linear
 
 from .config import TowerConfig
 from .quant import QUANTIZATIONS, takes_quantized
@@ -288,11 +288,9 @@ class Attention(nn.Module):
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated, into `out` if given. `backend` is the tower's (it
         decides the fused projection)."""
-        if not isinstance(self.qkv, nn.Linear):  # FP8 (`quant.Fp8Linear`): the projection, then the RoPE pass
-            qkv = self.qkv(x)  # x: `Quantized` rows from the norm's pass
-            if out is not None:
-                qkv = out.view(qkv.shape).copy_(qkv)
-            return qkv_rope_(qkv.view(qkv.shape[0], 3, self.num_heads, -1), cos, sin, use_triton=_fused(backend))
+        if not isinstance(self.qkv, nn.Linear):  # FP8 (`quant.Fp8Linear`; x: `Quantized` rows from the norm's pass)
+            return self.qkv(x, rope=(cos, sin, self.num_heads), out=out,
+                            use_triton=_fused(backend) if options.fused_qkv_rope else False)
         if (backend == "triton" and options.fused_qkv_rope
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):
             return qkv_rope_linear(x, self.qkv.weight, self.qkv.bias, cos, sin, self.num_heads, out=out)
