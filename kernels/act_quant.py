@@ -40,13 +40,9 @@ if triton is not None:
     from .fp8 import TL_DTYPES, e4m3_rows
 
     @triton.jit
-    def _act_quant_kernel(H, UP, Q, SCALE, n_cols, BLOCK_N: tl.constexpr, ACT_FN: tl.constexpr,
-                          HAS_UP: tl.constexpr, ACT: tl.constexpr):
-        # one row per program; ACT_FN 0: tanh GELU, 1: erf GELU, 2: SiLU, 3: none; ACT: the activations' dtype
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_N)[None, :]  # a [1, BLOCK_N] tile: the row
-        mask = cols < n_cols
-        h = tl.load(H + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    def activation(h, ACT_FN: tl.constexpr):
+        """The activation of float32 `h`: ACT_FN 0 tanh GELU, 1 erf GELU, 2 SiLU, 3 none."""
+        a = h
         if ACT_FN == 0:
             inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)
             a = 0.5 * h * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner), without overflow
@@ -54,8 +50,16 @@ if triton is not None:
             a = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
         elif ACT_FN == 2:
             a = h / (1.0 + tl.exp(-h))
-        else:
-            a = h
+        return a
+
+    @triton.jit
+    def _act_quant_kernel(H, UP, Q, SCALE, n_cols, BLOCK_N: tl.constexpr, ACT_FN: tl.constexpr,
+                          HAS_UP: tl.constexpr, ACT: tl.constexpr):
+        # one row per program; ACT_FN 0: tanh GELU, 1: erf GELU, 2: SiLU, 3: none; ACT: the activations' dtype
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)[None, :]  # a [1, BLOCK_N] tile: the row
+        mask = cols < n_cols
+        a = activation(tl.load(H + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32), ACT_FN)
         if HAS_UP:  # act(gate) rounded as the unfused code rounds it, then the product (rounded in e4m3_rows)
             a = a.to(ACT).to(tl.float32) * tl.load(UP + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         q, scale = e4m3_rows(a, mask, ACT)

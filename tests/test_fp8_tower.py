@@ -18,7 +18,7 @@ from service.model.encoder import Encoder
 from service.model.loader import random_tower
 from service.model.quant import Fp8Linear
 from service.model.quant_check import all_tokens, compare, fp8_copy, plant_outliers, unit_gain
-from service.model.tower import TowerOptions
+from service.model.tower import TowerOptions, VisionTower
 
 from conftest import gpu, random_pngs, rel_err
 from servers import serve
@@ -28,10 +28,11 @@ from servers import serve
 def test_fp8_replaces_the_blocks_linear_layers_only(name):
     cfg = preset(name)
     tower = random_tower(cfg, "cpu", torch.float32, options=TowerOptions(quantization="fp8"))
-    per_block = 5 if cfg.windowed else 4  # qkv, proj, fc1, fc2 (SwiGLU: gate, up, down)
+    per_block = 4 if cfg.windowed else 3  # qkv, fc1, fc2 (SwiGLU: gate, up, down); proj stays (FP8_LINEARS)
     fp8 = [n for n, m in tower.named_modules() if isinstance(m, Fp8Linear)]
     assert len(fp8) == per_block * cfg.depth and all(n.startswith("blocks.") for n in fp8)
     assert isinstance(tower.merger.linear_fc1 if not cfg.windowed else tower.merger.mlp[0], nn.Linear)
+    assert all(type(block.attn.proj) is nn.Linear for block in tower.blocks)
     with pytest.raises(ValueError, match="quantization"):
         TowerOptions(quantization="int8")
 
@@ -119,7 +120,7 @@ def test_norms_hand_the_fp8_gemms_quantised_rows(name, monkeypatch):
                                                                                                          **k))
     with torch.inference_mode():
         handed = fp8(pixels, plan)
-        assert seen.count(Quantized) == (4 if fp8.config.windowed else 3) * len(fp8.blocks)  # all but proj
+        assert seen == [Quantized] * (4 if fp8.config.windowed else 3) * len(fp8.blocks)
         monkeypatch.setattr(tower_module, "_reads_fp8", lambda part: False)
         monkeypatch.setattr(tower_module, "_quantizes_activation", lambda output, act: False)
         own = fp8(pixels, plan)
@@ -154,16 +155,18 @@ def test_an_mlp_the_fp8_gemm_cannot_take_is_padded_to_one_it_can(intermediate):
     from dataclasses import replace
 
     from kernels.fp8 import Quantized, fp8_gemm_shape
-    from service.model.quant import pad_mlp
+    from service.model.tower import pad_mlp
 
     assert not fp8_gemm_shape(1280, 3420) and fp8_gemm_shape(1152, 4304)
     cfg = replace(preset("tiny-qwen2.5"), intermediate_size=intermediate)
-    ref = random_tower(cfg, "cpu", torch.float32, seed=3)
-    padded = random_tower(cfg, "cpu", torch.float32, seed=3)
+    padded = random_tower(cfg, "cpu", torch.float32, seed=3)  # the loader pads
+    ref = VisionTower(cfg).eval()
+    ref.load_state_dict(padded.state_dict())  # state_dict() keeps the checkpoint's shapes
     grids = [(1, 8, 12), (1, 4, 4)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_dim, generator=torch.Generator().manual_seed(1))
-    assert all(pad_mlp(block.mlp, 16) for block in padded.blocks)
+    assert not any(pad_mlp(block.mlp, 16) for block in padded.blocks)  # padded already, by the loader
     assert padded.blocks[0].mlp.down_proj.in_features == intermediate + (-intermediate % 16)
+    assert ref.blocks[0].mlp.down_proj.in_features == intermediate
     with torch.inference_mode():
         want = ref(pixels, ref.plan(grids))[0]
         torch.testing.assert_close(padded(pixels, padded.plan(grids))[0], want, rtol=1e-5, atol=1e-6)
@@ -176,8 +179,8 @@ def test_an_mlp_the_fp8_gemm_cannot_take_is_padded_to_one_it_can(intermediate):
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(Fp8Linear, "forward", lambda self, x, *a, **k: seen.append(type(x)) or forward(self, x, *a, **k))
         got = tower(pixels, tower.plan(grids))[0]
-    # qkv, gate, up, down from their norms and activation; proj quantises its own
-    assert seen.count(Quantized) == 4 * len(tower.blocks) and len(seen) == 5 * len(tower.blocks)
+    # qkv, gate, up, down from their norms and activation (proj stays in the tower's dtype)
+    assert seen == [Quantized] * 4 * len(tower.blocks)
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99 and 0 < rel_err(got, want) <= 0.1
 
 
@@ -195,3 +198,38 @@ def test_fp8_qwen2_5_vl_7b_blocks_run_on_the_gpu():
     with torch.inference_mode():
         got, want = tower(pixels, tower.plan(grids))[0].float(), ref(pixels, ref.plan(grids))[0].float()
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() >= 0.99
+
+
+def test_fused_fp8_epilogues_in_the_tower(monkeypatch):
+    """The served FP8 forward on the Triton backend (interpreted here): qkv with RoPE in its epilogue into the
+    forward's buffer, fc1 with the GELU and its e4m3 groups in its epilogue, fc2 reading those groups and adding the
+    residual in place, every one the fused kernel; against the FP8 tower without them (cuBLASLt's arithmetic and the
+    passes, per-row scales) and the float one. Head dim 64 (a tile covers whole heads), an MLP 200 wide (padded to
+    208: a group of 128 and a shorter one)."""
+    from dataclasses import replace
+
+    import kernels.fp8_gemm as fp8_gemm_module
+
+    cfg = replace(preset("tiny"), hidden_size=128, num_heads=2, intermediate_size=200)
+    ref = random_tower(cfg, "cpu", torch.float32, seed=5)
+    unfused = random_tower(cfg, "cpu", torch.float32, seed=5, options=TowerOptions(quantization="fp8"))
+    fused = random_tower(cfg, "cpu", torch.float32, seed=5,
+                         options=TowerOptions(attention_backend="triton", quantization="fp8"))
+    launched = []
+    launch = fp8_gemm_module.launch
+    monkeypatch.setattr(fp8_gemm_module, "launch",
+                        lambda fn, grid, *a, **k: launched.append(k) or launch(fn, grid, *a, **k))
+    grids = [(1, 6, 10), (1, 4, 4)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_dim, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        want = ref(pixels, ref.plan(grids))
+        plain = unfused(pixels, unfused.plan(grids))
+        assert not launched
+        got = fused(pixels, fused.plan(grids))
+    modes = [(k["ROPE"], k["ACT_FN"], k["X_GROUPED"], k["HAS_RES"]) for k in launched]
+    assert modes == [(True, -1, False, False), (False, 0, False, False), (False, -1, True, True)] * cfg.depth
+    cos = torch.nn.functional.cosine_similarity
+    for a, b, c in zip(got, plain, want):  # merged tokens, then DeepStack
+        a, b, c = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), c.reshape(-1, c.shape[-1])
+        assert cos(a, b, dim=-1).min() >= 0.995 and cos(a, c, dim=-1).min() >= 0.99
+        assert 0 < rel_err(a, c) <= 0.1

@@ -13,7 +13,7 @@ from .config import TowerConfig, preset, tower_config_from_dir
 from ..errors import CheckpointError
 from .preprocess import PreprocessConfig
 from .quant import quantize_blocks
-from .tower import RMSNorm, TowerOptions, VisionTower
+from .tower import RMSNorm, TowerOptions, VisionTower, pad_mlp
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def random_tower(cfg: TowerConfig, device, dtype, seed: int = 0, options: TowerO
             noise += 1.0
         state[name] = noise.to(dtype)
     tower.load_state_dict(state, assign=True, strict=True)
-    return _quantized(tower.eval())
+    return _prepared(tower.eval())
 
 
 def model_configs(model: str) -> tuple[TowerConfig, PreprocessConfig]:
@@ -105,11 +105,14 @@ def load_tower(model: str, device="cpu", dtype="float32", options: TowerOptions 
     tower = tower.to(device).eval()
     log.info("loaded vision tower from %s: %d blocks, hidden %d, %s on %s", path, cfg.depth, cfg.hidden_size,
              dtype, device)
-    return _quantized(tower), pre
+    return _prepared(tower), pre
 
 
-def _quantized(tower: VisionTower) -> VisionTower:
-    """The tower with its blocks' linear layers in FP8 where its options say so (`quant.quantize_blocks`)."""
+def _prepared(tower: VisionTower) -> VisionTower:
+    """The loaded tower as it is served: MLPs padded to GEMM-friendly widths (`tower.pad_mlp`: Qwen2.5-VL's 3420),
+    and its blocks' linear layers in FP8 where its options say so (`quant.quantize_blocks`)."""
+    for block in tower.blocks:
+        pad_mlp(block.mlp)
     if tower.options.quantization == "fp8":
         count = quantize_blocks(tower)
         log.info("FP8 on: %d linear layers of the blocks in e4m3 (weights per output channel, activations per "

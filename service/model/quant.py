@@ -1,11 +1,10 @@
 """FP8 blocks (`TowerOptions.quantization = "fp8"`): each block's linear layers become `Fp8Linear`, weights quantised
 once at load per output channel, activations per token at every call (`kernels.fp8`). The inputs of qkv and of the
 MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks the norm for `Quantized` rows where
-`takes_quantized` says the consumer is FP8), and fc2's (down_proj's) the activation's (`kernels.act_quant`); only the
-attention's output projection quantises its input in front of its GEMM, in one pass on a GPU
-(`act_quantize(x, "none")`). The patch and position embeddings, the norms, attention and the mergers stay in the
-tower's dtype. An MLP of a width that the FP8 GEMM does not take (`fp8_gemm_shape`: a multiple of 16; Qwen2.5-VL's,
-3420) is padded with zeros to one it does (`pad_mlp`)."""
+`takes_quantized` says the consumer is FP8), and fc2's (down_proj's) the activation's (`kernels.act_quant`). The GEMMs
+run `kernels.fp8_gemm`, with the QKV projection's RoPE and the residual add in their epilogues. The patch and
+position embeddings, the norms, attention, the attention's output projection (`FP8_LINEARS`) and the mergers stay in
+the tower's dtype."""
 
 from __future__ import annotations
 
@@ -13,13 +12,15 @@ import torch
 import torch.nn as nn
 
 from kernels.act_quant import act_quantize
-from kernels.fp8 import GEMM_MULTIPLE, Quantized, fp8_gemm_shape, quantize_rows, quantize_weight
+from kernels.fp8 import Quantized, fp8_gemm_shape, quantize_rows, quantize_weight
 from kernels.fp8_gemm import UNFUSED, fp8_gemm
 
 QUANTIZATIONS = ("none", "fp8")
 # the blocks' linear layers that run in FP8, by their attribute paths in a block
-FP8_LINEARS = ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2", "mlp.gate_proj", "mlp.up_proj",
-               "mlp.down_proj")
+# (the attention's output projection stays in bf16: its GEMM is the block's smallest, and in FP8, with its input
+# quantised in a pass of its own, it took longer than in bf16 with the residual in cuBLAS's epilogue: 2B at 32 x 448
+# px on an H200, 0.106 against 0.089 ms, docs/PERFORMANCE.md)
+FP8_LINEARS = ("attn.qkv", "mlp.linear_fc1", "mlp.linear_fc2", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 class Fp8Linear(nn.Module):
@@ -39,12 +40,13 @@ class Fp8Linear(nn.Module):
         return cls(q, scale, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: "torch.Tensor | Quantized", residual: torch.Tensor | None = None, add_bias: bool = True,
-                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
-                use_triton: bool | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, act: str | None = None,
+                out: torch.Tensor | None = None, use_triton: bool | None = None) -> "torch.Tensor | Quantized":
         """`x @ W.T + bias` (x in the activations' dtype, or quantised already) through `kernels.fp8_gemm`: with
         `residual`, added into it in place (then without the bias unless `add_bias`, as the tower's residual GEMMs
         leave it to the norm that follows); with `rope = (cos, sin, heads)` (the QKV projection), `(T, 3, heads,
-        head_dim)` with Q and K rotated, into `out` if given. `use_triton`: the fused kernel (None: on a GPU)."""
+        head_dim)` with Q and K rotated, into `out` if given; with `act` (fc1 before an FP8 fc2), the activation of
+        the output as `Quantized` rows. `use_triton`: the fused kernel (None: on a GPU)."""
         bias = self.bias if add_bias else None
         lead = None
         if isinstance(x, Quantized):  # from a norm's or activation's FP8 epilogue: no dtype of its own, the bias's
@@ -54,9 +56,9 @@ class Fp8Linear(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             # on a GPU quantised in one pass of ours, not quantize_rows' several tensor ops
             x = act_quantize(rows, "none") if rows.is_cuda else Quantized(*quantize_rows(rows))
-        y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, out=out,
-                     tile=None if use_triton is not False else UNFUSED, use_triton=use_triton)
-        return y if lead is None or residual is not None or rope is not None else y.view(*lead, -1)
+        y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, act=act,
+                     out=out, tile=None if use_triton is not False else UNFUSED, use_triton=use_triton)
+        return y if lead is None or residual is not None or rope is not None or act else y.view(*lead, -1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
@@ -68,13 +70,12 @@ def takes_quantized(*linears: nn.Module) -> bool:
 
 
 def quantize_blocks(tower: nn.Module) -> int:
-    """Replace the blocks' linear layers with `Fp8Linear` in place; how many were replaced. An MLP whose width the FP8
-    GEMM does not take (`fp8_gemm_shape`: Qwen2.5-VL's 3420) is first padded to one it does (`pad_mlp`: the same
-    function); an attention or MLP whose other dimensions it does not take stays whole in the tower's dtype: an
-    MLP's input projections read one quantised input, and its activation feeds the output projection."""
+    """Replace the blocks' linear layers named in `FP8_LINEARS` with `Fp8Linear` in place; how many were replaced.
+    An attention or MLP with a dimension the FP8 GEMM does not take (`fp8_gemm_shape`; the loader pads MLPs to
+    widths it takes, `tower.pad_mlp`) stays whole in the tower's dtype: an MLP's input projections read one quantised
+    input, and its activation feeds the output projection."""
     count = 0
     for block in tower.blocks:
-        pad_mlp(block.mlp, GEMM_MULTIPLE)
         for path in FP8_LINEARS:
             owner_name, _, name = path.rpartition(".")
             owner = block.get_submodule(owner_name)
@@ -83,37 +84,6 @@ def quantize_blocks(tower: nn.Module) -> int:
                 setattr(owner, name, Fp8Linear.from_linear(linear))
                 count += 1
     return count
-
-
-def pad_mlp(mlp: nn.Module, multiple: int) -> bool:
-    """Widen an MLP's intermediate size to a multiple of `multiple` with zeros, in place: its input projections (fc1,
-    or gate and up) get zero rows and zero biases, its output projection zero columns. The padded channels are
-    act(0) (* 0) = 0 for GELU and SiLU, and add nothing: the same function. Whether it padded."""
-    output = mlp.output
-    inputs = [m for m in mlp.children() if isinstance(m, nn.Linear) and m is not output]
-    width = output.in_features
-    if width % multiple == 0 or not inputs or any(m.out_features != width for m in inputs):
-        return False
-    pad = -width % multiple
-    for name, m in mlp.named_children():
-        if m is output:
-            wider = nn.Linear(width + pad, m.out_features, bias=m.bias is not None, device=m.weight.device,
-                              dtype=m.weight.dtype)
-            with torch.no_grad():
-                wider.weight.zero_()[:, :width].copy_(m.weight)
-                if m.bias is not None:
-                    wider.bias.copy_(m.bias)
-        elif m in inputs:
-            wider = nn.Linear(m.in_features, width + pad, bias=m.bias is not None, device=m.weight.device,
-                              dtype=m.weight.dtype)
-            with torch.no_grad():
-                wider.weight.zero_()[:width].copy_(m.weight)
-                if m.bias is not None:
-                    wider.bias.zero_()[:width].copy_(m.bias)
-        else:
-            continue
-        setattr(mlp, name, wider.requires_grad_(False))
-    return True
 
 
 def _fp8_fits(owner: nn.Module) -> bool:

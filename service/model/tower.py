@@ -228,13 +228,12 @@ def _reads_fp8(part: nn.Module) -> bool:
     return takes_quantized(part.linear_fc1)
 
 
-def _project(linear: nn.Linear, x, residual):
-    """linear(x), or with a residual `residual += x @ W^T` in the GEMM's epilogue (bias left out)."""
-    if residual is None:
-        return linear(x)
+def _project(linear: nn.Linear, x, residual, use_triton: bool | None = None):
+    """linear(x), or with a residual `residual += x @ W^T` in the GEMM's epilogue (bias left out). `use_triton`: an
+    FP8 layer's fused kernel (`quant.Fp8Linear`; None: on a GPU)."""
     if isinstance(linear, nn.Linear):
-        return residual.addmm_(x, linear.weight.t())
-    return linear(x, residual=residual, add_bias=False)  # FP8 (`quant.Fp8Linear`)
+        return linear(x) if residual is None else residual.addmm_(x, linear.weight.t())
+    return linear(x, residual=residual, add_bias=residual is None, use_triton=use_triton)
 
 
 def _bilinear_taps(index, size, side):
@@ -330,17 +329,18 @@ class MLP(nn.Module):
         self.hidden_act = cfg.hidden_act
         self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x, residual: torch.Tensor | None = None):
-        """The MLP; with `residual`, returns `residual` + the MLP without fc2's bias."""
+    def forward(self, x, residual: torch.Tensor | None = None, use_triton: bool | None = None):
+        """The MLP; with `residual`, returns `residual` + the MLP without fc2's bias. `use_triton`: the FP8 layers'
+        fused kernels (None: on a GPU)."""
         if self.tanh_gelu and isinstance(self.linear_fc1, nn.Linear) and x.is_cuda and gelu_epilogue_ok(x.device):
             # bias + tanh-GELU in the GEMM's epilogue (cuBLASLt), computed from the fp32 accumulator:
             # saves a read and a write of the widest activation of the block
             h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
-        elif _quantizes_activation(self.linear_fc2, self.hidden_act):
-            h = act_quantize(self.linear_fc1(x), self.hidden_act)  # FP8 fc2: e4m3 rows from the GELU's pass
+        elif _quantizes_activation(self.linear_fc2, self.hidden_act):  # FP8 (quantised whole: fc1 is FP8 too)
+            h = self.linear_fc1(x, act=self.hidden_act, use_triton=use_triton)  # e4m3 from its epilogue (or a pass)
         else:
             h = self.act_fn(self.linear_fc1(x))
-        return _project(self.linear_fc2, h, residual)
+        return _project(self.linear_fc2, h, residual, use_triton)
 
     @property
     def output(self) -> nn.Linear:
@@ -358,13 +358,14 @@ class GatedMLP(nn.Module):
         self.act_fn = activation(cfg.hidden_act)
         self.hidden_act = cfg.hidden_act
 
-    def forward(self, x, residual: torch.Tensor | None = None):
-        """The MLP; with `residual`, returns `residual` + the MLP without down_proj's bias."""
+    def forward(self, x, residual: torch.Tensor | None = None, use_triton: bool | None = None):
+        """The MLP; with `residual`, returns `residual` + the MLP without down_proj's bias. `use_triton` as `MLP`'s."""
         if _quantizes_activation(self.down_proj, self.hidden_act):  # FP8 down_proj: e4m3 rows from the SwiGLU's pass
-            h = act_quantize(self.gate_proj(x), self.hidden_act, self.up_proj(x))
+            h = act_quantize(self.gate_proj(x, use_triton=use_triton), self.hidden_act,
+                             self.up_proj(x, use_triton=use_triton))
         else:
             h = self.act_fn(self.gate_proj(x)).mul_(self.up_proj(x))
-        return _project(self.down_proj, h, residual)
+        return _project(self.down_proj, h, residual, use_triton)
 
     @property
     def output(self) -> nn.Linear:
@@ -388,6 +389,51 @@ def gelu_epilogue_ok(device) -> bool:
         ref = F.gelu(torch.addmm(b, x, w.t()), approximate="tanh")
         _GELU_EPILOGUE[device] = bool(torch.allclose(fused, ref, rtol=1e-3, atol=1e-4))
     return _GELU_EPILOGUE[device]
+
+
+# cuBLAS's fast (TMA) GEMMs and the FP8 GEMM need rows of a multiple of 16 bytes: Qwen2.5-VL's 3420-wide MLP
+# (6840-byte rows in bf16) ran on slower kernels (docs/PERFORMANCE.md), so the loader pads it (`pad_mlp`)
+MLP_MULTIPLE = 16
+
+
+def pad_mlp(mlp: nn.Module, multiple: int = MLP_MULTIPLE) -> bool:
+    """Widen an MLP's intermediate size to a multiple of `multiple` with zeros, in place: its input projections (fc1,
+    or gate and up) get zero rows and zero biases, its output projection zero columns. The padded channels are
+    act(0) (* 0) = 0 for GELU and SiLU, and add nothing: the same function. `state_dict()` still gives the
+    checkpoint's shapes (transformers' towers load it). Whether it padded."""
+    output = mlp.output
+    inputs = [m for m in mlp.children() if isinstance(m, nn.Linear) and m is not output]
+    width = output.in_features
+    if width % multiple == 0 or not inputs or any(m.out_features != width for m in inputs):
+        return False
+    wide = width + -width % multiple
+    for name, m in list(mlp.named_children()):
+        if m is not output and m not in inputs:
+            continue
+        shape = (wide, m.out_features) if m is output else (m.in_features, wide)
+        wider = nn.Linear(*shape, bias=m.bias is not None, device=m.weight.device, dtype=m.weight.dtype)
+        with torch.no_grad():
+            wider.weight.zero_()
+            if m is output:
+                wider.weight[:, :width] = m.weight
+            else:
+                wider.weight[:width] = m.weight
+            if m.bias is not None:
+                wider.bias.zero_()[:m.bias.shape[0]] = m.bias
+        setattr(mlp, name, wider.requires_grad_(False))
+    outputs = {name for name, m in mlp.named_children() if m is mlp.output}
+
+    def checkpoint_shapes(module, state, prefix, local_metadata):
+        for key in [k for k in state if k.startswith(prefix)]:
+            child = key[len(prefix):].split(".")[0]
+            t = state[key]
+            if child in outputs and t.dim() == 2 and t.shape[1] == wide:
+                state[key] = t[:, :width]
+            elif child not in outputs and t.dim() >= 1 and t.shape[0] == wide:
+                state[key] = t[:width]
+
+    mlp.register_state_dict_post_hook(checkpoint_shapes)
+    return True
 
 
 class Block(nn.Module):
@@ -566,9 +612,9 @@ class VisionTower(nn.Module):
         x, h = _add_norm(x, y, block.norm2, self.backend, offset=offsets[2 * layer] if in_gemm else None,
                          quantize=_reads_fp8(block.mlp))
         if in_gemm:
-            x, y = block.mlp(h, residual=x), None
+            x, y = block.mlp(h, residual=x, use_triton=_fused(self.backend)), None
         else:
-            y = block.mlp(h)
+            y = block.mlp(h, use_triton=_fused(self.backend))
         norm = blocks[layer + 1].norm1 if layer + 1 < len(blocks) else self.merger.norm
         tap = self._taps.get(layer)
         merger = self.deepstack_merger_list[tap] if tap is not None else None
