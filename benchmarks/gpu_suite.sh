@@ -29,7 +29,7 @@ for step in "${@:-all}"; do
                       | tee "$OUT/gpu_kernel-tests-a.log" | tail -n 15 ;;
     kernel-tests-b) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels -k "not every_candidate" 2>&1 \
                       | tee "$OUT/gpu_kernel-tests-b.log" | tail -n 15 ;;
-    fp8-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8.py \
+    fp8-tests) python -m pytest -q -x -p no:cacheprovider ${XDIST/loadfile/load} -m gpu tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8.py \
                  tests/kernels/test_act_quant.py tests/test_fp8_tower.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -n 15 ;;
     qkv-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_qkv_rope.py 2>&1 \
                  | tee "$OUT/gpu_qkv_tests.log" | tail -n 15 ;;
