@@ -47,16 +47,24 @@ if triton is not None:
         """The tile's float32 accumulator. With X_GROUPED, A's scales are per row and group of GROUP columns
         (`x_groups` per row) and each K step's product is scaled as it is added; else by row, in the epilogue."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        rows = off_m + tl.arange(0, BLOCK_M)
-        for kt in range(K_TILES):
-            a = a_desc.load([off_m, kt * BLOCK_K])
-            b = b_desc.load([off_n, kt * BLOCK_K])
-            if X_GROUPED:
-                s = tl.load(X_SCALE + rows.to(tl.int64) * x_groups + (kt * BLOCK_K) // GROUP, mask=rows < M,
-                            other=0.0)
-                acc += tl.dot(a, b.T) * s[:, None]
-            else:
-                acc = tl.dot(a, b.T, acc)
+        if X_GROUPED:
+            # two K steps per iteration: both products are issued before either is scaled, so the tensor cores
+            # wait for the scaling once per two steps (a scaled product cannot accumulate in the MMA itself)
+            scales = X_SCALE + (off_m + tl.arange(0, BLOCK_M)).to(tl.int64) * x_groups
+            in_rows = off_m + tl.arange(0, BLOCK_M) < M
+            for kt in range(0, K_TILES - 1, 2):
+                p0 = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T)
+                p1 = tl.dot(a_desc.load([off_m, (kt + 1) * BLOCK_K]), b_desc.load([off_n, (kt + 1) * BLOCK_K]).T)
+                s0 = tl.load(scales + (kt * BLOCK_K) // GROUP, mask=in_rows, other=0.0)
+                s1 = tl.load(scales + ((kt + 1) * BLOCK_K) // GROUP, mask=in_rows, other=0.0)
+                acc += p0 * s0[:, None] + p1 * s1[:, None]
+            if K_TILES % 2:
+                kt = K_TILES - 1
+                s = tl.load(scales + (kt * BLOCK_K) // GROUP, mask=in_rows, other=0.0)
+                acc += tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T) * s[:, None]
+        else:
+            for kt in range(K_TILES):
+                acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
         return acc
 
     @triton.jit
@@ -87,12 +95,18 @@ if triton is not None:
             out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
             if ACT_FN >= 0:  # act(y) rounded to the activations' dtype, then e4m3 per (row, group): quantize_groups
                 G: tl.constexpr = BLOCK_N // GROUP
-                a = tl.reshape(activation(acc, ACT_FN), [BLOCK_M * G, GROUP])
-                q, scale = e4m3_rows(a, tl.reshape(mask, [BLOCK_M * G, GROUP]), ACT)
-                tl.store(out, tl.reshape(q, [BLOCK_M, BLOCK_N]).to(OUT.dtype.element_ty), mask=mask)
-                groups = off_n // GROUP + tl.arange(0, G)
-                tl.store(OUT_SCALE + rows[:, None].to(tl.int64) * out_groups + groups[None, :],
-                         tl.reshape(scale, [BLOCK_M, G]), mask=(rows < M)[:, None] & (groups < out_groups)[None, :])
+                if G == 1:  # one group per row of the tile: no reshape (a layout change through shared memory)
+                    q, scale = e4m3_rows(activation(acc, ACT_FN), mask, ACT)
+                    tl.store(out, q.to(OUT.dtype.element_ty), mask=mask)
+                    tl.store(OUT_SCALE + rows.to(tl.int64) * out_groups + off_n // GROUP, scale, mask=rows < M)
+                else:
+                    a = tl.reshape(activation(acc, ACT_FN), [BLOCK_M * G, GROUP])
+                    q, scale = e4m3_rows(a, tl.reshape(mask, [BLOCK_M * G, GROUP]), ACT)
+                    tl.store(out, tl.reshape(q, [BLOCK_M, BLOCK_N]).to(OUT.dtype.element_ty), mask=mask)
+                    groups = off_n // GROUP + tl.arange(0, G)
+                    tl.store(OUT_SCALE + rows[:, None].to(tl.int64) * out_groups + groups[None, :],
+                             tl.reshape(scale, [BLOCK_M, G]),
+                             mask=(rows < M)[:, None] & (groups < out_groups)[None, :])
             else:
                 tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
 
