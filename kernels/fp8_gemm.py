@@ -48,18 +48,9 @@ if triton is not None:
         (`x_groups` per row) and each K step's product is scaled as it is added; else by row, in the epilogue."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if X_GROUPED:
-            # two K steps per iteration: both products are issued before either is scaled, so the tensor cores
-            # wait for the scaling once per two steps (a scaled product cannot accumulate in the MMA itself)
             scales = X_SCALE + (off_m + tl.arange(0, BLOCK_M)).to(tl.int64) * x_groups
             in_rows = off_m + tl.arange(0, BLOCK_M) < M
-            for kt in range(0, K_TILES - 1, 2):
-                p0 = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T)
-                p1 = tl.dot(a_desc.load([off_m, (kt + 1) * BLOCK_K]), b_desc.load([off_n, (kt + 1) * BLOCK_K]).T)
-                s0 = tl.load(scales + (kt * BLOCK_K) // GROUP, mask=in_rows, other=0.0)
-                s1 = tl.load(scales + ((kt + 1) * BLOCK_K) // GROUP, mask=in_rows, other=0.0)
-                acc += p0 * s0[:, None] + p1 * s1[:, None]
-            if K_TILES % 2:
-                kt = K_TILES - 1
+            for kt in range(K_TILES):
                 s = tl.load(scales + (kt * BLOCK_K) // GROUP, mask=in_rows, other=0.0)
                 acc += tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T) * s[:, None]
         else:
