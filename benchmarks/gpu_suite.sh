@@ -31,6 +31,10 @@ for step in "${@:-all}"; do
                       | tee "$OUT/gpu_kernel-tests-b.log" | tail -n 15 ;;
     fp8-tests) python -m pytest -q -x -p no:cacheprovider ${XDIST/loadfile/load} -m gpu tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8.py \
                  tests/kernels/test_act_quant.py tests/test_fp8_tower.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -n 15 ;;
+    fp8-error) python -m benchmarks.fp8_error --out "$OUT" 2>&1 | tee "$OUT/fp8_error.log" | tail -n 12 ;;
+    # Qwen2.5-VL's towers beside the others: their own tower_qwen2_5.json
+    tower-qwen2.5) python -m benchmarks.bench_tower --presets qwen2.5-vl-7b --out "$OUT/qwen2_5" ${TOWER_ARGS:-} 2>&1 \
+                     | tee "$OUT/bench_tower_qwen2_5.log" && cp "$OUT/qwen2_5/tower.json" "$OUT/tower_qwen2_5.json" ;;
     qkv-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_qkv_rope.py 2>&1 \
                  | tee "$OUT/gpu_qkv_tests.log" | tail -n 15 ;;
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;

@@ -47,9 +47,9 @@ if triton is not None:
 
 
 class Quantized(NamedTuple):
-    """Activations already in e4m3 (`codes [M, K]`) with float32 scales, one per row (`[M]`) or per group of `GROUP`
-    columns (`[M, ceil(K / GROUP)]`): what the norm kernels' FP8 epilogue (`add_layernorm(..., quantize=True)`) or
-    fc1's (`fp8_gemm(..., act=...)`) hands the next GEMM, which then skips quantising."""
+    """Activations already in e4m3 (`codes [M, K]`) with one float32 scale per row: what the norm kernels' FP8
+    epilogue (`add_layernorm(..., quantize=True)`) and the activation's (`act_quant.act_quantize`) hand the next GEMM,
+    which then skips quantising."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -63,28 +63,6 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-# the group of an activation's 1 x GROUP scales (`quantize_groups`): fc1's fused epilogue quantises its output so, a
-# tile's columns at a time, where a per-token scale would need the whole row
-GROUP = 128
-
-
-def quantize_groups(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of `x [M, K]` in groups of `group` columns (the last one shorter), each group with its own scale:
-    (q [M, K] e4m3, scale [M, ceil(K / group)] float32)."""
-    m, k = x.shape
-    xf = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scale = (xf.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)
-    q = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q.view(m, -1)[:, :k], scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 values of e4m3 codes `[M, K]` with per-row (`[M]`) or per-group (`[M, ceil(K / GROUP)]`) scales."""
-    if scale.dim() == 1:
-        return q.float() * scale[:, None]
-    return q.float() * scale.repeat_interleave(GROUP, dim=1)[:, :q.shape[1]]
-
-
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear layer's weight `[N, K]` per output channel: (q [N, K] e4m3, scale [N] float32)."""
     return quantize_rows(w)
@@ -92,11 +70,8 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
     """`(xq * x_scale) @ (wq * w_scale).T + bias` in float32, rounded to `out_dtype` once at the end: what the GEMM
-    with a dequantising epilogue computes. `x_scale`: per row, or per group of `GROUP` columns (`quantize_groups`)."""
-    if x_scale.dim() == 2:
-        out = (dequantize(xq, x_scale) @ wq.float().t()) * w_scale[None, :]
-    else:
-        out = (xq.float() @ wq.float().t()) * x_scale[:, None] * w_scale[None, :]
+    with a dequantising epilogue computes."""
+    out = (xq.float() @ wq.float().t()) * x_scale[:, None] * w_scale[None, :]
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
@@ -122,7 +97,7 @@ def scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16,
     """The FP8 GEMM with row-wise scales (`x_scale [M]`, `w_scale [N]`), bias and the cast to `out_dtype` in its
     epilogue: cuBLASLt where the device has FP8 tensor cores, else `reference_scaled_linear`; into `out` (contiguous
     `[M, N]` of `out_dtype`) if given."""
-    if fp8_tensor_cores(xq.device) and x_scale.dim() == 1:  # (group scales: only from fp8_gemm's epilogue)
+    if fp8_tensor_cores(xq.device):
         return torch._scaled_mm(xq, wq.t(), scale_a=x_scale[:, None], scale_b=w_scale[None, :], bias=bias,
                                 out_dtype=out_dtype, **({} if out is None else {"out": out}))
     y = reference_scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype)

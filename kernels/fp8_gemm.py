@@ -13,15 +13,17 @@ The choice between this kernel's tiles and cuBLASLt followed by the pass is time
 (`runtime.choose`), so where cuBLASLt plus the pass is faster, it runs.
 
 Operands as `kernels.fp8`: codes `[M, K]` and `[N, K]` (both K-major, as FP8 wgmma needs), one float32 scale per row
-of each. TMA descriptors need 16-byte aligned rows: K a multiple of 16 (`fp8.fp8_gemm_shape`).
+of each. TMA descriptors need 16-byte aligned rows: K a multiple of 16 (`fp8.fp8_gemm_shape`). Triton's FP8 dot
+accumulates at the tensor cores' own precision (cuBLASLt promotes to float32 every few steps): at K = 4304 the
+product's error is up to 1.6x cuBLASLt's, 0.26% of its norm, beside the 3-4% of rounding the operands to e4m3
+(`tests/kernels/test_fp8_gemm.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .act_quant import ACTIVATIONS, act_quantize
-from .fp8 import E4M3, GROUP, Quantized, scaled_linear
+from .fp8 import Quantized, scaled_linear
 from .qkv_rope import qkv_rope_
 from .runtime import cdiv, choose, interpreting, is_hopper, launch, sm_count
 
@@ -36,43 +38,27 @@ except ImportError:  # pragma: no cover - Triton without host tensor descriptors
     TensorDescriptor = None
 
 if triton is not None:
-    from .act_quant import activation
-    from .fp8 import TL_DTYPES, e4m3_rows
     from .qkv_rope import _bias_rope_store, _tile_origin
 
     @triton.jit
-    def _fp8_tile(a_desc, b_desc, X_SCALE, off_m, off_n, M, x_groups, X_GROUPED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr,
-                  GROUP: tl.constexpr):
-        """The tile's float32 accumulator. With X_GROUPED, A's scales are per row and group of GROUP columns
-        (`x_groups` per row) and each K step's product is scaled as it is added; else by row, in the epilogue."""
+    def _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
+        """The tile's float32 accumulator (of the codes: the scales come in the epilogue)."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if X_GROUPED:
-            scales = X_SCALE + (off_m + tl.arange(0, BLOCK_M)).to(tl.int64) * x_groups
-            in_rows = off_m + tl.arange(0, BLOCK_M) < M
-            for kt in range(K_TILES):
-                s = tl.load(scales + (kt * BLOCK_K) // GROUP, mask=in_rows, other=0.0)
-                acc += tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T) * s[:, None]
-        else:
-            for kt in range(K_TILES):
-                acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
+        for kt in range(K_TILES):
+            acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
         return acc
 
     @triton.jit
-    def _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, OUT_SCALE, COS, SIN, M, N, stride_om,
-                      stride_rm, stride_c, ROPE_N, out_groups, X_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr, ACT: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-        """Dequantise the tile (row scale, unless applied per group already, times column scale), then bias and RoPE,
-        the residual, or the activation quantised in groups of GROUP columns (e4m3 codes and their scales); one
-        rounding; store."""
+    def _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
+                      stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Dequantise the tile (row scale times column scale), then bias, RoPE or the residual, one rounding, store."""
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
+        x_s = tl.load(X_SCALE + rows, mask=rows < M, other=0.0)
         w_s = tl.load(W_SCALE + cols, mask=cols < N, other=0.0)
-        if X_GROUPED:
-            acc = acc * w_s[None, :]
-        else:
-            acc = acc * tl.load(X_SCALE + rows, mask=rows < M, other=0.0)[:, None] * w_s[None, :]
+        acc = acc * x_s[:, None] * w_s[None, :]
         if ROPE:  # N is a whole number of tiles there (the host checks), and the bias always given
             _bias_rope_store(acc, off_m, off_n, BIAS, OUT, COS, SIN, M, stride_om, stride_c, ROPE_N, HEAD_DIM,
                              BLOCK_M, BLOCK_N)
@@ -84,53 +70,32 @@ if triton is not None:
                 acc += tl.load(RES + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=mask,
                                other=0.0).to(tl.float32)
             out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-            if ACT_FN >= 0:  # act(y) rounded to the activations' dtype, then e4m3 per (row, group): quantize_groups
-                G: tl.constexpr = BLOCK_N // GROUP
-                if G == 1:  # one group per row of the tile: no reshape (a layout change through shared memory)
-                    q, scale = e4m3_rows(activation(acc, ACT_FN), mask, ACT)
-                    tl.store(out, q.to(OUT.dtype.element_ty), mask=mask)
-                    tl.store(OUT_SCALE + rows.to(tl.int64) * out_groups + off_n // GROUP, scale, mask=rows < M)
-                else:
-                    a = tl.reshape(activation(acc, ACT_FN), [BLOCK_M * G, GROUP])
-                    q, scale = e4m3_rows(a, tl.reshape(mask, [BLOCK_M * G, GROUP]), ACT)
-                    tl.store(out, tl.reshape(q, [BLOCK_M, BLOCK_N]).to(OUT.dtype.element_ty), mask=mask)
-                    groups = off_n // GROUP + tl.arange(0, G)
-                    tl.store(OUT_SCALE + rows[:, None].to(tl.int64) * out_groups + groups[None, :],
-                             tl.reshape(scale, [BLOCK_M, G]),
-                             mask=(rows < M)[:, None] & (groups < out_groups)[None, :])
-            else:
-                tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
+            tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _fp8_gemm(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, OUT_SCALE, COS, SIN, M, N, stride_om, stride_rm,
-                  stride_c, ROPE_N, x_groups, out_groups, X_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr, ACT: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, K_TILES: tl.constexpr, GROUP: tl.constexpr):
+    def _fp8_gemm(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm, stride_c,
+                  ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  K_TILES: tl.constexpr):
         """One program per output tile."""
         off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _fp8_tile(a_desc, b_desc, X_SCALE, off_m, off_n, M, x_groups, X_GROUPED, BLOCK_M, BLOCK_N, BLOCK_K,
-                        K_TILES, GROUP)
-        _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, OUT_SCALE, COS, SIN, M, N, stride_om,
-                      stride_rm, stride_c, ROPE_N, out_groups, X_GROUPED, HAS_BIAS, HAS_RES, ROPE, ACT_FN, ACT,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, GROUP)
+        acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
+        _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
+                      stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, HEAD_DIM, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, OUT_SCALE, COS, SIN, M, N, stride_om,
-                             stride_rm, stride_c, ROPE_N, x_groups, out_groups, X_GROUPED: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr,
-                             ACT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr, GROUP: tl.constexpr,
+    def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
+                             stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
                              NUM_SMS: tl.constexpr):
         """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue)."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _fp8_tile(a_desc, b_desc, X_SCALE, off_m, off_n, M, x_groups, X_GROUPED, BLOCK_M, BLOCK_N,
-                            BLOCK_K, K_TILES, GROUP)
-            _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, OUT_SCALE, COS, SIN, M, N,
-                          stride_om, stride_rm, stride_c, ROPE_N, out_groups, X_GROUPED, HAS_BIAS, HAS_RES, ROPE,
-                          ACT_FN, ACT, HEAD_DIM, BLOCK_M, BLOCK_N, GROUP)
+            acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
+            _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om,
+                          stride_rm, stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, HEAD_DIM, BLOCK_M, BLOCK_N)
 
 
 # (block_m, block_n, block_k, warps, stages, persistent): 128-byte K rows (block_k 128 in e4m3) fill the swizzle
@@ -161,31 +126,21 @@ def _rope_tiles(hidden: int, head_dim: int) -> list[tuple]:
 
 def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
              out_dtype: torch.dtype = torch.bfloat16, residual: torch.Tensor | None = None,
-             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, act: str | None = None,
-             out: torch.Tensor | None = None, tile: "tuple | str | None" = None,
-             use_triton: bool | None = None) -> "torch.Tensor | Quantized":
-    """`x @ W^T (+ bias)` from e4m3 codes and their scales (per row, or per group of `fp8.GROUP` columns), dequantised
-    in the epilogue, `[M, N]` in `out_dtype`. At most one of:
+             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
+             tile: "tuple | str | None" = None, use_triton: bool | None = None) -> torch.Tensor:
+    """`x @ W^T (+ bias)` from e4m3 codes and row scales, dequantised in the epilogue, `[M, N]` in `out_dtype`.
 
-    - `residual` (`[M, N]`, rows contiguous): the product is added into it in place and it is returned (its dtype is
-      the output's);
-    - `rope = (cos, sin, heads)`: W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads, head_dim)`
-      with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given;
-    - `act` (one of `act_quant.ACTIVATIONS` but 'none'): the activation of the output, rounded to `out_dtype`, as
-      `Quantized` e4m3 rows for the next FP8 GEMM: scales per group of `fp8.GROUP` columns from the fused epilogue,
-      per row from cuBLASLt and `act_quantize`'s pass.
-
-    `tile` pins one of `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape class is
-    chosen on first use. `use_triton` (None: on a GPU; the CPU tests force it under the interpreter): where the kernel
-    cannot or may not run (`fp8_gemm_supported`), cuBLASLt (or the reference off Hopper) and the passes."""
-    if (residual is not None) + (rope is not None) + (act is not None) > 1:
-        raise ValueError("fp8_gemm: a residual, RoPE or an activation, one at most")
-    if act is not None and ACTIVATIONS.get(act, 3) == 3:
-        raise ValueError(f"activation {act!r}: one of {', '.join(a for a in ACTIVATIONS if a != 'none')}")
+    `residual` (`[M, N]`, rows contiguous): the product is added into it in place and it is returned (its dtype is
+    the output's). `rope = (cos, sin, heads)`: W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads,
+    head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given. `tile` pins one of
+    `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape class is chosen on first use.
+    `use_triton` (None: on a GPU; the CPU tests force it under the interpreter): where the kernel cannot or may not
+    run (`fp8_gemm_supported`), cuBLASLt (or the reference off Hopper) and the passes."""
+    if residual is not None and rope is not None:
+        raise ValueError("fp8_gemm: a residual or RoPE, not both")
     xq, x_scale = x
     m, k = xq.shape
     n = wq.shape[0]
-    grouped = x_scale.dim() == 2
     if residual is not None:
         if residual.shape != (m, n) or residual.stride(1) != 1:
             raise ValueError(f"residual must be ({m}, {n}) with contiguous rows; got {tuple(residual.shape)}")
@@ -206,69 +161,57 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
             bias = torch.zeros(n, dtype=out_dtype, device=xq.device)  # the RoPE epilogue always adds one
     power_of_two_heads = head_dim >= 16 and head_dim & (head_dim - 1) == 0
     candidates = (list(FP8_TILES) if rope is None else _rope_tiles(hidden, head_dim) if power_of_two_heads else [])
-    if act is not None:
-        dest = None  # each run makes its codes and scales
-    elif residual is not None:
+    if residual is not None:
         dest = residual
     elif out is not None:
         dest = out.view(m, n)
     else:
         dest = torch.empty((m, n), dtype=out_dtype, device=xq.device)
 
-    def run(c, into: torch.Tensor | None) -> "torch.Tensor | Quantized":
-        """Candidate `c` into `into` (the residual itself in that mode; None with `act`); returns the result."""
+    def run(c, into: torch.Tensor) -> torch.Tensor:
+        """Candidate `c` into `into` (the residual itself in that mode, else the output); returns it."""
         if c == UNFUSED:
             if residual is not None:
                 return into.add_(scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype))
             y = scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype, out=into)
-            if act is not None:
-                return act_quantize(y, act)
             return y if rope is None else qkv_rope_(y.view(m, 3, heads, head_dim), cos, sin).view(m, n)
         bm, bn, bk, warps, stages, persistent = c
         a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [bm, bk])
         b_desc = TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [bn, bk])
         tiles = cdiv(m, bm) * cdiv(n, bn)
-        scales = None
-        if act is not None:
-            into = torch.empty((m, n), dtype=E4M3, device=xq.device)
-            scales = torch.empty((m, cdiv(n, GROUP)), dtype=torch.float32, device=xq.device)
         unread = x_scale  # the pointer arguments of the modes not taken
         args = (a_desc, b_desc, x_scale, w_scale, unread if bias is None else bias, into,
-                into if residual is not None else unread, unread if scales is None else scales,
-                unread if rope is None else cos, unread if rope is None else sin, m, n, into.stride(0), into.stride(0),
-                0 if rope is None else cos.stride(0), 2 * hidden, x_scale.shape[-1] if grouped else 0,
-                0 if scales is None else scales.shape[1])
-        meta = dict(X_GROUPED=grouped, HAS_BIAS=bias is not None, HAS_RES=residual is not None, ROPE=rope is not None,
-                    ACT_FN=-1 if act is None else ACTIVATIONS[act], ACT=TL_DTYPES[out_dtype],
+                into if residual is not None else unread, unread if rope is None else cos,
+                unread if rope is None else sin, m, n, into.stride(0), into.stride(0),
+                0 if rope is None else cos.stride(0), 2 * hidden)
+        meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, ROPE=rope is not None,
                     HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    K_TILES=cdiv(k, bk), GROUP=GROUP, num_warps=warps, num_stages=stages)
+                    K_TILES=cdiv(k, bk), num_warps=warps, num_stages=stages)
         if persistent:
             sms = min(sm_count(xq.device) if xq.is_cuda else 4, tiles)
             launch(_fp8_gemm_persistent, (sms,), *args, NUM_SMS=sms, **meta)
         else:
             launch(_fp8_gemm, (tiles,), *args, **meta)
-        return into if act is None else Quantized(into, scales)
+        return into
 
     if use_triton is None:
         use_triton = xq.is_cuda or tile not in (None, UNFUSED)
     if not use_triton or not fp8_gemm_supported(x, wq) or (tile is None and not candidates):
         tile = UNFUSED
-    elif tile is None and interpreting():  # small tiles: the interpreter's cost grows with the tile
-        tile = (16, GROUP, 32, 4, 2, False) if act is not None else (32, head_dim or 32, 32, 4, 2, False)
+    elif tile is None and interpreting():
+        tile = (32, head_dim or 32, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     elif tile is None:
         size_class = 0 if m <= 4096 else 1 if m <= 16384 else 2  # a new pack size never re-tunes
-        mode = "rope" if rope is not None else "residual" if residual is not None else act or "plain"
+        mode = "rope" if rope is not None else "residual" if residual is not None else "plain"
         scratch = []  # timed into scratch (made on the first timing only): the residual must not take their sums
 
         def timed(c):
-            scratch[:] = scratch or [None if dest is None else torch.empty_like(dest)]
+            scratch[:] = scratch or [torch.empty_like(dest)]
             return run(c, scratch[0])
 
-        tile = choose(("fp8_gemm", mode, size_class, n, k, head_dim, grouped, bias is not None, out_dtype,
-                       xq.device), lambda: [*candidates, UNFUSED], timed)
+        tile = choose(("fp8_gemm", mode, size_class, n, k, head_dim, bias is not None, out_dtype, xq.device),
+                      lambda: [*candidates, UNFUSED], timed)
     elif tile != UNFUSED and rope is not None and (tile[1] % head_dim or hidden % tile[1]):
         raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
-    elif tile != UNFUSED and (act is not None and tile[1] % GROUP or grouped and GROUP % tile[2]):
-        raise ValueError(f"tile {tile}: block_n a multiple of the group {GROUP} (act), block_k dividing it (grouped)")
     result = run(tile, dest)
     return result.view(m, 3, heads, head_dim) if rope is not None else result

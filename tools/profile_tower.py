@@ -262,46 +262,6 @@ def fused_fp8(cfg, name, xq, wq, ws, bias, x, w) -> dict:
             "speedup_over_bf16": ms16 / min(timed.values()), "tiles_ms": times}
 
 
-def mlp_chains(cfg, tokens: int) -> dict:
-    """A Qwen3-VL block's MLP from its normalised, quantised input to the residual, three ways: bf16 (the GELU in
-    cuBLASLt's epilogue, the residual in fc2's); FP8 with fc1's output activated and quantised per row by a pass
-    (`act_quantize`) and fc2 reading row scales; FP8 with fc1's epilogue quantising in groups of 128 columns and fc2
-    scaling each K step by its group (served). Each GEMM at its tuned tile; fc1's and fc2's tiles alone too."""
-    if cfg.windowed:
-        return {}
-    h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
-    x = torch.randn(tokens, h, device="cuda", dtype=dt)
-    xq = act_quantize(x, "none")
-    w1, w2 = (torch.randn(o, i, device="cuda", dtype=dt) * 0.02 for o, i in ((inter, h), (h, inter)))
-    b1 = torch.randn(inter, device="cuda", dtype=dt) * 0.02
-    (q1, s1), (q2, s2) = quantize_weight(w1), quantize_weight(w2)
-    acc = torch.randn(tokens, h, device="cuda", dtype=dt)
-    act = cfg.hidden_act
-    rows = act_quantize(torch.randn(tokens, inter, device="cuda", dtype=dt), act)
-    groups = fp8_gemm(xq, q1, s1, b1, act=act)
-    res = {
-        "bf16": bench(lambda: acc.addmm_(torch._addmm_activation(b1, x, w1.t(), use_gelu=True), w2.t()),
-                      warmup_ms=50, rep_ms=300),
-        "fp8, row scales (pass)": bench(lambda: fp8_gemm(act_quantize(fp8_gemm(xq, q1, s1, b1), act), q2, s2,
-                                                         residual=acc), warmup_ms=50, rep_ms=300),
-        "fp8, group scales (fc1's epilogue)": bench(lambda: fp8_gemm(fp8_gemm(xq, q1, s1, b1, act=act), q2, s2,
-                                                                     residual=acc), warmup_ms=50, rep_ms=300),
-    }
-    for name, call in (("fc1 + act, groups", lambda t: fp8_gemm(xq, q1, s1, b1, act=act, tile=t)),
-                       ("fc1 plain", lambda t: fp8_gemm(xq, q1, s1, b1, tile=t)),
-                       ("fc2 + residual, row scales", lambda t: fp8_gemm(rows, q2, s2, residual=acc, tile=t)),
-                       ("fc2 + residual, groups", lambda t: fp8_gemm(groups, q2, s2, residual=acc, tile=t))):
-        res[name] = {}
-        for t in [*FP8_TILES, UNFUSED]:
-            try:
-                res[name][str(t)] = bench(lambda t=t: call(t), warmup_ms=25, rep_ms=150)
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile or fit here
-                res[name][str(t)] = f"{type(e).__name__}"
-    res["act_quantize pass"] = bench(lambda: act_quantize(torch.empty(tokens, inter, device="cuda", dtype=dt), act),
-                                     warmup_ms=25, rep_ms=150)
-    return res
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-vl-2b")
@@ -339,7 +299,6 @@ def main():
         micro_res = micro(cfg, tokens)
         if args.quantization == "fp8":
             micro_res.update(micro_fp8(cfg, tokens))
-            micro_res["mlp chains"] = mlp_chains(cfg, tokens)
         # A/B of the QKV projection's RoPE: in its epilogue (served), or by the pass
         served = tower.options
         micro_res["tower wall, Q and K rotated in the QKV projection"] = {"ms": wall}

@@ -40,13 +40,12 @@ class Fp8Linear(nn.Module):
         return cls(q, scale, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: "torch.Tensor | Quantized", residual: torch.Tensor | None = None, add_bias: bool = True,
-                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, act: str | None = None,
-                out: torch.Tensor | None = None, use_triton: bool | None = None) -> "torch.Tensor | Quantized":
+                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
+                use_triton: bool | None = None) -> torch.Tensor:
         """`x @ W.T + bias` (x in the activations' dtype, or quantised already) through `kernels.fp8_gemm`: with
         `residual`, added into it in place (then without the bias unless `add_bias`, as the tower's residual GEMMs
         leave it to the norm that follows); with `rope = (cos, sin, heads)` (the QKV projection), `(T, 3, heads,
-        head_dim)` with Q and K rotated, into `out` if given; with `act` (fc1 before an FP8 fc2), the activation of
-        the output as `Quantized` rows. `use_triton`: the fused kernel (None: on a GPU)."""
+        head_dim)` with Q and K rotated, into `out` if given. `use_triton`: the fused kernel (None: on a GPU)."""
         bias = self.bias if add_bias else None
         lead = None
         if isinstance(x, Quantized):  # from a norm's or activation's FP8 epilogue: no dtype of its own, the bias's
@@ -56,9 +55,9 @@ class Fp8Linear(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             # on a GPU quantised in one pass of ours, not quantize_rows' several tensor ops
             x = act_quantize(rows, "none") if rows.is_cuda else Quantized(*quantize_rows(rows))
-        y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, act=act,
-                     out=out, tile=None if use_triton is not False else UNFUSED, use_triton=use_triton)
-        return y if lead is None or residual is not None or rope is not None or act else y.view(*lead, -1)
+        y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, out=out,
+                     tile=None if use_triton is not False else UNFUSED, use_triton=use_triton)
+        return y if lead is None or residual is not None or rope is not None else y.view(*lead, -1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"

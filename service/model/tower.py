@@ -337,7 +337,7 @@ class MLP(nn.Module):
             # saves a read and a write of the widest activation of the block
             h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
         elif _quantizes_activation(self.linear_fc2, self.hidden_act):  # FP8 (quantised whole: fc1 is FP8 too)
-            h = self.linear_fc1(x, act=self.hidden_act, use_triton=use_triton)  # e4m3 from its epilogue (or a pass)
+            h = act_quantize(self.linear_fc1(x, use_triton=use_triton), self.hidden_act)  # e4m3 rows from its pass
         else:
             h = self.act_fn(self.linear_fc1(x))
         return _project(self.linear_fc2, h, residual, use_triton)

@@ -9,13 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8 import GROUP, Quantized, dequantize, quantize_groups, quantize_rows
+from kernels.fp8 import Quantized, quantize_rows
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 
-from conftest import as_hardware_would, gpu, rel_err
-
-ACTS = {"gelu_pytorch_tanh": lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
-        "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
+from conftest import gpu, rel_err
 
 
 def operands(m, k, n, device="cpu", seed=0):
@@ -118,7 +115,7 @@ def test_unfused_and_fallbacks():
         assert rel_err(out, exact) <= 1e-6
     with pytest.raises(ValueError, match="block_n"):
         fp8_gemm(x, *w, b, out_dtype=torch.float32, rope=(cos, sin, 2), tile=(32, 64, 32, 4, 2, False))
-    with pytest.raises(ValueError, match="one at most"):
+    with pytest.raises(ValueError, match="not both"):
         fp8_gemm(x, *w, residual=torch.zeros(9, 3 * 144), rope=(cos, sin, 2))
 
 
@@ -144,50 +141,6 @@ def test_choosing_a_tile_never_adds_into_the_residual(monkeypatch):
     exact = exact_product(x, w) + residual.double()
     mod.fp8_gemm(x, *w, residual=residual, use_triton=True)
     assert len(timed) == 2 and rel_err(residual, exact) <= 1e-6
-
-
-@pytest.mark.parametrize("m,k,n", [(1, 64, 128), (7, 96, 200), (131, 208, 384)])  # group and row tails
-@pytest.mark.parametrize("act", list(ACTS))
-@pytest.mark.parametrize("persistent", [False, True])
-def test_activation_quantised_in_groups_interpreted(m, k, n, act, persistent):
-    """fc1's epilogue: bias, the activation, rounding to the activations' dtype (float16 here: the interpreter
-    truncates to bfloat16), e4m3 codes with one scale per row and group of 128 columns, against float64: each scale
-    the group's absmax / 448 (within the one step by which float32 and float64 can round the group's largest value
-    apart), and the codes those of the float64 values under the kernel's scales (at most one e4m3 step off, on
-    rounding boundaries)."""
-    from kernels.fp8_gemm import fp8_gemm
-
-    x, w, b = operands(m, k, n)
-    got = fp8_gemm(x, *w, b.half(), out_dtype=torch.float16, act=act, tile=(16, GROUP, 32, 4, 2, persistent))
-    assert got.codes.shape == (m, n) and got.scale.shape == (m, -(-n // GROUP))
-    y = ACTS[act](exact_product(x, w) + b.half().double()).half().double()
-    groups = torch.nn.functional.pad(y, (0, -n % GROUP)).view(m, -1, GROUP)
-    torch.testing.assert_close(got.scale.double(), groups.abs().amax(-1) / 448, rtol=2**-10, atol=0)
-    want_q = (y / got.scale.double().repeat_interleave(GROUP, 1)[:, :n]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    steps = (as_hardware_would(got.codes, want_q).view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
-    assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01
-
-
-@pytest.mark.parametrize("m,k,n", [(1, 128, 48), (7, 200, 80), (131, 384, 112)])
-@pytest.mark.parametrize("bk", [32, 64])
-def test_group_scaled_input_interpreted(m, k, n, bk):
-    """fc2 reading fc1's groups: each K step's product scaled by its group's scale, against float64 of the
-    dequantised operands; the residual mode as the tower runs it."""
-    from kernels.fp8_gemm import UNFUSED, fp8_gemm
-
-    g = torch.Generator().manual_seed(m + k)
-    h = torch.randn(m, k, generator=g) * torch.logspace(0, 2, k)[None, :]  # groups of very different ranges
-    x = Quantized(*quantize_groups(h))
-    assert x.scale.shape == (m, -(-k // GROUP))
-    wq, ws = quantize_rows(torch.randn(n, k, generator=g) / k**0.5)
-    exact = dequantize(*x).double() @ (wq.double() * ws.double()[:, None]).t()
-    residual = torch.randn(m, n, generator=g)
-    want = exact + residual.double()
-    got = fp8_gemm(x, wq, ws, residual=residual.clone(), tile=(32, 32, bk, 4, 2, False))
-    assert rel_err(got, want) <= 1e-6
-    assert rel_err(fp8_gemm(x, wq, ws, residual=residual.clone(), tile=UNFUSED), want) <= 1e-6
-    # the first group's values are ~100x smaller than the last's: their own scale keeps e4m3's relative precision
-    assert rel_err(dequantize(*x)[:, :GROUP], h[:, :GROUP]) <= 0.04
 
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -241,33 +194,3 @@ def test_qkv_rope_every_tile_on_the_gpu(m, hidden, heads):
         got = fp8_gemm(x, *w, b, rope=(cos, sin, heads), out=out, tile=tile)
         assert got.data_ptr() == out.data_ptr()
         assert rel_err(got, exact) <= max(2 * unfused, 1.5 * rounding(exact, torch.bfloat16)), tile
-
-
-@gpu
-@hopper
-@pytest.mark.parametrize("m", [1, 131, 25088])
-@pytest.mark.parametrize("hidden,inter", [(1024, 4096), (1152, 4304)])
-def test_mlp_every_tile_on_the_gpu(m, hidden, inter):
-    """fc1 with the tanh GELU and its e4m3 groups in the epilogue, then fc2 reading the groups and adding the
-    residual, at every tile and the tuned call (2B's and 8B's widths), against float64 of the same function: fc1's
-    codes within one e4m3 step of the float64 values under the kernel's scales, fc2's sum within 2x of the error of
-    the float32 reference GEMM on the same operands (Hopper's FP8 tensor cores accumulate in fewer bits)."""
-    from kernels.fp8_gemm import FP8_TILES, UNFUSED, fp8_gemm
-
-    x, w1, b1 = operands(m, hidden, inter, device="cuda")
-    b1 = b1.bfloat16()
-    y = ACTS["gelu_pytorch_tanh"](exact_product(x, w1) + b1.double()).bfloat16().double()
-    g = torch.Generator(device="cuda").manual_seed(m)
-    w2 = quantize_rows(torch.randn(hidden, inter, device="cuda", generator=g) / inter**0.5)
-    residual = torch.randn(m, hidden, device="cuda", generator=g).bfloat16()
-    for tile in [*FP8_TILES, None]:
-        h = fp8_gemm(x, *w1, b1, act="gelu_pytorch_tanh", tile=tile)
-        assert h.scale.shape == (m, -(-inter // GROUP)), tile
-        scales = h.scale.double().repeat_interleave(GROUP, 1)[:, :inter]
-        want_q = (y / scales).clamp(-448, 448).to(torch.float8_e4m3fn)
-        steps = (h.codes.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
-        assert steps.max() <= 1 and (steps > 0).float().mean() <= 0.01, tile
-        exact = dequantize(*h).double() @ (w2[0].double() * w2[1].double()[:, None]).t() + residual.double()
-        reference = rel_err(fp8_gemm(h, *w2, residual=residual.clone(), tile=UNFUSED), exact)
-        got = fp8_gemm(h, *w2, residual=residual.clone(), tile=tile)
-        assert rel_err(got, exact) <= max(2 * reference, 1.5 * rounding(exact, torch.bfloat16)), tile
