@@ -109,14 +109,14 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
     448 px images and one image alone give the cost of the buckets' padding against their own graphs."""
     import torch
 
-    from service.engine.build import configure_runtime
+    from service.engine.build import configure_runtime, tower_options
     from service.model.encoder import Encoder, pack_by_budget
     from service.model.graphs import BucketedTower
     from service.settings import Settings
 
-    settings = Settings(model=model)
+    settings = Settings(model=model)  # the server's (QWEN3VL_QUANTIZATION=fp8 included)
     configure_runtime(settings)
-    enc = Encoder.load(model, "cuda", "bfloat16")
+    enc = Encoder.load(model, "cuda", "bfloat16", tower_options(settings))
     eager = BucketedTower(enc.tower)  # no buckets: the engine's eager path
     served = BucketedTower(enc.tower, settings.graph_buckets())
     with torch.inference_mode():
@@ -411,12 +411,13 @@ def single_forward_ms(model: str, body: bytes, rep_ms: float = 300.0) -> float:
     """One image's forward, ms, as a CUDA graph of its signature: `forward_rates`' single_image_forward_ms."""
     import torch
 
-    from service.engine.build import configure_runtime
+    from service.engine.build import configure_runtime, tower_options
     from service.model.encoder import Encoder
     from service.settings import Settings
 
-    configure_runtime(Settings(model=model))
-    enc = Encoder.load(model, "cuda", "bfloat16")
+    settings = Settings(model=model)
+    configure_runtime(settings)
+    enc = Encoder.load(model, "cuda", "bfloat16", tower_options(settings))
     with torch.inference_mode():
         one = enc.preprocess(body)
         return _pack_ms(enc.tower, {}, enc.pixels([one]), [one.grid_thw], rep_ms)["graph"]
@@ -472,6 +473,35 @@ def plot(d: dict, path) -> None:
     plt.close(fig)
 
 
+def uniform_only(args, settings, port: int, uniform: list[bytes]) -> None:
+    """The uniform phase alone, server and forward with the environment's settings (the FP8 tower's HTTP ratio)."""
+    import torch
+
+    from service.model.loader import model_configs
+    from service.model.preprocess import Preprocessor
+
+    fwd = forward_rates(args.model, {"uniform": uniform}, settings.max_batch_patches, settings.max_batch_items)
+    torch.cuda.empty_cache()
+    patches = Preprocessor(model_configs(args.model)[1])(uniform[0]).num_patches
+    server, url, ready = start_server(args.model, port, tempfile.mkdtemp(prefix="qwen3vl-cache-"))
+    try:
+        import httpx
+
+        info = httpx.get(f"{url}/info").json()
+        res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))], [patches] * len(uniform),
+                   [("_warmup", args.warmup_s), ("warm", args.measure_s)])
+    finally:
+        stop_server(server)
+    summary = {"quantization": info.get("quantization"), "forward_images_per_s": fwd["uniform"]["images_per_s"],
+               "http_images_per_s": res["warm"]["images_per_s"],
+               "uniform_ratio_to_forward": res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
+               "p50_ms": res["warm"]["p50_ms"], "p99_ms": res["warm"]["p99_ms"], "ready_s": ready}
+    payload = {"benchmark": "service_uniform", "env": environment(), "model": args.model, "clients": CLIENTS,
+               "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd, "uniform": res}
+    write_results(f"service_{settings.quantization}", payload, args.out)
+    print(json.dumps({"benchmark": "service_uniform", **summary}))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen3-vl-2b")
@@ -484,6 +514,9 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--startup-only", action="store_true", help="only the starts and the engine recoveries")
     ap.add_argument("--plot", metavar="JSON", help="only draw the plot (PNG beside it) of a committed result file")
+    ap.add_argument("--uniform-only", action="store_true",
+                    help="only the forward and the uniform load (448 px JPEGs) against it: service_<quantization>.json; "
+                         "with QWEN3VL_QUANTIZATION=fp8 in the environment, the FP8 server against the FP8 forward")
     args = ap.parse_args()
     if args.plot:
         plot(json.loads(open(args.plot).read()), os.path.splitext(args.plot)[0] + ".png")
@@ -499,6 +532,9 @@ def main():
         print(json.dumps(payload))
         return
     uniform = photo_jpegs([(448, 448)] * args.images)
+    if args.uniform_only:
+        uniform_only(args, defaults, port, uniform)
+        return
     sizes = mixed_sizes(args.images, seed=1)
     mixed = photo_jpegs(sizes, seed=1)
     fwd = forward_rates(args.model, {"uniform": uniform, "mixed": mixed}, defaults.max_batch_patches,

@@ -49,6 +49,9 @@ for step in "${@:-all}"; do
            done ;;
     tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;&
     service|all) python -m benchmarks.bench_service --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/bench_service.log" ;;
+    # the FP8 server's uniform load against the FP8 forward (service_fp8.json)
+    service-fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 \
+                   | tee "$OUT/bench_service_fp8.log" ;;
     # 20 minutes and more: start it with benchmarks/device_run.sh (a session of its own) and collect soak.json with
     # its `wait`. Carry the generator, built here: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
     soak) python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 ;;

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import E4M3, Quantized, quantize_rows
-from .runtime import launch, next_power_of_2
+from .runtime import cdiv, choose, interpreting, launch, next_power_of_2
 
 try:
     import triton
@@ -53,18 +53,23 @@ if triton is not None:
         return a
 
     @triton.jit
-    def _act_quant_kernel(H, UP, Q, SCALE, n_cols, BLOCK_N: tl.constexpr, ACT_FN: tl.constexpr,
-                          HAS_UP: tl.constexpr, ACT: tl.constexpr):
-        # one row per program; ACT_FN 0: tanh GELU, 1: erf GELU, 2: SiLU, 3: none; ACT: the activations' dtype
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_N)[None, :]  # a [1, BLOCK_N] tile: the row
-        mask = cols < n_cols
-        a = activation(tl.load(H + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32), ACT_FN)
+    def _act_quant_kernel(H, UP, Q, SCALE, n_rows, n_cols, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          ACT_FN: tl.constexpr, HAS_UP: tl.constexpr, ACT: tl.constexpr):
+        # ROWS rows per program; ACT: the activations' dtype
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_N)[None, :]
+        mask = (rows < n_rows)[:, None] & (cols < n_cols)
+        offs = rows[:, None] * n_cols + cols
+        a = activation(tl.load(H + offs, mask=mask, other=0.0).to(tl.float32), ACT_FN)
         if HAS_UP:  # act(gate) rounded as the unfused code rounds it, then the product (rounded in e4m3_rows)
-            a = a.to(ACT).to(tl.float32) * tl.load(UP + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            a = a.to(ACT).to(tl.float32) * tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
         q, scale = e4m3_rows(a, mask, ACT)
-        tl.store(SCALE + row + tl.arange(0, 1), scale)
-        tl.store(Q + row * n_cols + cols, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(SCALE + rows, scale, mask=rows < n_rows)
+        tl.store(Q + offs, q.to(Q.dtype.element_ty), mask=mask)
+
+
+# (rows per program, warps): timed per width and pack size class on first use
+LAUNCHES = [(1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]
 
 
 def act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None,
@@ -84,7 +89,19 @@ def act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None,
     rows, cols = h.shape
     q = torch.empty(h.shape, dtype=E4M3, device=h.device)
     scale = torch.empty(rows, dtype=torch.float32, device=h.device)
-    launch(_act_quant_kernel, (rows,), h, h if up is None else up.contiguous(), q, scale, cols,
-           BLOCK_N=next_power_of_2(cols), ACT_FN=ACTIVATIONS[act], HAS_UP=up is not None, ACT=TL_DTYPES[h.dtype],
-           num_warps=4 if cols <= 4096 else 8)
+    block_n = next_power_of_2(cols)
+
+    def run(c):
+        per, warps = c
+        launch(_act_quant_kernel, (cdiv(rows, per),), h, h if up is None else up.contiguous(), q, scale, rows, cols,
+               ROWS=per, BLOCK_N=block_n, ACT_FN=ACTIVATIONS[act], HAS_UP=up is not None, ACT=TL_DTYPES[h.dtype],
+               num_warps=warps)
+
+    if interpreting():
+        choice = (2, 4)
+    else:  # at most 16k values a program (registers); a new pack size never re-tunes
+        size_class = 0 if rows <= 4096 else 1 if rows <= 16384 else 2
+        choice = choose(("act_quant", act, up is not None, cols, size_class, h.dtype, h.device),
+                        lambda: [c for c in LAUNCHES if c[0] * block_n <= 16384] or [(1, 8)], run)
+    run(choice)
     return Quantized(q, scale)

@@ -93,15 +93,17 @@ def save_tuning(path: Path | None) -> None:
         log.warning("could not write the kernel tuning cache %s (%s); the next start tunes again", path, e)
 
 
+def tower_options(settings: Settings) -> TowerOptions:
+    return TowerOptions(attention_backend=settings.attention_backend, fused_qkv_rope=settings.fused_qkv_rope,
+                        residual_in_gemm=settings.residual_in_gemm, quantization=settings.quantization)
+
+
 def load_encoder(settings: Settings) -> Encoder:
     configure_runtime(settings)
     if settings.model.startswith("random:"):
         log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
                     "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
-    return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(),
-                        TowerOptions(attention_backend=settings.attention_backend,
-                                     fused_qkv_rope=settings.fused_qkv_rope,
-                                     residual_in_gemm=settings.residual_in_gemm, quantization=settings.quantization),
+    return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(), tower_options(settings),
                         settings.graph_buckets())
 
 
