@@ -1,8 +1,10 @@
 """Triton kernels for the Qwen3-VL vision tower, each beside its pure-PyTorch reference.
 
 `attention/` (varlen block-diagonal attention: three kernels, the SDPA fallback, the dispatcher), `qkv_rope.py`
-(QKV projection with RoPE in its epilogue, and the in-place RoPE pass), `add_layernorm.py`, `pos_embed.py`,
-`rope.py` (the rotary tables), `runtime/` (launch-configuration choice, the lean launch path and its replays).
+(QKV projection with RoPE in its epilogue, and the in-place RoPE pass), `fp8.py` / `fp8_gemm.py` / `act_quant.py`
+(e4m3 quantisation, the FP8 GEMM with the tower's epilogues, the MLP activation's e4m3 pass), `add_layernorm.py`,
+`pos_embed.py`, `rope.py` (the rotary tables), `runtime/` (launch-configuration choice, the lean launch path and its
+replays).
 """
 
 from .attention import BACKENDS, resolve_backend, triton_supported, varlen_attention

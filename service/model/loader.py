@@ -115,6 +115,7 @@ def _prepared(tower: VisionTower) -> VisionTower:
         pad_mlp(block.mlp)
     if tower.options.quantization == "fp8":
         count = quantize_blocks(tower)
-        log.info("FP8 on: %d linear layers of the blocks in e4m3 (weights per output channel, activations per "
-                 "token); embeddings, norms, attention and mergers in %s", count, tower.dtype)
+        log.info("FP8 on: %d linear layers of the blocks (QKV and MLP) in e4m3 (weights per output channel, "
+                 "activations per token); embeddings, norms, attention, its output projection and the mergers in %s",
+                 count, tower.dtype)
     return tower
