@@ -107,9 +107,10 @@ def scaled_linear(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16,
 def fp8_linear(x: "torch.Tensor | Quantized", wq: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """`x @ W.T + bias (+ residual)` with W given quantised: x quantised per token here (or given as `Quantized`),
-    the product dequantised in the GEMM, in x's dtype (`out_dtype` for a `Quantized` x: the bias's by default). The
-    residual is added after the GEMM."""
+    """`x @ W.T + bias (+ residual)` with W given quantised, the reference composition the tests hold the served
+    layer (`quant.Fp8Linear`, `fp8_gemm`) to: x quantised per token by `quantize_rows` (or given as `Quantized`), the
+    product dequantised in the GEMM, in x's dtype (`out_dtype` for a `Quantized` x: the bias's by default), the
+    residual added after it."""
     if isinstance(x, Quantized):
         (xq, x_scale), lead = x, x.codes.shape[:-1]
         out_dtype = out_dtype or (bias.dtype if bias is not None else torch.bfloat16)
