@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from kernels.act_quant import act_quantize
 from kernels.fp8 import Quantized, fp8_gemm_shape, quantize_rows, quantize_weight
-from kernels.fp8_gemm import UNFUSED, fp8_gemm
+from kernels.fp8_gemm import fp8_gemm
 
 QUANTIZATIONS = ("none", "fp8")
 # the blocks' linear layers that run in FP8, by their attribute paths in a block
@@ -56,7 +56,7 @@ class Fp8Linear(nn.Module):
             # on a GPU quantised in one pass of ours, not quantize_rows' several tensor ops
             x = act_quantize(rows, "none") if rows.is_cuda else Quantized(*quantize_rows(rows))
         y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, out=out,
-                     tile=None if use_triton is not False else UNFUSED, use_triton=use_triton)
+                     use_triton=use_triton)
         return y if lead is None or residual is not None or rope is not None else y.view(*lead, -1)
 
     def extra_repr(self) -> str:
