@@ -101,6 +101,18 @@ def size_class(w: int, h: int) -> str:
 # -- the forward -----------------------------------------------------------------------------------------------------
 
 
+def served_encoder(model: str):
+    """(settings, encoder) as the server builds them from this environment (QWEN3VL_QUANTIZATION=fp8 included), on
+    the GPU in bf16."""
+    from service.engine.build import configure_runtime, tower_options
+    from service.model.encoder import Encoder
+    from service.settings import Settings
+
+    settings = Settings(model=model)
+    configure_runtime(settings)
+    return settings, Encoder.load(model, "cuda", "bfloat16", tower_options(settings))
+
+
 def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_cap: int, rep_ms: float = 300.0):
     """Per image set: images/s and patches/s of the forward over packs of the server's budget. Each pack is timed as
     a CUDA graph of its own signature (what `bench_tower` times), eagerly, and on the served path (`BucketedTower`:
@@ -109,14 +121,10 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
     448 px images and one image alone give the cost of the buckets' padding against their own graphs."""
     import torch
 
-    from service.engine.build import configure_runtime, tower_options
-    from service.model.encoder import Encoder, pack_by_budget
+    from service.model.encoder import pack_by_budget
     from service.model.graphs import BucketedTower
-    from service.settings import Settings
 
-    settings = Settings(model=model)  # the server's (QWEN3VL_QUANTIZATION=fp8 included)
-    configure_runtime(settings)
-    enc = Encoder.load(model, "cuda", "bfloat16", tower_options(settings))
+    settings, enc = served_encoder(model)
     eager = BucketedTower(enc.tower)  # no buckets: the engine's eager path
     served = BucketedTower(enc.tower, settings.graph_buckets())
     with torch.inference_mode():
@@ -411,13 +419,7 @@ def single_forward_ms(model: str, body: bytes, rep_ms: float = 300.0) -> float:
     """One image's forward, ms, as a CUDA graph of its signature: `forward_rates`' single_image_forward_ms."""
     import torch
 
-    from service.engine.build import configure_runtime, tower_options
-    from service.model.encoder import Encoder
-    from service.settings import Settings
-
-    settings = Settings(model=model)
-    configure_runtime(settings)
-    enc = Encoder.load(model, "cuda", "bfloat16", tower_options(settings))
+    enc = served_encoder(model)[1]
     with torch.inference_mode():
         one = enc.preprocess(body)
         return _pack_ms(enc.tower, {}, enc.pixels([one]), [one.grid_thw], rep_ms)["graph"]

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import Quantized, scaled_linear
-from .qkv_rope import qkv_rope_
+from .fp8 import GEMM_MULTIPLE, Quantized, scaled_linear
+from .qkv_rope import TensorDescriptor, qkv_rope_  # (None: Triton without host tensor descriptors)
 from .runtime import cdiv, choose, interpreting, is_hopper, launch, sm_count
 
 try:
@@ -32,10 +32,6 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover
     triton = None
-try:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - Triton without host tensor descriptors
-    TensorDescriptor = None
 
 if triton is not None:
     from .qkv_rope import _bias_rope_store, _tile_origin
@@ -112,7 +108,7 @@ def fp8_gemm_supported(x: Quantized, wq: torch.Tensor) -> bool:
     xq = x.codes
     if triton is None or TensorDescriptor is None or xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
         return False
-    if xq.shape[1] % 16 or not xq.is_contiguous() or not wq.is_contiguous():
+    if xq.shape[1] % GEMM_MULTIPLE or not xq.is_contiguous() or not wq.is_contiguous():
         return False
     if xq.data_ptr() % 16 or wq.data_ptr() % 16:
         return False

@@ -34,7 +34,7 @@ from kernels.attention import check_backend
 from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.act_quant import ACTIVATIONS as QUANTIZED_ACTIVATIONS, act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
-from kernels.fp8 import Quantized
+from kernels.fp8 import GEMM_MULTIPLE, Quantized
 from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_linear
 
@@ -391,9 +391,10 @@ def gelu_epilogue_ok(device) -> bool:
     return _GELU_EPILOGUE[device]
 
 
-# cuBLAS's fast (TMA) GEMMs and the FP8 GEMM need rows of a multiple of 16 bytes: Qwen2.5-VL's 3420-wide MLP
-# (6840-byte rows in bf16) ran on slower kernels (docs/PERFORMANCE.md), so the loader pads it (`pad_mlp`)
-MLP_MULTIPLE = 16
+# cuBLAS's fast (TMA) GEMMs need rows of a multiple of 16 bytes, and the FP8 GEMM widths of a multiple of 16
+# (`GEMM_MULTIPLE`): Qwen2.5-VL's 3420-wide MLP (6840-byte rows in bf16) ran on slower kernels
+# (docs/PERFORMANCE.md), so the loader pads it (`pad_mlp`) to a width both take
+MLP_MULTIPLE = GEMM_MULTIPLE
 
 
 def pad_mlp(mlp: nn.Module, multiple: int = MLP_MULTIPLE) -> bool:
@@ -407,6 +408,7 @@ def pad_mlp(mlp: nn.Module, multiple: int = MLP_MULTIPLE) -> bool:
     if width % multiple == 0 or not inputs or any(m.out_features != width for m in inputs):
         return False
     wide = width + -width % multiple
+    output_name = next(name for name, m in mlp.named_children() if m is output)
     for name, m in list(mlp.named_children()):
         if m is not output and m not in inputs:
             continue
@@ -421,15 +423,14 @@ def pad_mlp(mlp: nn.Module, multiple: int = MLP_MULTIPLE) -> bool:
             if m.bias is not None:
                 wider.bias.zero_()[:m.bias.shape[0]] = m.bias
         setattr(mlp, name, wider.requires_grad_(False))
-    outputs = {name for name, m in mlp.named_children() if m is mlp.output}
 
     def checkpoint_shapes(module, state, prefix, local_metadata):
         for key in [k for k in state if k.startswith(prefix)]:
             child = key[len(prefix):].split(".")[0]
             t = state[key]
-            if child in outputs and t.dim() == 2 and t.shape[1] == wide:
+            if child == output_name and t.dim() == 2 and t.shape[1] == wide:
                 state[key] = t[:, :width]
-            elif child not in outputs and t.dim() >= 1 and t.shape[0] == wide:
+            elif child != output_name and t.dim() >= 1 and t.shape[0] == wide:
                 state[key] = t[:width]
 
     mlp.register_state_dict_post_hook(checkpoint_shapes)
