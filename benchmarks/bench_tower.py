@@ -35,7 +35,7 @@ from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
 from service.model.quant_check import fp8_copy
 from service.model.sizing import smart_resize
-from service.model.tower import MLP_MULTIPLE, layer_segments
+from service.model.tower import layer_segments, padded_width
 
 PEAK_TFLOPS = 989.0
 WORKLOADS = {  # (images, frames, side in pixels)
@@ -68,8 +68,8 @@ def tower_flops(cfg, grids) -> float:
 def floor_fn(cfg, grids):
     """GEMMs with the tower's exact shapes + batched cuDNN attention, nothing else."""
     tokens = sum(t * h * w for t, h, w in grids)
-    h, inter, m = cfg.hidden_size, cfg.intermediate_size, cfg.merge_unit
-    inter += -inter % MLP_MULTIPLE  # the MLP's width as the loader pads it (Qwen2.5-VL's 3420: cuBLAS's slow kernels)
+    # the MLP at the width the loader pads it to (Qwen2.5-VL's 3420 ran on cuBLAS's slow kernels)
+    h, inter, m = cfg.hidden_size, padded_width(cfg.intermediate_size), cfg.merge_unit
     dev, dt = "cuda", torch.bfloat16
     x = torch.randn(tokens, h, device=dev, dtype=dt)
     w = {n: torch.randn(o, i, device=dev, dtype=dt) * 0.02 for n, (o, i) in {

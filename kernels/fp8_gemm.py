@@ -116,7 +116,10 @@ def fp8_gemm_supported(x: Quantized, wq: torch.Tensor) -> bool:
 
 
 def _rope_tiles(hidden: int, head_dim: int) -> list[tuple]:
-    """The tiles that cover whole heads and never straddle Q, K and V (and so divide N)."""
+    """The tiles that cover whole heads and never straddle Q, K and V (and so divide N); none for a head dim that is
+    not a power of two (the epilogue splits a tile into heads and halves by reshapes)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return []
     return [c for c in FP8_TILES if c[1] % head_dim == 0 and hidden % c[1] == 0]
 
 
@@ -155,8 +158,7 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
             cos, sin = cos.contiguous(), sin.contiguous()
         if bias is None:
             bias = torch.zeros(n, dtype=out_dtype, device=xq.device)  # the RoPE epilogue always adds one
-    power_of_two_heads = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-    candidates = (list(FP8_TILES) if rope is None else _rope_tiles(hidden, head_dim) if power_of_two_heads else [])
+    candidates = list(FP8_TILES) if rope is None else _rope_tiles(hidden, head_dim)
     if residual is not None:
         dest = residual
     elif out is not None:

@@ -33,7 +33,7 @@ from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
-from service.model.tower import TowerOptions
+from service.model.tower import TowerOptions, padded_width
 
 CATEGORIES = [  # first match wins
     ("attention", r"varlen_attn|flash|fmha|cudnn|attention"),
@@ -126,14 +126,15 @@ def timeline(fn, iters: int) -> dict:
 
 
 def block_gemms(cfg) -> dict[str, tuple[int, int]]:
-    """A block's GEMMs: name -> (out_features, in_features)."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
+    """A block's GEMMs as the loaded tower runs them (its MLP padded, `tower.pad_mlp`): name -> (out_features,
+    in_features)."""
+    h, inter = cfg.hidden_size, padded_width(cfg.intermediate_size)
     return {"qkv": (3 * h, h), "proj": (h, h), "fc1": (inter, h), "fc2": (h, inter)}
 
 
 def micro(cfg, tokens: int) -> dict:
     """Each GEMM shape and memory-bound pass of one block, alone."""
-    h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
+    h, inter, dt = cfg.hidden_size, padded_width(cfg.intermediate_size), torch.bfloat16
     x = torch.randn(tokens, h, device="cuda", dtype=dt)
     y = torch.randn_like(x)
     mid = torch.randn(tokens, inter, device="cuda", dtype=dt)
@@ -198,7 +199,7 @@ def micro_fp8(cfg, tokens: int) -> dict:
     """Each of a block's GEMMs in FP8 (e4m3 operands, row-wise scales, bias and bf16 out in cuBLASLt's epilogue) with
     its input quantised already, then in its served form (`fused_fp8`), and the passes the FP8 tower adds: quantising
     a bf16 activation alone (proj's input), the GELU with its e4m3 epilogue, and the residual add cuBLASLt leaves."""
-    h, inter, dt = cfg.hidden_size, cfg.intermediate_size, torch.bfloat16
+    h, inter, dt = cfg.hidden_size, padded_width(cfg.intermediate_size), torch.bfloat16
     res = {}
     for name, (n, k) in block_gemms(cfg).items():
         if not fp8_gemm_shape(k, n):
@@ -238,7 +239,7 @@ def fused_fp8(cfg, name, xq, wq, ws, bias, x, w) -> dict:
     acc = torch.randn(tokens, wq.shape[0], device="cuda", dtype=x.dtype)
     if name == "qkv":
         call = lambda tile: fp8_gemm(xq, wq, ws, bias, rope=(cos, sin, heads), tile=tile)  # noqa: E731
-        tiles = _rope_tiles(cfg.hidden_size, cfg.head_dim) if cfg.head_dim & (cfg.head_dim - 1) == 0 else []
+        tiles = _rope_tiles(cfg.hidden_size, cfg.head_dim)
         bf16 = lambda: qkv_rope_linear(x, w, bias, cos, sin, heads)  # noqa: E731
     elif name in ("proj", "fc2"):
         call = lambda tile: fp8_gemm(xq, wq, ws, residual=acc, tile=tile)  # noqa: E731

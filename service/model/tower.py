@@ -397,6 +397,11 @@ def gelu_epilogue_ok(device) -> bool:
 MLP_MULTIPLE = GEMM_MULTIPLE
 
 
+def padded_width(width: int, multiple: int = MLP_MULTIPLE) -> int:
+    """An MLP's width as `pad_mlp` leaves it."""
+    return width + -width % multiple
+
+
 def pad_mlp(mlp: nn.Module, multiple: int = MLP_MULTIPLE) -> bool:
     """Widen an MLP's intermediate size to a multiple of `multiple` with zeros, in place: its input projections (fc1,
     or gate and up) get zero rows and zero biases, its output projection zero columns. The padded channels are
@@ -407,7 +412,7 @@ def pad_mlp(mlp: nn.Module, multiple: int = MLP_MULTIPLE) -> bool:
     width = output.in_features
     if width % multiple == 0 or not inputs or any(m.out_features != width for m in inputs):
         return False
-    wide = width + -width % multiple
+    wide = padded_width(width, multiple)
     output_name = next(name for name, m in mlp.named_children() if m is output)
     for name, m in list(mlp.named_children()):
         if m is not output and m not in inputs:
