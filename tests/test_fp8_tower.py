@@ -151,7 +151,7 @@ def test_an_mlp_the_fp8_gemm_cannot_take_is_padded_to_one_it_can(intermediate):
     """The FP8 GEMM takes only dimensions that are multiples of 16 (TMA's 16-byte rows in e4m3, cuBLASLt's rule), and
     Qwen2.5-VL's MLP is 3420 wide (every size of that family): gate, up and down are padded with zeros to the next
     multiple, which computes the same function in float32, then quantised like every other block's; the tower stays
-    close to the unquantised one, every FP8 GEMM fed quantised rows but the attention's output projection."""
+    close to the unquantised one, every FP8 GEMM fed quantised rows (the attention's output projection stays bf16)."""
     from dataclasses import replace
 
     from kernels.fp8 import Quantized, fp8_gemm_shape
