@@ -220,7 +220,8 @@ def mlp_operands(m, k, inter, device="cpu"):
 def exact_mlp(x: Quantized, fc1, fc2, act: str) -> torch.Tensor:
     """The MLP in float64 from the dequantised input and weights, its activation unquantised."""
     h = exact_product(x, fc1[:2]) + fc1[2].double()
-    return exact_product(Quantized(ACTS[act](h), torch.ones(h.shape[0], dtype=torch.float64)), fc2[:2])
+    return exact_product(Quantized(ACTS[act](h), torch.ones(h.shape[0], dtype=torch.float64, device=h.device)),
+                         fc2[:2])
 
 
 @pytest.mark.parametrize("m", [1, 7, 131])
