@@ -113,10 +113,11 @@ if triton is not None:
                              ROPE: tl.constexpr, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr,
                              A_DEFERRED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                             K_TILES: tl.constexpr, NUM_SMS: tl.constexpr):
-        """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue)."""
+                             K_TILES: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr):
+        """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue); WS: warp
+        specialised by Triton (a loading warp, the MMAs and epilogue in the others)."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS, warp_specialize=WS):
             off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = _fp8_tile(a_desc, b_desc, X_SCALE, M, off_m, off_n, A_DEFERRED, BLOCK_M, BLOCK_N, BLOCK_K,
                             K_TILES)
@@ -125,13 +126,15 @@ if triton is not None:
                           HEAD_DIM, BLOCK_M, BLOCK_N)
 
 
+WS = "ws"  # persistent and warp specialised
 # (block_m, block_n, block_k, warps, stages, persistent): 128-byte K rows (block_k 128 in e4m3) fill the swizzle;
 # the four-warp tiles of three stages or fewer leave room for two programs on an SM, one's epilogue beside the other's
 # MMAs
 FP8_TILES = [(128, 256, 128, 8, 3, False), (128, 128, 128, 4, 4, False), (128, 128, 128, 8, 4, False),
              (256, 128, 128, 8, 3, False), (128, 256, 128, 8, 4, False), (64, 256, 128, 4, 4, False),
              (128, 256, 64, 8, 4, False), (128, 256, 128, 8, 3, True), (128, 128, 128, 8, 4, True),
-             (128, 128, 128, 4, 3, False), (128, 128, 128, 4, 2, False), (64, 256, 128, 4, 2, False)]
+             (128, 128, 128, 4, 3, False), (128, 128, 128, 4, 2, False), (64, 256, 128, 4, 2, False),
+             (128, 256, 128, 8, 3, WS), (128, 128, 128, 8, 4, WS), (128, 256, 64, 8, 4, WS), (128, 128, 128, 4, 4, WS)]
 # the candidate that runs cuBLASLt's scaled_mm and then the epilogue's work as separate passes
 UNFUSED = "unfused"
 # the activations the epilogue applies (`act=`): those of `act_quant` without a second operand
@@ -243,7 +246,8 @@ def fp8_gemm(x: "Quantized | Quantizable", wq: torch.Tensor, w_scale: torch.Tens
                     K_TILES=cdiv(k, bk), num_warps=warps, num_stages=stages)
         if persistent:
             sms = min(sm_count(a.device) if a.is_cuda else 4, tiles)
-            launch(_fp8_gemm_persistent, (sms,), *args, NUM_SMS=sms, **meta)
+            launch(_fp8_gemm_persistent, (sms,), *args, NUM_SMS=sms, WS=persistent == WS and not interpreting(),
+                   **meta)
         else:
             launch(_fp8_gemm, (tiles,), *args, **meta)
         return into
