@@ -30,7 +30,7 @@ for step in "${@:-all}"; do
     kernel-tests-b) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels -k "not every_candidate" 2>&1 \
                       | tee "$OUT/gpu_kernel-tests-b.log" | tail -n 15 ;;
     fp8-tests) python -m pytest -q -x -p no:cacheprovider ${XDIST/loadfile/load} -m gpu tests/kernels/test_fp8_gemm.py tests/kernels/test_fp8.py \
-                 tests/kernels/test_act_quant.py tests/test_fp8_tower.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -n 15 ;;
+                 tests/kernels/test_act_quant.py tests/kernels/test_add_layernorm.py tests/test_fp8_tower.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -n 15 ;;
     fp8-error) python -m benchmarks.fp8_error --out "$OUT" 2>&1 | tee "$OUT/fp8_error.log" | tail -n 12 ;;
     # Qwen2.5-VL's towers beside the others: their own tower_qwen2_5.json
     tower-qwen2.5) python -m benchmarks.bench_tower --presets qwen2.5-vl-7b --out "$OUT/qwen2_5" ${TOWER_ARGS:-} 2>&1 \

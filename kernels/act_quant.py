@@ -30,14 +30,9 @@ _TORCH = {"gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "gelu": 
           "none": lambda h: h}
 
 
-def apply_activation(h: torch.Tensor, act: str) -> torch.Tensor:
-    """`act` (one of `ACTIVATIONS`) of `h` in its dtype, as the unfused model computes it."""
-    return _TORCH[act](h)
-
-
 def reference_act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None) -> Quantized:
     """The unfused arithmetic: act(h) (times `up`) in h's dtype, then `quantize_rows`."""
-    a = apply_activation(h, act)
+    a = _TORCH[act](h)
     return Quantized(*quantize_rows(a if up is None else a * up))
 
 
@@ -45,18 +40,12 @@ if triton is not None:
     from .fp8 import TL_DTYPES, e4m3_rows
 
     @triton.jit
-    def activation(h, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr = False):
-        """The activation of float32 `h`: ACT_FN 0 tanh GELU, 1 erf GELU, 2 SiLU, 3 none. FAST_TANH (GPU only):
-        tanh GELU's tanh as the one `tanh.approx` instruction (relative error about 2^-11, under bf16's rounding)
-        instead of an exponential and a division: for GEMM epilogues, where it is not hidden behind memory."""
+    def activation(h, ACT_FN: tl.constexpr):
+        """The activation of float32 `h`: ACT_FN 0 tanh GELU, 1 erf GELU, 2 SiLU, 3 none."""
         a = h
         if ACT_FN == 0:
             inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-            if FAST_TANH:
-                a = 0.5 * h * (1.0 + tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [inner],
-                                                               dtype=tl.float32, is_pure=True, pack=1))
-            else:
-                a = 0.5 * h * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner), without overflow
+            a = 0.5 * h * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner), without overflow
         elif ACT_FN == 1:
             a = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
         elif ACT_FN == 2:

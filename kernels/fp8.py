@@ -57,26 +57,6 @@ class Quantized(NamedTuple):
     scale: torch.Tensor
 
 
-class Quantizable(NamedTuple):
-    """Activations still in their dtype (`values [M, K]`) with each row's absolute maximum (float32): what an FP8
-    GEMM's activation epilogue (`fp8_gemm(..., act=...)`) hands the next FP8 GEMM, which quantises the rows as it
-    loads them (`row_scale`), so that no pass reads them between the two GEMMs."""
-
-    values: torch.Tensor
-    amax: torch.Tensor
-
-
-def row_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The per-row scale of rows whose absolute maximum is `amax`: `quantize_rows`' scale."""
-    return (amax.float() / E4M3_MAX).clamp_min(MIN_SCALE)
-
-
-def quantize_quantizable(x: Quantizable) -> Quantized:
-    """`Quantizable` rows as `Quantized` ones, by their recorded absmax (the arithmetic of `quantize_rows`)."""
-    scale = row_scale(x.amax)
-    return Quantized((x.values.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
-
-
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of `x [M, K]` to e4m3 with its own scale: (q [M, K] e4m3, scale [M] float32), x ≈ q * scale."""
     xf = x.float()

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .act_quant import ACTIVATIONS, act_quantize, apply_activation
-from .fp8 import GEMM_MULTIPLE, Quantizable, Quantized, quantize_quantizable, scaled_linear
+from .fp8 import GEMM_MULTIPLE, Quantized, scaled_linear
 from .qkv_rope import TensorDescriptor, qkv_rope_  # (None: Triton without host tensor descriptors)
 from .runtime import cdiv, choose, interpreting, is_hopper, launch, sm_count
 
@@ -35,46 +34,25 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    from .act_quant import activation
-    from .fp8 import _Q_MAX, _Q_MIN_SCALE
     from .qkv_rope import _bias_rope_store, _tile_origin
 
     @triton.jit
-    def _row_scales(X_SCALE, rows, M, A_DEFERRED: tl.constexpr):
-        """The A rows' scales: given, or (A_DEFERRED) from their absmax as `fp8.row_scale` computes them."""
-        s = tl.load(X_SCALE + rows, mask=rows < M, other=0.0)
-        if A_DEFERRED:
-            s = tl.maximum(s / _Q_MAX, _Q_MIN_SCALE)
-        return s
-
-    @triton.jit
-    def _fp8_tile(a_desc, b_desc, X_SCALE, M, off_m, off_n, A_DEFERRED: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
-        """The tile's float32 accumulator (of the codes: the scales come in the epilogue). A_DEFERRED: A holds
-        `Quantizable` rows in the activations' dtype, rounded to e4m3 codes here as they are loaded (`X_SCALE` holds
-        their absmax), so that no pass writes the codes between the GEMM that made the rows and this one."""
+    def _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, K_TILES: tl.constexpr):
+        """The tile's float32 accumulator (of the codes: the scales come in the epilogue)."""
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if A_DEFERRED:
-            inv = 1.0 / _row_scales(X_SCALE, off_m + tl.arange(0, BLOCK_M), M, True)
-            for kt in range(K_TILES):
-                a = a_desc.load([off_m, kt * BLOCK_K]).to(tl.float32) * inv[:, None]
-                a = tl.minimum(tl.maximum(a, -_Q_MAX), _Q_MAX).to(tl.float8e4nv)
-                acc = tl.dot(a, b_desc.load([off_n, kt * BLOCK_K]).T, acc)
-        else:
-            for kt in range(K_TILES):
-                acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
+        for kt in range(K_TILES):
+            acc = tl.dot(a_desc.load([off_m, kt * BLOCK_K]), b_desc.load([off_n, kt * BLOCK_K]).T, acc)
         return acc
 
     @triton.jit
-    def _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, AMAX, M, N, stride_om,
-                      stride_rm, stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
-                      ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr, A_DEFERRED: tl.constexpr,
+    def _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
+                      stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Dequantise the tile (row scale times column scale), then bias, RoPE, the residual or the activation (ACT_FN
-        >= 0: `act_quant.activation`, each row's absmax into AMAX by atomics), one rounding, store."""
+        """Dequantise the tile (row scale times column scale), then bias, RoPE or the residual, one rounding, store."""
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
-        x_s = _row_scales(X_SCALE, rows, M, A_DEFERRED)
+        x_s = tl.load(X_SCALE + rows, mask=rows < M, other=0.0)
         w_s = tl.load(W_SCALE + cols, mask=cols < N, other=0.0)
         acc = acc * x_s[:, None] * w_s[None, :]
         if ROPE:  # N is a whole number of tiles there (the host checks), and the bias always given
@@ -87,71 +65,54 @@ if triton is not None:
             if HAS_RES:
                 acc += tl.load(RES + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=mask,
                                other=0.0).to(tl.float32)
-            if ACT_FN >= 0:  # the product rounded as the unfused GEMM stores it, the activation's output as well
-                acc = activation(acc.to(OUT.dtype.element_ty).to(tl.float32), ACT_FN, FAST_TANH)
-                acc = tl.where(mask, acc.to(OUT.dtype.element_ty).to(tl.float32), 0.0)
-                tl.atomic_max(AMAX + rows, tl.max(tl.abs(acc), 1), mask=rows < M, sem="relaxed")
             out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
             tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _fp8_gemm(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, AMAX, M, N, stride_om, stride_rm,
-                  stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
-                  ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr, A_DEFERRED: tl.constexpr, HEAD_DIM: tl.constexpr,
+    def _fp8_gemm(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm, stride_c,
+                  ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   K_TILES: tl.constexpr):
         """One program per output tile."""
         off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = _fp8_tile(a_desc, b_desc, X_SCALE, M, off_m, off_n, A_DEFERRED, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
-        _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, AMAX, M, N, stride_om,
-                      stride_rm, stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, ACT_FN, FAST_TANH, A_DEFERRED, HEAD_DIM,
-                      BLOCK_M, BLOCK_N)
+        acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
+        _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
+                      stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, HEAD_DIM, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, AMAX, M, N, stride_om,
-                             stride_rm, stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                             ROPE: tl.constexpr, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr,
-                             A_DEFERRED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                             K_TILES: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr):
-        """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue); WS: warp
-        specialised by Triton (a loading warp, the MMAs and epilogue in the others)."""
+    def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
+                             stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
+                             NUM_SMS: tl.constexpr):
+        """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue)."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=not WS, warp_specialize=WS):
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-            acc = _fp8_tile(a_desc, b_desc, X_SCALE, M, off_m, off_n, A_DEFERRED, BLOCK_M, BLOCK_N, BLOCK_K,
-                            K_TILES)
-            _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, AMAX, M, N, stride_om,
-                          stride_rm, stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, ACT_FN, FAST_TANH, A_DEFERRED,
-                          HEAD_DIM, BLOCK_M, BLOCK_N)
+            acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
+            _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om,
+                          stride_rm, stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, HEAD_DIM, BLOCK_M, BLOCK_N)
 
 
-WS = "ws"  # persistent and warp specialised
-# (block_m, block_n, block_k, warps, stages, persistent): 128-byte K rows (block_k 128 in e4m3) fill the swizzle;
-# the four-warp tiles of three stages or fewer leave room for two programs on an SM, one's epilogue beside the other's
-# MMAs
+# (block_m, block_n, block_k, warps, stages, persistent): 128-byte K rows (block_k 128 in e4m3) fill the swizzle
 FP8_TILES = [(128, 256, 128, 8, 3, False), (128, 128, 128, 4, 4, False), (128, 128, 128, 8, 4, False),
              (256, 128, 128, 8, 3, False), (128, 256, 128, 8, 4, False), (64, 256, 128, 4, 4, False),
-             (128, 256, 64, 8, 4, False), (128, 256, 128, 8, 3, True), (128, 128, 128, 8, 4, True),
-             (128, 128, 128, 4, 3, False), (128, 128, 128, 4, 2, False), (64, 256, 128, 4, 2, False),
-             (128, 256, 128, 8, 3, WS), (128, 128, 128, 8, 4, WS), (128, 256, 64, 8, 4, WS), (128, 128, 128, 4, 4, WS)]
+             (128, 256, 64, 8, 4, False), (128, 256, 128, 8, 3, True), (128, 128, 128, 8, 4, True)]
 # the candidate that runs cuBLASLt's scaled_mm and then the epilogue's work as separate passes
 UNFUSED = "unfused"
-# the activations the epilogue applies (`act=`): those of `act_quant` without a second operand
-EPILOGUE_ACTIVATIONS = tuple(ACTIVATIONS)
 
 
-def fp8_gemm_supported(x: "Quantized | Quantizable", wq: torch.Tensor) -> bool:
-    """Whether `fp8_gemm` can run its kernel for these operands: Hopper (or the interpreter), contiguous rows (codes,
-    or a `Quantizable`'s values) 16-byte aligned, as their bases (TMA)."""
-    a = x[0]
-    if triton is None or TensorDescriptor is None or a.dim() != 2 or wq.dim() != 2 or a.shape[1] != wq.shape[1]:
+def fp8_gemm_supported(x: Quantized, wq: torch.Tensor) -> bool:
+    """Whether `fp8_gemm` can run its kernel for these operands: Hopper (or the interpreter), contiguous codes with
+    16-byte aligned rows and bases (TMA)."""
+    xq = x.codes
+    if triton is None or TensorDescriptor is None or xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
         return False
-    if a.shape[1] % GEMM_MULTIPLE or not a.is_contiguous() or not wq.is_contiguous():
+    if xq.shape[1] % GEMM_MULTIPLE or not xq.is_contiguous() or not wq.is_contiguous():
         return False
-    if a.data_ptr() % 16 or wq.data_ptr() % 16:
+    if xq.data_ptr() % 16 or wq.data_ptr() % 16:
         return False
-    return is_hopper(a.device) if a.is_cuda else interpreting()
+    return is_hopper(xq.device) if xq.is_cuda else interpreting()
 
 
 def _rope_tiles(hidden: int, head_dim: int) -> list[tuple]:
@@ -162,34 +123,22 @@ def _rope_tiles(hidden: int, head_dim: int) -> list[tuple]:
     return [c for c in FP8_TILES if c[1] % head_dim == 0 and hidden % c[1] == 0]
 
 
-def _size_class(m: int) -> int:
-    """The pack size class a choice is made for (a new pack size never re-tunes)."""
-    return 0 if m <= 4096 else 1 if m <= 16384 else 2
-
-
-def fp8_gemm(x: "Quantized | Quantizable", wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
-             *, out_dtype: torch.dtype = torch.bfloat16, residual: torch.Tensor | None = None,
-             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, act: str | None = None,
-             out: torch.Tensor | None = None, tile: "tuple | str | None" = None,
-             use_triton: bool | None = None) -> "torch.Tensor | Quantizable":
+def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
+             out_dtype: torch.dtype = torch.bfloat16, residual: torch.Tensor | None = None,
+             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
+             tile: "tuple | str | None" = None, use_triton: bool | None = None) -> torch.Tensor:
     """`x @ W^T (+ bias)` from e4m3 codes and row scales, dequantised in the epilogue, `[M, N]` in `out_dtype`.
 
-    `x` may be `Quantizable` (rows in the activations' dtype and their absmax): the kernel rounds them to e4m3 as it
-    loads them, exactly as `quantize_rows` would. `residual` (`[M, N]`, rows contiguous): the product is added into
-    it in place and it is returned (its dtype is the output's). `rope = (cos, sin, heads)`: W is a fused QKV weight
-    `[3 * hidden, K]`; the result `(M, 3, heads, head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)`
-    tables, into `out` if given. `act` (one of `EPILOGUE_ACTIVATIONS`): the activation of the biased product, returned
-    as `Quantizable` (each row's absmax gathered in the epilogue) for the next FP8 GEMM to load. `tile` pins one of
+    `residual` (`[M, N]`, rows contiguous): the product is added into it in place and it is returned (its dtype is
+    the output's). `rope = (cos, sin, heads)`: W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads,
+    head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given. `tile` pins one of
     `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape class is chosen on first use.
     `use_triton` (None: on a GPU; the CPU tests force it under the interpreter): where the kernel cannot or may not
     run (`fp8_gemm_supported`), cuBLASLt (or the reference off Hopper) and the passes."""
-    if (residual is not None) + (rope is not None) + (act is not None) > 1:
-        raise ValueError("fp8_gemm: a residual, RoPE or an activation, not two")
-    if act is not None and act not in EPILOGUE_ACTIVATIONS:
-        raise ValueError(f"activation {act!r}: one of {', '.join(EPILOGUE_ACTIVATIONS)}")
-    deferred = isinstance(x, Quantizable)
-    a, x_scale = x  # codes and scales, or values and their absmax
-    m, k = a.shape
+    if residual is not None and rope is not None:
+        raise ValueError("fp8_gemm: a residual or RoPE, not both")
+    xq, x_scale = x
+    m, k = xq.shape
     n = wq.shape[0]
     if residual is not None:
         if residual.shape != (m, n) or residual.stride(1) != 1:
@@ -208,120 +157,59 @@ def fp8_gemm(x: "Quantized | Quantizable", wq: torch.Tensor, w_scale: torch.Tens
         if cos.stride(-1) != 1 or sin.stride() != cos.stride():
             cos, sin = cos.contiguous(), sin.contiguous()
         if bias is None:
-            bias = torch.zeros(n, dtype=out_dtype, device=a.device)  # the RoPE epilogue always adds one
+            bias = torch.zeros(n, dtype=out_dtype, device=xq.device)  # the RoPE epilogue always adds one
     candidates = list(FP8_TILES) if rope is None else _rope_tiles(hidden, head_dim)
     if residual is not None:
         dest = residual
     elif out is not None:
         dest = out.view(m, n)
     else:
-        dest = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    # the activation's rows' absmax, gathered by atomics (so it starts at zero: |values| >= 0)
-    amax = torch.zeros(m, dtype=torch.float32, device=a.device) if act is not None else None
+        dest = torch.empty((m, n), dtype=out_dtype, device=xq.device)
 
     def run(c, into: torch.Tensor) -> torch.Tensor:
         """Candidate `c` into `into` (the residual itself in that mode, else the output); returns it."""
         if c == UNFUSED:
-            xq, xs = quantize_quantizable(x) if deferred else x
             if residual is not None:
-                return into.add_(scaled_linear(xq, xs, wq, w_scale, bias, out_dtype=out_dtype))
-            y = scaled_linear(xq, xs, wq, w_scale, bias, out_dtype=out_dtype, out=into)
-            if act is not None:  # the activation in the output's dtype, as the unfused MLP computes it
-                y.copy_(apply_activation(y, act))
-                amax.copy_(y.abs().amax(dim=1))
-                return y
+                return into.add_(scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype))
+            y = scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype, out=into)
             return y if rope is None else qkv_rope_(y.view(m, 3, heads, head_dim), cos, sin).view(m, n)
         bm, bn, bk, warps, stages, persistent = c
-        a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
+        a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [bm, bk])
         b_desc = TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [bn, bk])
         tiles = cdiv(m, bm) * cdiv(n, bn)
         unread = x_scale  # the pointer arguments of the modes not taken
         args = (a_desc, b_desc, x_scale, w_scale, unread if bias is None else bias, into,
                 into if residual is not None else unread, unread if rope is None else cos,
-                unread if rope is None else sin, unread if amax is None else amax, m, n, into.stride(0),
-                into.stride(0), 0 if rope is None else cos.stride(0), 2 * hidden)
+                unread if rope is None else sin, m, n, into.stride(0), into.stride(0),
+                0 if rope is None else cos.stride(0), 2 * hidden)
         meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, ROPE=rope is not None,
-                    ACT_FN=-1 if act is None else ACTIVATIONS[act], FAST_TANH=not interpreting(),
-                    A_DEFERRED=deferred, HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+                    HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
                     K_TILES=cdiv(k, bk), num_warps=warps, num_stages=stages)
         if persistent:
-            sms = min(sm_count(a.device) if a.is_cuda else 4, tiles)
-            launch(_fp8_gemm_persistent, (sms,), *args, NUM_SMS=sms, WS=persistent == WS and not interpreting(),
-                   **meta)
+            sms = min(sm_count(xq.device) if xq.is_cuda else 4, tiles)
+            launch(_fp8_gemm_persistent, (sms,), *args, NUM_SMS=sms, **meta)
         else:
             launch(_fp8_gemm, (tiles,), *args, **meta)
         return into
 
     if use_triton is None:
-        use_triton = a.is_cuda or tile not in (None, UNFUSED)
+        use_triton = xq.is_cuda or tile not in (None, UNFUSED)
     if not use_triton or not fp8_gemm_supported(x, wq) or (tile is None and not candidates):
         tile = UNFUSED
     elif tile is None and interpreting():
         tile = (32, head_dim or 32, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     elif tile is None:
-        mode = "rope" if rope is not None else "residual" if residual is not None else act or "plain"
+        size_class = 0 if m <= 4096 else 1 if m <= 16384 else 2  # a new pack size never re-tunes
+        mode = "rope" if rope is not None else "residual" if residual is not None else "plain"
         scratch = []  # timed into scratch (made on the first timing only): the residual must not take their sums
 
         def timed(c):
             scratch[:] = scratch or [torch.empty_like(dest)]
-            if amax is not None:
-                amax.zero_()
             return run(c, scratch[0])
 
-        # the activation's epilogue has no unfused form of its own: `fp8_mlp` weighs it against the pass
-        tile = choose(("fp8_gemm", mode, deferred, _size_class(m), n, k, head_dim, bias is not None, out_dtype,
-                       a.device), lambda: [*candidates] + ([] if act else [UNFUSED]), timed)
-        if amax is not None:
-            amax.zero_()
+        tile = choose(("fp8_gemm", mode, size_class, n, k, head_dim, bias is not None, out_dtype, xq.device),
+                      lambda: [*candidates, UNFUSED], timed)
     elif tile != UNFUSED and rope is not None and (tile[1] % head_dim or hidden % tile[1]):
         raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
     result = run(tile, dest)
-    if act is not None:
-        return Quantizable(result, amax)
     return result.view(m, 3, heads, head_dim) if rope is not None else result
-
-
-# the two ways `fp8_mlp` can hand fc1's activation to fc2
-DEFERRED, PASS = "deferred", "pass"
-
-
-def fp8_mlp(x: Quantized, fc1: tuple, fc2: tuple, act: str, *, out_dtype: torch.dtype = torch.bfloat16,
-            residual: torch.Tensor | None = None, chain: str | None = None,
-            use_triton: bool | None = None) -> torch.Tensor:
-    """`fc2(act(fc1(x)))` for an MLP whose GEMMs are both FP8, `fc1 = (codes, scale, bias)` and `fc2 = (codes, scale,
-    bias or None)`; with `residual`, added into it in place as `fp8_gemm` does. Two chains (`chain` pins one; else
-    the faster for the shape class, timed on first use):
-
-    - DEFERRED: the activation in fc1's epilogue, which gathers each row's absmax by atomics, and fc2 rounding its
-      input rows to e4m3 as it loads them: fc1's output is written once and read once, with no pass between;
-    - PASS: fc1, then the activation and the quantisation in one pass (`act_quant.act_quantize`), then fc2 on the
-      codes: fc2's loads are cheaper, at the cost of a pass over the MLP's widest tensor.
-
-    Both quantise the activation's rows as `quantize_rows` does (one scale per row, absmax / 448)."""
-    if use_triton is None:
-        use_triton = x.codes.is_cuda
-
-    def run(c: str, res: torch.Tensor | None) -> torch.Tensor:
-        if c == DEFERRED:
-            h = fp8_gemm(x, *fc1, out_dtype=out_dtype, act=act, use_triton=use_triton)
-        else:
-            h = act_quantize(fp8_gemm(x, *fc1, out_dtype=out_dtype, use_triton=use_triton), act)
-        return fp8_gemm(h, *fc2, out_dtype=out_dtype, residual=res, use_triton=use_triton)
-
-    if chain is None:
-        if act not in EPILOGUE_ACTIVATIONS or not use_triton or not fp8_gemm_supported(x, fc1[0]):
-            chain = PASS
-        elif interpreting():
-            chain = DEFERRED
-        else:
-            scratch = []  # as fp8_gemm's: the residual must not take the timings' sums
-
-            def timed(c):
-                if residual is not None:
-                    scratch[:] = scratch or [torch.empty_like(residual)]
-                return run(c, scratch[0] if scratch else None)
-
-            m, k = x.codes.shape
-            chain = choose(("fp8_mlp", act, _size_class(m), k, fc1[0].shape[0], fc2[0].shape[0], residual is not None,
-                            out_dtype, x.codes.device), lambda: [DEFERRED, PASS], timed)
-    return run(chain, residual)

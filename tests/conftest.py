@@ -247,22 +247,6 @@ def as_hardware_would(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return torch.where(defect, want, got)
 
 
-def platform_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """float32 `v` (within e4m3's range) rounded to e4m3 as a kernel's `.to(float8e4nv)` rounds it where the test
-    runs: the interpreter's conversion, defects included (`as_hardware_would`), or round-to-nearest-even on a GPU.
-    For products of codes a kernel makes in registers, where the codes themselves cannot be read back."""
-    from kernels.fp8 import E4M3
-
-    if not interpreted():
-        return v.float().to(E4M3)
-    import triton.language as tl
-    from triton._C.libtriton import ir
-    from triton.runtime.interpreter import _convert_float
-
-    bits = _convert_float(v.float().cpu().contiguous().numpy(), tl.float32, tl.float8e4nv, ir.ROUNDING_MODE.RTNE)
-    return torch.from_numpy(bits.view(np.uint8).copy()).view(E4M3).to(v.device)
-
-
 def exact_e4m3_rows(y: torch.Tensor, act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows computed in float64, rounded to the activations' dtype, quantised per row in float64 (absmax / 448):
     the codes and scales a fused FP8 epilogue should give."""

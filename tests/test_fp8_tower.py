@@ -103,10 +103,9 @@ def test_quant_check_command(tmp_path):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-qwen2.5"])
 def test_norms_hand_the_fp8_gemms_quantised_rows(name, monkeypatch):
-    """The inputs of qkv and of the MLP's first GEMMs come out of their norm's pass as `Quantized` rows, down_proj's
-    out of the activation's (fc2's is handed over inside `fp8_mlp`), and the tower computes bit for bit what it computes when each FP8 layer
+    """The inputs of qkv and of the MLP's first GEMMs come out of their norm's pass as `Quantized` rows, fc2's (or
+    down_proj's) out of the activation's, and the tower computes bit for bit what it computes when each FP8 layer
     quantises its own input (on the CPU both are `quantize_rows` of the same tensor)."""
-    import service.model.quant as quant_module
     import service.model.tower as tower_module
     from kernels.fp8 import Quantized
 
@@ -116,14 +115,12 @@ def test_norms_hand_the_fp8_gemms_quantised_rows(name, monkeypatch):
     pixels = encoder.pixels(items)
     plan = fp8.plan([it.grid_thw for it in items])
     seen = []
-    forward, mlp = Fp8Linear.forward, quant_module.fp8_mlp
+    forward = Fp8Linear.forward
     monkeypatch.setattr(Fp8Linear, "forward", lambda self, x, *a, **k: seen.append(type(x)) or forward(self, x, *a,
                                                                                                          **k))
-    # Qwen3-VL's MLP runs as one `fp8_mlp` (fc2's input handed over inside it), Qwen2.5-VL's as three layers
-    monkeypatch.setattr(quant_module, "fp8_mlp", lambda x, *a, **k: seen.append(type(x)) or mlp(x, *a, **k))
     with torch.inference_mode():
         handed = fp8(pixels, plan)
-        assert seen == [Quantized] * (4 if fp8.config.windowed else 2) * len(fp8.blocks)
+        assert seen == [Quantized] * (4 if fp8.config.windowed else 3) * len(fp8.blocks)
         monkeypatch.setattr(tower_module, "_reads_fp8", lambda part: False)
         monkeypatch.setattr(tower_module, "_quantizes_activation", lambda output, act: False)
         own = fp8(pixels, plan)
@@ -205,8 +202,7 @@ def test_fp8_qwen2_5_vl_7b_blocks_run_on_the_gpu():
 
 def test_fused_fp8_epilogues_in_the_tower(monkeypatch):
     """The served FP8 forward on the Triton backend (interpreted here): qkv with RoPE in its epilogue into the
-    forward's buffer, fc1 with its bias and the GELU, fc2 quantising its input as it loads it and adding the residual
-    in place, every one the fused kernel; against the
+    forward's buffer, fc1 with its bias, fc2 adding the residual in place, every one the fused kernel; against the
     FP8 tower without them (cuBLASLt's arithmetic and the passes) and the float one. Head dim 64 (a tile covers whole
     heads), an MLP 200 wide (padded to 208)."""
     from dataclasses import replace
@@ -229,10 +225,8 @@ def test_fused_fp8_epilogues_in_the_tower(monkeypatch):
         plain = unfused(pixels, unfused.plan(grids))
         assert not launched
         got = fused(pixels, fused.plan(grids))
-    modes = [(k["ROPE"], k["HAS_BIAS"], k["HAS_RES"], k["ACT_FN"] >= 0, k["A_DEFERRED"]) for k in launched]
-    # fc1 with the GELU in its epilogue, fc2 quantising its input as it loads it (`fp8_mlp`'s DEFERRED chain)
-    assert modes == [(True, True, False, False, False), (False, True, False, True, False),
-                     (False, False, True, False, True)] * cfg.depth
+    modes = [(k["ROPE"], k["HAS_BIAS"], k["HAS_RES"]) for k in launched]
+    assert modes == [(True, True, False), (False, True, False), (False, False, True)] * cfg.depth
     cos = torch.nn.functional.cosine_similarity
     for a, b, c in zip(got, plain, want):  # merged tokens, then DeepStack
         a, b, c = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), c.reshape(-1, c.shape[-1])

@@ -28,7 +28,7 @@ from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.act_quant import act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.fp8 import fp8_gemm_shape, quantize_weight, scaled_linear
-from kernels.fp8_gemm import DEFERRED, FP8_TILES, PASS, UNFUSED, _rope_tiles, fp8_gemm, fp8_mlp
+from kernels.fp8_gemm import FP8_TILES, UNFUSED, _rope_tiles, fp8_gemm
 from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
@@ -225,41 +225,6 @@ def micro_fp8(cfg, tokens: int) -> dict:
             ("residual add after the GEMM (add_)", lambda: y.add_(x), 3 * act)):
         ms = bench(fn, warmup_ms=50, rep_ms=300)
         res[name] = {"ms": ms, "GB/s": nbytes / ms / 1e6}
-    res["mlp chains"] = mlp_chains(cfg, tokens)
-    return res
-
-
-def mlp_chains(cfg, tokens: int) -> dict:
-    """The FP8 MLP (`fp8_mlp`, residual in place) by each chain against the bf16 tower's (fc1 with cuBLASLt's GELU
-    epilogue, fc2 with the residual in `addmm_`), and the DEFERRED chain's two GEMMs at each tile: fc1 with the GELU
-    and the rows' absmax in its epilogue, fc2 quantising its bf16 input as it loads it."""
-    h, inter, dt = cfg.hidden_size, padded_width(cfg.intermediate_size), torch.bfloat16
-    if cfg.hidden_act not in ("gelu_pytorch_tanh", "gelu") or not fp8_gemm_shape(h, inter):
-        return {"skipped": f"{cfg.hidden_act} MLP of width {inter}: no DEFERRED chain"}
-    x = torch.randn(tokens, h, device="cuda", dtype=dt)
-    w1, w2 = (torch.randn(inter, h, device="cuda", dtype=dt) * 0.02, torch.randn(h, inter, device="cuda", dtype=dt) * 0.02)
-    b1 = torch.randn(inter, device="cuda", dtype=dt) * 0.02
-    fc1, fc2 = (*quantize_weight(w1), b1), (*quantize_weight(w2), None)
-    xq = act_quantize(x, "none")
-    residual = torch.randn(tokens, h, device="cuda", dtype=dt)
-    act = cfg.hidden_act
-    res = {"bf16": bench(lambda: residual.addmm_(torch._addmm_activation(b1, x, w1.t(), use_gelu=True), w2.t()),
-                         warmup_ms=50, rep_ms=300)}
-    for chain in (DEFERRED, PASS, None):
-        res[str(chain or "chosen")] = bench(lambda: fp8_mlp(xq, fc1, fc2, act, residual=residual, chain=chain),
-                                            warmup_ms=50, rep_ms=300)
-    hq = fp8_gemm(xq, *fc1, act=act)
-    for name, call in (("fc1 + gelu epilogue", lambda tile: fp8_gemm(xq, *fc1, act=act, tile=tile)),
-                       ("fc2 + residual, deferred input", lambda tile: fp8_gemm(hq, *fc2, residual=residual,
-                                                                                 tile=tile))):
-        times = {}
-        for tile in FP8_TILES:
-            try:
-                times[str(tile)] = bench(lambda: call(tile), warmup_ms=25, rep_ms=150)
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile here
-                times[str(tile)] = f"{type(e).__name__}: {e}"[:200]
-        res[name] = times
-    res["fp8 speedup (chosen chain over bf16)"] = res["bf16"] / res["chosen"]
     return res
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from kernels.act_quant import act_quantize
 from kernels.fp8 import Quantized, fp8_gemm_shape, quantize_rows, quantize_weight
-from kernels.fp8_gemm import fp8_gemm, fp8_mlp
+from kernels.fp8_gemm import fp8_gemm
 
 QUANTIZATIONS = ("none", "fp8")
 # the blocks' linear layers that run in FP8, by their attribute paths in a block
@@ -47,34 +47,20 @@ class Fp8Linear(nn.Module):
         leave it to the norm that follows); with `rope = (cos, sin, heads)` (the QKV projection), `(T, 3, heads,
         head_dim)` with Q and K rotated, into `out` if given. `use_triton`: the fused kernel (None: on a GPU)."""
         bias = self.bias if add_bias else None
-        x, out_dtype, lead = _quantized_input(x, self.bias)
+        lead = None
+        if isinstance(x, Quantized):  # from a norm's or activation's FP8 epilogue: no dtype of its own, the bias's
+            out_dtype = self.bias.dtype if self.bias is not None else torch.bfloat16
+        else:
+            out_dtype, lead = x.dtype, x.shape[:-1]
+            rows = x.reshape(-1, x.shape[-1])
+            # on a GPU quantised in one pass of ours, not quantize_rows' several tensor ops
+            x = act_quantize(rows, "none") if rows.is_cuda else Quantized(*quantize_rows(rows))
         y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, out=out,
                      use_triton=use_triton)
         return y if lead is None or residual is not None or rope is not None else y.view(*lead, -1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel"
-
-
-def _quantized_input(x: "torch.Tensor | Quantized", bias: torch.Tensor | None):
-    """(x as `Quantized` rows, the output's dtype, x's leading shape or None): a `Quantized` x (from a norm's or
-    activation's FP8 epilogue) has no dtype of its own, so the bias's; on a GPU x is quantised in one pass of ours,
-    not `quantize_rows`' several tensor ops."""
-    if isinstance(x, Quantized):
-        return x, bias.dtype if bias is not None else torch.bfloat16, None
-    rows = x.reshape(-1, x.shape[-1])
-    return (act_quantize(rows, "none") if rows.is_cuda else Quantized(*quantize_rows(rows))), x.dtype, x.shape[:-1]
-
-
-def fp8_mlp_forward(fc1: Fp8Linear, fc2: Fp8Linear, x: "torch.Tensor | Quantized", act: str,
-                    residual: torch.Tensor | None = None, use_triton: bool | None = None) -> torch.Tensor:
-    """`fc2(act(fc1(x)))` with both layers FP8, through `kernels.fp8_gemm.fp8_mlp` (fc1's activation handed to fc2 by
-    whichever of fc1's activation epilogue and the activation's e4m3 pass is faster); with `residual`, added into it
-    in place without fc2's bias, as `Fp8Linear` with `add_bias=False` does."""
-    x, out_dtype, lead = _quantized_input(x, fc1.bias)
-    y = fp8_mlp(x, (fc1.qweight, fc1.scale, fc1.bias), (fc2.qweight, fc2.scale, fc2.bias if residual is None else None),
-                act, out_dtype=out_dtype, residual=residual, use_triton=use_triton)
-    return y if lead is None or residual is not None else y.view(*lead, -1)
 
 
 def takes_quantized(*linears: nn.Module) -> bool:
