@@ -30,9 +30,14 @@ _TORCH = {"gelu_pytorch_tanh": lambda h: F.gelu(h, approximate="tanh"), "gelu": 
           "none": lambda h: h}
 
 
+def apply_activation(h: torch.Tensor, act: str) -> torch.Tensor:
+    """`act` (one of `ACTIVATIONS`) of `h` in its dtype, as the unfused model computes it."""
+    return _TORCH[act](h)
+
+
 def reference_act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None) -> Quantized:
     """The unfused arithmetic: act(h) (times `up`) in h's dtype, then `quantize_rows`."""
-    a = _TORCH[act](h)
+    a = apply_activation(h, act)
     return Quantized(*quantize_rows(a if up is None else a * up))
 
 
@@ -40,12 +45,19 @@ if triton is not None:
     from .fp8 import TL_DTYPES, e4m3_rows
 
     @triton.jit
-    def activation(h, ACT_FN: tl.constexpr):
-        """The activation of float32 `h`: ACT_FN 0 tanh GELU, 1 erf GELU, 2 SiLU, 3 none."""
+    def activation(h, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr = False):
+        """The activation of float32 `h`: ACT_FN 0 tanh GELU, 1 erf GELU, 2 SiLU, 3 none. FAST_TANH (GPU only): tanh
+        GELU's tanh as the one `tanh.approx` instruction (error about 2^-11, so up to 2^-12 of |h| in the GELU)
+        instead of an exponential and a division, two special-function instructions, which a GEMM's epilogue does
+        not hide behind memory as this pass does."""
         a = h
         if ACT_FN == 0:
             inner = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-            a = 0.5 * h * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner), without overflow
+            if FAST_TANH:
+                a = 0.5 * h * (1.0 + tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [inner],
+                                                               dtype=tl.float32, is_pure=True, pack=1))
+            else:
+                a = 0.5 * h * (2.0 / (1.0 + tl.exp(-2.0 * inner)))  # 1 + tanh(inner), without overflow
         elif ACT_FN == 1:
             a = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
         elif ACT_FN == 2:

@@ -65,6 +65,46 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_with(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each row of `x [M, K]` to e4m3 codes at a given scale `[M]` (values beyond 448 scales clamped)."""
+    return (x.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+# the largest |GELU(h)| for h <= 0 (tanh and erf forms: -0.170 at h = -0.75), below any bound of a positive input
+GELU_FLOOR = 0.17
+
+
+def act_norms(w: torch.Tensor, bias: torch.Tensor | None, floor: float = GELU_FLOOR) -> tuple[torch.Tensor, float]:
+    """For the GELU of a linear layer `h = x @ W^T + bias` (W as the GEMM sees it, dequantised), handed to an FP8 GEMM
+    by `act_row_scales`: each output channel's norm `c [N]` (float32; no smaller than a sixteenth of their median, so
+    that a zero row, as padding makes, divides nothing) and the bound `B` of `max(|bias_j|, floor) / c_j`.
+
+    With `a_j = GELU(h_j) / c_j`: |h_j| <= |x|_2 |W_j|_2 + |bias_j| (Cauchy-Schwarz) and |GELU(h)| <= max(|h|, 0.17),
+    so |a_j| <= |x|_2 + B: one bound for every channel of a row, which the layer knows from its input alone. The
+    division by c_j (undone in the next layer's weight columns, `fold_norms`) keeps one large-norm channel from
+    loosening the bound of all the others."""
+    c = w.float().norm(dim=1)
+    c = torch.maximum(c, c.median() / 16).clamp_min(1e-30)
+    b = torch.zeros_like(c) if bias is None else bias.float().abs()
+    return c, float((torch.clamp_min(b, floor) / c).max())
+
+
+def fold_norms(w: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """The weight `[N, K]` of the layer that reads `act_norms`' normalised activation, its input columns scaled back
+    by the norms (float32): the same product."""
+    return w.float() * norms[None, :]
+
+
+def act_row_scales(x_scale: torch.Tensor, k: int, bound: float) -> torch.Tensor:
+    """The e4m3 scale of each row of `a = GELU(x @ W^T + b) / c` (`act_norms`) from the row's input scale alone:
+    `(|x|_2 + B) / 448` with `|x|_2 <= sqrt(K) * 448 * x_scale` (every code at most 448). No value of the row reaches
+    448 times it, so none is clamped; the bound is loose (tens of times the row's absmax on random weights), which
+    costs e4m3 nothing while values stay above its normal range's floor (2^-6 of 448 times the scale, about 2^-15 of
+    the bound): the codes' relative error is the format's, 2^-4 at most, as with a scale of absmax / 448
+    (docs/PERFORMANCE.md). So the GEMM that makes the activation writes its codes, with no pass for a row's absmax."""
+    return k**0.5 * x_scale.float() + bound / E4M3_MAX
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear layer's weight `[N, K]` per output channel: (q [N, K] e4m3, scale [N] float32)."""
     return quantize_rows(w)

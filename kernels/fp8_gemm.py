@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import GEMM_MULTIPLE, Quantized, scaled_linear
+from .act_quant import ACTIVATIONS, apply_activation
+from .fp8 import E4M3, GEMM_MULTIPLE, Quantized, act_row_scales, quantize_with, scaled_linear
 from .qkv_rope import TensorDescriptor, qkv_rope_  # (None: Triton without host tensor descriptors)
 from .runtime import cdiv, choose, interpreting, is_hopper, launch, sm_count
 
@@ -34,6 +35,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    from .act_quant import activation
+    from .fp8 import _Q_MAX, TL_DTYPES
     from .qkv_rope import _bias_rope_store, _tile_origin
 
     @triton.jit
@@ -46,10 +49,12 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
-                      stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Dequantise the tile (row scale times column scale), then bias, RoPE or the residual, one rounding, store."""
+    def _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
+                      stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS: tl.constexpr,
+                      HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr,
+                      ACT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Dequantise the tile (row scale times column scale), then bias, RoPE, the residual or the activation
+        quantised to e4m3 (ACT_FN >= 0, below), one rounding, store."""
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         x_s = tl.load(X_SCALE + rows, mask=rows < M, other=0.0)
@@ -65,24 +70,37 @@ if triton is not None:
             if HAS_RES:
                 acc += tl.load(RES + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=mask,
                                other=0.0).to(tl.float32)
+            if ACT_FN >= 0:
+                # the activation of the product rounded to ACT (as the unfused GEMM stores it), rounded again, over
+                # its column's weight norm, in e4m3 at the row's scale `fp8.act_row_scales` (known before the
+                # product: no row's absmax, which no tile holds whole)
+                act = activation(acc.to(ACT).to(tl.float32), ACT_FN, FAST_TANH).to(ACT).to(tl.float32)
+                act *= tl.load(INV_NORM + cols, mask=cols < N, other=0.0)[None, :]
+                scale = SQRT_K * x_s + BOUND / _Q_MAX
+                acc = tl.minimum(tl.maximum(act * (1.0 / scale)[:, None], -_Q_MAX), _Q_MAX)
+                if off_n == 0:
+                    tl.store(OUT_SCALE + rows, scale, mask=rows < M)
             out = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
             tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _fp8_gemm(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm, stride_c,
-                  ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  K_TILES: tl.constexpr):
+    def _fp8_gemm(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N, stride_om,
+                  stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                  ROPE: tl.constexpr, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr, ACT: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
         """One program per output tile."""
         off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
-        _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
-                      stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, HEAD_DIM, BLOCK_M, BLOCK_N)
+        _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
+                      stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS, HAS_RES, ROPE, ACT_FN,
+                      FAST_TANH, ACT, HEAD_DIM, BLOCK_M, BLOCK_N)
 
     @triton.jit
-    def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om, stride_rm,
-                             stride_c, ROPE_N, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ROPE: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
+                             stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS: tl.constexpr,
+                             HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr,
+                             FAST_TANH: tl.constexpr, ACT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
                              NUM_SMS: tl.constexpr):
         """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue)."""
@@ -90,8 +108,9 @@ if triton is not None:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
             off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
             acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
-            _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, M, N, stride_om,
-                          stride_rm, stride_c, ROPE_N, HAS_BIAS, HAS_RES, ROPE, HEAD_DIM, BLOCK_M, BLOCK_N)
+            _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
+                          stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS, HAS_RES, ROPE, ACT_FN,
+                          FAST_TANH, ACT, HEAD_DIM, BLOCK_M, BLOCK_N)
 
 
 # (block_m, block_n, block_k, warps, stages, persistent): 128-byte K rows (block_k 128 in e4m3) fill the swizzle
@@ -125,18 +144,24 @@ def _rope_tiles(hidden: int, head_dim: int) -> list[tuple]:
 
 def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
              out_dtype: torch.dtype = torch.bfloat16, residual: torch.Tensor | None = None,
-             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
-             tile: "tuple | str | None" = None, use_triton: bool | None = None) -> torch.Tensor:
+             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+             act: tuple[str, torch.Tensor, float] | None = None, out: torch.Tensor | None = None,
+             tile: "tuple | str | None" = None, use_triton: bool | None = None) -> "torch.Tensor | Quantized":
     """`x @ W^T (+ bias)` from e4m3 codes and row scales, dequantised in the epilogue, `[M, N]` in `out_dtype`.
 
     `residual` (`[M, N]`, rows contiguous): the product is added into it in place and it is returned (its dtype is
     the output's). `rope = (cos, sin, heads)`: W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads,
-    head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given. `tile` pins one of
+    head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given. `act = (name,
+    1 / norms, bound)` (`fp8.act_norms` of this layer): the activation (computed in `out_dtype`, as the unfused layer
+    computes it) divided by each column's norm, as `Quantized` e4m3 rows at `fp8.act_row_scales`, for the next FP8
+    GEMM, whose weight carries the norms (`fp8.fold_norms`): no pass between the two. `tile` pins one of
     `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape class is chosen on first use.
     `use_triton` (None: on a GPU; the CPU tests force it under the interpreter): where the kernel cannot or may not
     run (`fp8_gemm_supported`), cuBLASLt (or the reference off Hopper) and the passes."""
-    if residual is not None and rope is not None:
-        raise ValueError("fp8_gemm: a residual or RoPE, not both")
+    if (residual is not None) + (rope is not None) + (act is not None) > 1:
+        raise ValueError("fp8_gemm: a residual, RoPE or an activation, not two")
+    if act is not None and act[0] not in ACTIVATIONS:
+        raise ValueError(f"activation {act[0]!r}: one of {', '.join(ACTIVATIONS)}")
     xq, x_scale = x
     m, k = xq.shape
     n = wq.shape[0]
@@ -164,11 +189,17 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
     elif out is not None:
         dest = out.view(m, n)
     else:
-        dest = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+        dest = torch.empty((m, n), dtype=E4M3 if act is not None else out_dtype, device=xq.device)
+    act_scale = None if act is None else torch.empty(m, dtype=torch.float32, device=xq.device)
 
     def run(c, into: torch.Tensor) -> torch.Tensor:
         """Candidate `c` into `into` (the residual itself in that mode, else the output); returns it."""
         if c == UNFUSED:
+            if act is not None:  # the activation in the output's dtype, as the unfused layer computes it
+                name, inv_norms, bound = act
+                y = apply_activation(scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype), name)
+                act_scale.copy_(act_row_scales(x_scale, k, bound))
+                return into.copy_(quantize_with(y.float() * inv_norms, act_scale))
             if residual is not None:
                 return into.add_(scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype))
             y = scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype, out=into)
@@ -180,11 +211,13 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
         unread = x_scale  # the pointer arguments of the modes not taken
         args = (a_desc, b_desc, x_scale, w_scale, unread if bias is None else bias, into,
                 into if residual is not None else unread, unread if rope is None else cos,
-                unread if rope is None else sin, m, n, into.stride(0), into.stride(0),
-                0 if rope is None else cos.stride(0), 2 * hidden)
+                unread if rope is None else sin, unread if act is None else act[1],
+                unread if act is None else act_scale, m, n, into.stride(0), into.stride(0),
+                0 if rope is None else cos.stride(0), 2 * hidden, float(k) ** 0.5, 0.0 if act is None else act[2])
         meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, ROPE=rope is not None,
-                    HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                    K_TILES=cdiv(k, bk), num_warps=warps, num_stages=stages)
+                    ACT_FN=-1 if act is None else ACTIVATIONS[act[0]], FAST_TANH=not interpreting(),
+                    ACT=TL_DTYPES[out_dtype], HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                    GROUP_M=8, K_TILES=cdiv(k, bk), num_warps=warps, num_stages=stages)
         if persistent:
             sms = min(sm_count(xq.device) if xq.is_cuda else 4, tiles)
             launch(_fp8_gemm_persistent, (sms,), *args, NUM_SMS=sms, **meta)
@@ -200,7 +233,7 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
         tile = (32, head_dim or 32, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     elif tile is None:
         size_class = 0 if m <= 4096 else 1 if m <= 16384 else 2  # a new pack size never re-tunes
-        mode = "rope" if rope is not None else "residual" if residual is not None else "plain"
+        mode = "rope" if rope is not None else "residual" if residual is not None else act[0] if act else "plain"
         scratch = []  # timed into scratch (made on the first timing only): the residual must not take their sums
 
         def timed(c):
@@ -212,4 +245,6 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
     elif tile != UNFUSED and rope is not None and (tile[1] % head_dim or hidden % tile[1]):
         raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")
     result = run(tile, dest)
+    if act is not None:
+        return Quantized(result, act_scale)
     return result.view(m, 3, heads, head_dim) if rope is not None else result

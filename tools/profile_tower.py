@@ -27,12 +27,13 @@ from benchmarks.bench_tower import workload_grids
 from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.act_quant import act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
-from kernels.fp8 import fp8_gemm_shape, quantize_weight, scaled_linear
+from kernels.fp8 import act_norms, fp8_gemm_shape, quantize_weight, scaled_linear
 from kernels.fp8_gemm import FP8_TILES, UNFUSED, _rope_tiles, fp8_gemm
 from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
 from service.model.loader import random_tower
+from service.model.quant import ACT_HANDED
 from service.model.tower import TowerOptions, padded_width
 
 CATEGORIES = [  # first match wins
@@ -230,8 +231,8 @@ def micro_fp8(cfg, tokens: int) -> dict:
 
 def fused_fp8(cfg, name, xq, wq, ws, bias, x, w) -> dict:
     """One block GEMM in the served FP8 form (`kernels.fp8_gemm`: RoPE for qkv, the residual in place for proj and
-    fc2, the bias for fc1) at each tile and as cuBLASLt plus the pass (`UNFUSED`), beside the bf16 GEMM the bf16
-    tower runs for it (qkv_rope_linear, addmm_, the GELU epilogue)."""
+    fc2, the bias and the GELU in e4m3 for fc1) at each tile and as cuBLASLt plus the passes (`UNFUSED`), beside the
+    bf16 GEMM the bf16 tower runs for it (qkv_rope_linear, addmm_, the GELU epilogue)."""
     tokens, k = x.shape
     heads = cfg.num_heads
     cos = torch.rand(tokens, cfg.head_dim // 2, device="cuda")
@@ -245,8 +246,10 @@ def fused_fp8(cfg, name, xq, wq, ws, bias, x, w) -> dict:
         call = lambda tile: fp8_gemm(xq, wq, ws, residual=acc, tile=tile)  # noqa: E731
         tiles = FP8_TILES
         bf16 = lambda: acc.addmm_(x, w.t())  # noqa: E731
-    else:
-        call = lambda tile: fp8_gemm(xq, wq, ws, bias, tile=tile)  # noqa: E731
+    else:  # fc1: the GELU handed to fc2 in e4m3 (fp8.act_norms) where the tower does so, else the bias alone
+        norms, bound = act_norms(wq.float() * ws[:, None], bias)
+        act = (cfg.hidden_act, 1.0 / norms, bound) if cfg.hidden_act in ACT_HANDED else None
+        call = lambda tile: fp8_gemm(xq, wq, ws, bias, act=act, tile=tile)  # noqa: E731
         tiles = FP8_TILES
         bf16 = lambda: torch._addmm_activation(bias, x, w.t(), use_gelu=True)  # noqa: E731
     times = {}

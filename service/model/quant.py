@@ -12,10 +12,13 @@ import torch
 import torch.nn as nn
 
 from kernels.act_quant import act_quantize
-from kernels.fp8 import Quantized, fp8_gemm_shape, quantize_rows, quantize_weight
+from kernels.fp8 import Quantized, act_norms, fold_norms, fp8_gemm_shape, quantize_rows, quantize_weight
 from kernels.fp8_gemm import fp8_gemm
 
 QUANTIZATIONS = ("none", "fp8")
+# the activations an FP8 fc1 hands its FP8 fc2 in e4m3 from its epilogue (`fp8.act_norms` bounds their values); the
+# others (Qwen2.5-VL's SwiGLU, whose product of two projections no such bound covers) through `act_quant`'s pass
+ACT_HANDED = ("gelu_pytorch_tanh", "gelu")
 # the blocks' linear layers that run in FP8, by their attribute paths in a block
 # (the attention's output projection stays in bf16: its GEMM is the block's smallest, and in FP8, with its input
 # quantised in a pass of its own, it took longer than in bf16 with the residual in cuBLAS's epilogue: 2B at 32 x 448
@@ -33,19 +36,28 @@ class Fp8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # set by `quantize_blocks` where this layer hands its GELU to an FP8 layer (`fp8.act_norms`): 1 / its
+        # channels' norms, and the bound
+        self.register_buffer("act_inv_norm", None)
+        self.act_bound = 0.0
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
-        q, scale = quantize_weight(linear.weight.detach())
+    def from_linear(cls, linear: nn.Linear, in_norms: torch.Tensor | None = None) -> "Fp8Linear":
+        """`linear` in e4m3; `in_norms`: its input arrives divided by these (`fp8.act_norms`), so its weight's
+        columns are scaled back by them (`fp8.fold_norms`) before quantising."""
+        w = linear.weight.detach()
+        q, scale = quantize_weight(w if in_norms is None else fold_norms(w, in_norms))
         return cls(q, scale, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: "torch.Tensor | Quantized", residual: torch.Tensor | None = None, add_bias: bool = True,
                 rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
-                use_triton: bool | None = None) -> torch.Tensor:
+                act: str | None = None, use_triton: bool | None = None) -> "torch.Tensor | Quantized":
         """`x @ W.T + bias` (x in the activations' dtype, or quantised already) through `kernels.fp8_gemm`: with
         `residual`, added into it in place (then without the bias unless `add_bias`, as the tower's residual GEMMs
         leave it to the norm that follows); with `rope = (cos, sin, heads)` (the QKV projection), `(T, 3, heads,
-        head_dim)` with Q and K rotated, into `out` if given. `use_triton`: the fused kernel (None: on a GPU)."""
+        head_dim)` with Q and K rotated, into `out` if given; with `act` (a layer `quantize_blocks` prepared), the
+        activation as `Quantized` rows for the next layer, from the GEMM's epilogue. `use_triton`: the fused kernel
+        (None: on a GPU)."""
         bias = self.bias if add_bias else None
         lead = None
         if isinstance(x, Quantized):  # from a norm's or activation's FP8 epilogue: no dtype of its own, the bias's
@@ -55,8 +67,12 @@ class Fp8Linear(nn.Module):
             rows = x.reshape(-1, x.shape[-1])
             # on a GPU quantised in one pass of ours, not quantize_rows' several tensor ops
             x = act_quantize(rows, "none") if rows.is_cuda else Quantized(*quantize_rows(rows))
+        if act is not None and self.act_inv_norm is None:
+            raise ValueError(f"{act}: this layer hands no activation on (quantize_blocks did not prepare it)")
         y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, out=out,
-                     use_triton=use_triton)
+                     act=None if act is None else (act, self.act_inv_norm, self.act_bound), use_triton=use_triton)
+        if act is not None:
+            return y if lead is None else Quantized(y.codes.view(*lead, -1), y.scale.view(lead))
         return y if lead is None or residual is not None or rope is not None else y.view(*lead, -1)
 
     def extra_repr(self) -> str:
@@ -80,7 +96,13 @@ def quantize_blocks(tower: nn.Module) -> int:
             owner = block.get_submodule(owner_name)
             linear = getattr(owner, name, None)
             if isinstance(linear, nn.Linear) and _fp8_fits(owner):
-                setattr(owner, name, Fp8Linear.from_linear(linear))
+                if name == "linear_fc2" and isinstance(owner.linear_fc1, Fp8Linear) and owner.hidden_act in ACT_HANDED:
+                    fc1 = owner.linear_fc1  # hands fc2 its GELU in e4m3 from its epilogue
+                    norms, fc1.act_bound = act_norms(fc1.qweight.float() * fc1.scale[:, None], fc1.bias)
+                    fc1.act_inv_norm = 1.0 / norms
+                    setattr(owner, name, Fp8Linear.from_linear(linear, in_norms=norms))
+                else:
+                    setattr(owner, name, Fp8Linear.from_linear(linear))
                 count += 1
     return count
 

@@ -336,6 +336,8 @@ class MLP(nn.Module):
             # bias + tanh-GELU in the GEMM's epilogue (cuBLASLt), computed from the fp32 accumulator:
             # saves a read and a write of the widest activation of the block
             h = torch._addmm_activation(self.linear_fc1.bias, x, self.linear_fc1.weight.t(), use_gelu=True)
+        elif getattr(self.linear_fc1, "act_inv_norm", None) is not None:  # FP8: e4m3 rows from fc1's epilogue
+            h = self.linear_fc1(x, act=self.hidden_act, use_triton=use_triton)
         elif _quantizes_activation(self.linear_fc2, self.hidden_act):  # FP8 (quantised whole: fc1 is FP8 too)
             h = act_quantize(self.linear_fc1(x, use_triton=use_triton), self.hidden_act)  # e4m3 rows from its pass
         else:

@@ -100,3 +100,45 @@ def test_cublas_scaled_mm_matches_the_reference(m, k, n):
     out = scaled_linear(xq, xs, wq, ws, b)
     ref = reference_scaled_linear(xq, xs, wq, ws, b, out_dtype=torch.float32)
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= 4e-3
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu"])
+@pytest.mark.parametrize("k,n", [(64, 96), (1024, 4096)])
+def test_act_row_scales_bound_every_value(act, k, n):
+    """`act_norms` + `act_row_scales`: every |GELU(h_j)| / c_j of a row stays within 448 times the row's scale, so no
+    code is clamped, with one channel of a hundred times the others' norm, zero channels (padding), outlier input
+    channels and large biases among them; the zero channels' norms are raised to a sixteenth of the median."""
+    from kernels.act_quant import apply_activation
+    from kernels.fp8 import act_norms, act_row_scales
+
+    g = torch.Generator().manual_seed(k + n)
+    x = torch.randn(257, k, generator=g)
+    x[:, :3] *= 100
+    x[5] = 0  # a zero row: GELU of the bias alone
+    w = torch.randn(n, k, generator=g) / k**0.5
+    w[7] *= 100
+    w[-16:] = 0
+    b = torch.randn(n, generator=g) * 3
+    xq, xs = quantize_rows(x)
+    wq, ws = quantize_rows(w)
+    wd = wq.float() * ws[:, None]
+    norms, bound = act_norms(wd, b)
+    assert (norms[-16:] == norms.median() / 16).all()
+    a = apply_activation((xq.double() * xs.double()[:, None]) @ wd.double().t() + b.double(), act) / norms.double()
+    scale = act_row_scales(xs, k, bound)
+    assert (a.abs() <= E4M3_MAX * scale.double()[:, None]).all()
+    # and not absurdly loose: within 2^9 of the row's absmax here (e4m3 keeps normal values down to 2^-15 of it)
+    assert (E4M3_MAX * scale.double() / a.abs().amax(1)).max() < 2**9
+
+
+def test_folding_the_norms_keeps_the_mlp():
+    """fc2's weight with its columns scaled by fc1's channel norms, applied to fc1's activation divided by them:
+    the same MLP (float64)."""
+    from kernels.fp8 import act_norms, fold_norms
+
+    g = torch.Generator().manual_seed(3)
+    w1, b1, w2 = torch.randn(96, 64, generator=g), torch.randn(96, generator=g), torch.randn(48, 96, generator=g)
+    norms, _ = act_norms(w1, b1)
+    x = torch.randn(5, 64, generator=g)
+    h = torch.nn.functional.gelu(x @ w1.t() + b1)
+    assert torch.allclose((h / norms) @ fold_norms(w2, norms).t(), h @ w2.t(), rtol=1e-5, atol=1e-4)
