@@ -100,9 +100,9 @@ if triton is not None:
     def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
                              stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr,
-                             FAST_TANH: tl.constexpr, ACT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, K_TILES: tl.constexpr,
-                             NUM_SMS: tl.constexpr):
+                             FAST_TANH: tl.constexpr, ACT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, K_TILES: tl.constexpr, NUM_SMS: tl.constexpr):
         """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue)."""
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
