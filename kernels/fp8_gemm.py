@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover
 
 if triton is not None:
     from .act_quant import activation
-    from .fp8 import _Q_MAX, TL_DTYPES
+    from .fp8 import _Q_MAX
     from .qkv_rope import _bias_rope_store, _tile_origin
 
     @triton.jit
@@ -52,7 +52,7 @@ if triton is not None:
     def _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
                       stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS: tl.constexpr,
                       HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr,
-                      ACT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Dequantise the tile (row scale times column scale), then bias, RoPE, the residual or the activation
         quantised to e4m3 (ACT_FN >= 0, below), one rounding, store."""
         rows = off_m + tl.arange(0, BLOCK_M)
@@ -71,11 +71,10 @@ if triton is not None:
                 acc += tl.load(RES + rows[:, None].to(tl.int64) * stride_rm + cols[None, :], mask=mask,
                                other=0.0).to(tl.float32)
             if ACT_FN >= 0:
-                # the activation of the product rounded to ACT (as the unfused GEMM stores it), rounded again, over
+                # the activation of the float32 product (as cuBLASLt's GELU epilogue computes the bf16 tower's), over
                 # its column's weight norm, in e4m3 at the row's scale `fp8.act_row_scales` (known before the
                 # product: no row's absmax, which no tile holds whole)
-                act = activation(acc.to(ACT).to(tl.float32), ACT_FN, FAST_TANH).to(ACT).to(tl.float32)
-                act *= tl.load(INV_NORM + cols, mask=cols < N, other=0.0)[None, :]
+                act = activation(acc, ACT_FN, FAST_TANH) * tl.load(INV_NORM + cols, mask=cols < N, other=0.0)[None, :]
                 scale = SQRT_K * x_s + BOUND / _Q_MAX
                 acc = tl.minimum(tl.maximum(act * (1.0 / scale)[:, None], -_Q_MAX), _Q_MAX)
                 if off_n == 0:
@@ -86,7 +85,7 @@ if triton is not None:
     @triton.jit
     def _fp8_gemm(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N, stride_om,
                   stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                  ROPE: tl.constexpr, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr, ACT: tl.constexpr,
+                  ROPE: tl.constexpr, ACT_FN: tl.constexpr, FAST_TANH: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, K_TILES: tl.constexpr):
         """One program per output tile."""
@@ -94,13 +93,13 @@ if triton is not None:
         acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
         _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
                       stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS, HAS_RES, ROPE, ACT_FN,
-                      FAST_TANH, ACT, HEAD_DIM, BLOCK_M, BLOCK_N)
+                      FAST_TANH, HEAD_DIM, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _fp8_gemm_persistent(a_desc, b_desc, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
                              stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS: tl.constexpr,
                              HAS_RES: tl.constexpr, ROPE: tl.constexpr, ACT_FN: tl.constexpr,
-                             FAST_TANH: tl.constexpr, ACT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             FAST_TANH: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              GROUP_M: tl.constexpr, K_TILES: tl.constexpr, NUM_SMS: tl.constexpr):
         """One program per SM looping over the tiles (the next tile's loads overlap this one's epilogue)."""
@@ -110,7 +109,7 @@ if triton is not None:
             acc = _fp8_tile(a_desc, b_desc, off_m, off_n, BLOCK_M, BLOCK_N, BLOCK_K, K_TILES)
             _fp8_epilogue(acc, off_m, off_n, X_SCALE, W_SCALE, BIAS, OUT, RES, COS, SIN, INV_NORM, OUT_SCALE, M, N,
                           stride_om, stride_rm, stride_c, ROPE_N, SQRT_K, BOUND, HAS_BIAS, HAS_RES, ROPE, ACT_FN,
-                          FAST_TANH, ACT, HEAD_DIM, BLOCK_M, BLOCK_N)
+                          FAST_TANH, HEAD_DIM, BLOCK_M, BLOCK_N)
 
 
 # (block_m, block_n, block_k, warps, stages, persistent): 128-byte K rows (block_k 128 in e4m3) fill the swizzle
@@ -152,8 +151,8 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
     `residual` (`[M, N]`, rows contiguous): the product is added into it in place and it is returned (its dtype is
     the output's). `rope = (cos, sin, heads)`: W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads,
     head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given. `act = (name,
-    1 / norms, bound)` (`fp8.act_norms` of this layer): the activation (computed in `out_dtype`, as the unfused layer
-    computes it) divided by each column's norm, as `Quantized` e4m3 rows at `fp8.act_row_scales`, for the next FP8
+    1 / norms, bound)` (`fp8.act_norms` of this layer): the activation of the float32 product (unfused: of the
+    product in `out_dtype`, in that dtype) divided by each column's norm, as `Quantized` e4m3 rows at `fp8.act_row_scales`, for the next FP8
     GEMM, whose weight carries the norms (`fp8.fold_norms`): no pass between the two. `tile` pins one of
     `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape class is chosen on first use.
     `use_triton` (None: on a GPU; the CPU tests force it under the interpreter): where the kernel cannot or may not
@@ -216,7 +215,7 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
                 0 if rope is None else cos.stride(0), 2 * hidden, float(k) ** 0.5, 0.0 if act is None else act[2])
         meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, ROPE=rope is not None,
                     ACT_FN=-1 if act is None else ACTIVATIONS[act[0]], FAST_TANH=not interpreting(),
-                    ACT=TL_DTYPES[out_dtype], HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                    HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                     GROUP_M=8, K_TILES=cdiv(k, bk), num_warps=warps, num_stages=stages)
         if persistent:
             sms = min(sm_count(xq.device) if xq.is_cuda else 4, tiles)
