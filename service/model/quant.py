@@ -1,8 +1,10 @@
 """FP8 blocks (`TowerOptions.quantization = "fp8"`): each block's linear layers become `Fp8Linear`, weights quantised
 once at load per output channel, activations per token at every call (`kernels.fp8`). The inputs of qkv and of the
 MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks the norm for `Quantized` rows where
-`takes_quantized` says the consumer is FP8), and fc2's (down_proj's) the activation's (`kernels.act_quant`). The GEMMs
-run `kernels.fp8_gemm`, with the QKV projection's RoPE and the residual add in their epilogues. The patch and
+`takes_quantized` says the consumer is FP8); fc2's is written in e4m3 by fc1's epilogue, at per-token scales bounded
+from fc1's input (`kernels.fp8.act_norms`: fc2's weight carries fc1's channel norms), and down_proj's by the SwiGLU's
+pass (`kernels.act_quant`). The GEMMs run `kernels.fp8_gemm`, with the QKV projection's RoPE, the GELU and the
+residual add in their epilogues. The patch and
 position embeddings, the norms, attention, the attention's output projection (`FP8_LINEARS`) and the mergers stay in
 the tower's dtype."""
 
