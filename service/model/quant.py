@@ -4,9 +4,8 @@ MLP's first GEMMs leave their norm's pass quantised already (`VisionTower` asks 
 `takes_quantized` says the consumer is FP8); fc2's is written in e4m3 by fc1's epilogue, at per-token scales bounded
 from fc1's input (`kernels.fp8.act_norms`: fc2's weight carries fc1's channel norms), and down_proj's by the SwiGLU's
 pass (`kernels.act_quant`). The GEMMs run `kernels.fp8_gemm`, with the QKV projection's RoPE, the GELU and the
-residual add in their epilogues. The patch and
-position embeddings, the norms, attention, the attention's output projection (`FP8_LINEARS`) and the mergers stay in
-the tower's dtype."""
+residual add in their epilogues. The patch and position embeddings, the norms, attention, the attention's output
+projection (`FP8_LINEARS`) and the mergers stay in the tower's dtype."""
 
 from __future__ import annotations
 
@@ -90,7 +89,8 @@ def quantize_blocks(tower: nn.Module) -> int:
     """Replace the blocks' linear layers named in `FP8_LINEARS` with `Fp8Linear` in place; how many were replaced.
     An attention or MLP with a dimension the FP8 GEMM does not take (`fp8_gemm_shape`; the loader pads MLPs to
     widths it takes, `tower.pad_mlp`) stays whole in the tower's dtype: an MLP's input projections read one quantised
-    input, and its activation feeds the output projection."""
+    input, and its activation feeds the output projection. A GELU MLP's fc1 is prepared to hand fc2 its activation in
+    e4m3 (`fp8.act_norms` of fc1's e4m3 weight), and fc2's weight quantised with fc1's channel norms folded in."""
     count = 0
     for block in tower.blocks:
         for path in FP8_LINEARS:
