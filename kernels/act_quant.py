@@ -6,9 +6,10 @@ gate's and up's), applies the activation in float32, rounds each value to the ac
 code does (and the product act(gate) * up again), and writes e4m3 codes with one float32 scale per row (absmax /
 448): `kernels.fp8.quantize_rows` of the unfused output.
 
-Activations: `gelu_pytorch_tanh` (Qwen3-VL), `gelu` (erf) and `silu` (Qwen2.5-VL's SwiGLU gate); `none` quantises
-`h` as it is, in one pass rather than the several of `quantize_rows`' tensor ops (the input of the attention's output
-projection, which no kernel of ours produces in e4m3).
+The served tower runs it for Qwen2.5-VL's SwiGLU (`silu` of gate, times up); Qwen3-VL's GELU is written in e4m3 by
+fc1's own epilogue instead (`kernels.fp8_gemm`, `act=`), which this kernel's `activation` also serves. `none`
+quantises `h` as it is, in one pass rather than the several of `quantize_rows`' tensor ops (an FP8 layer's input
+that no norm handed over quantised).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import E4M3, Quantized, quantize_rows
-from .runtime import cdiv, choose, interpreting, launch, next_power_of_2
+from .runtime import cdiv, choose, interpreting, launch, next_power_of_2, size_class
 
 try:
     import triton
@@ -111,9 +112,8 @@ def act_quantize(h: torch.Tensor, act: str, up: torch.Tensor | None = None,
 
     if interpreting():
         choice = (2, 4)
-    else:  # at most 16k values a program (registers); a new pack size never re-tunes
-        size_class = 0 if rows <= 4096 else 1 if rows <= 16384 else 2
-        choice = choose(("act_quant", act, up is not None, cols, size_class, h.dtype, h.device),
+    else:  # at most 16k values a program (registers)
+        choice = choose(("act_quant", act, up is not None, cols, size_class(rows), h.dtype, h.device),
                         lambda: [c for c in LAUNCHES if c[0] * block_n <= 16384] or [(1, 8)], run)
     run(choice)
     return Quantized(q, scale)

@@ -61,8 +61,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of `x [M, K]` to e4m3 with its own scale: (q [M, K] e4m3, scale [M] float32), x ≈ q * scale."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1) / E4M3_MAX).clamp_min(MIN_SCALE)
-    q = (xf / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
+    return quantize_with(xf, scale), scale
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from .act_quant import ACTIVATIONS, apply_activation
 from .fp8 import E4M3, GEMM_MULTIPLE, Quantized, act_row_scales, quantize_with, scaled_linear
 from .qkv_rope import TensorDescriptor, qkv_rope_  # (None: Triton without host tensor descriptors)
-from .runtime import cdiv, choose, interpreting, is_hopper, launch, sm_count
+from .runtime import cdiv, choose, interpreting, is_hopper, launch, size_class, sm_count
 
 try:
     import triton
@@ -152,9 +152,10 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
     the output's). `rope = (cos, sin, heads)`: W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads,
     head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given. `act = (name,
     1 / norms, bound)` (`fp8.act_norms` of this layer): the activation of the float32 product (unfused: of the
-    product in `out_dtype`, in that dtype) divided by each column's norm, as `Quantized` e4m3 rows at `fp8.act_row_scales`, for the next FP8
-    GEMM, whose weight carries the norms (`fp8.fold_norms`): no pass between the two. `tile` pins one of
-    `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape class is chosen on first use.
+    product in `out_dtype`, in that dtype) divided by each column's norm, as `Quantized` e4m3 rows at
+    `fp8.act_row_scales`, for the next FP8 GEMM, whose weight carries the norms (`fp8.fold_norms`): no pass between
+    the two. `tile` pins one of `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape
+    class is chosen on first use.
     `use_triton` (None: on a GPU; the CPU tests force it under the interpreter): where the kernel cannot or may not
     run (`fp8_gemm_supported`), cuBLASLt (or the reference off Hopper) and the passes."""
     if (residual is not None) + (rope is not None) + (act is not None) > 1:
@@ -231,7 +232,6 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
     elif tile is None and interpreting():
         tile = (32, head_dim or 32, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     elif tile is None:
-        size_class = 0 if m <= 4096 else 1 if m <= 16384 else 2  # a new pack size never re-tunes
         mode = "rope" if rope is not None else "residual" if residual is not None else act[0] if act else "plain"
         scratch = []  # timed into scratch (made on the first timing only): the residual must not take their sums
 
@@ -239,7 +239,7 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
             scratch[:] = scratch or [torch.empty_like(dest)]
             return run(c, scratch[0])
 
-        tile = choose(("fp8_gemm", mode, size_class, n, k, head_dim, bias is not None, out_dtype, xq.device),
+        tile = choose(("fp8_gemm", mode, size_class(m), n, k, head_dim, bias is not None, out_dtype, xq.device),
                       lambda: [*candidates, UNFUSED], timed)
     elif tile != UNFUSED and rope is not None and (tile[1] % head_dim or hidden % tile[1]):
         raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .rope import apply_vision_rope
-from .runtime import cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, sm_count
+from .runtime import cdiv, choose, interpreting, is_hopper, launch, next_power_of_2, size_class, sm_count
 
 try:
     import triton
@@ -255,8 +255,7 @@ def qkv_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, c
     if tile is None and interpreting():
         tile = (32, head_dim, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
     if tile is None:
-        size_class = 0 if tokens <= 4096 else 1 if tokens <= 16384 else 2  # a new pack size never re-tunes
-        tile = choose(("qkv_rope_gemm", size_class, n, k_dim, head_dim, x.dtype, x.device),
+        tile = choose(("qkv_rope_gemm", size_class(tokens), n, k_dim, head_dim, x.dtype, x.device),
                       lambda: gemm_candidates(hidden, head_dim), run)
     elif tile[1] % head_dim or hidden % tile[1]:
         raise ValueError(f"tile {tile}: block_n must be a multiple of head_dim {head_dim} dividing {hidden}")

@@ -23,11 +23,18 @@ TUNER = Tuner()
 LAUNCHER = Launcher()
 
 __all__ = ["LAUNCHER", "TUNER", "Launcher", "Replay", "Tuner", "cdiv", "choose", "interpreting", "is_hopper",
-           "launch", "launch_status", "next_power_of_2", "record", "restore_choices", "sm_count", "tuned_choices"]
+           "launch", "launch_status", "next_power_of_2", "record", "restore_choices", "size_class", "sm_count",
+           "tuned_choices"]
 
 
 def choose(key: tuple, candidates, launch):
     return TUNER.choose(key, candidates, launch)
+
+
+def size_class(rows: int) -> int:
+    """The pack size class a tuned choice is made for (part of its key): up to 4096 rows, up to 16384, more. Packs
+    of a new size fall in a class already tuned, so they launch at once."""
+    return 0 if rows <= 4096 else 1 if rows <= 16384 else 2
 
 
 def tuned_choices() -> dict[tuple, object]:
