@@ -167,11 +167,12 @@ def run_with_engine_process(settings: Settings) -> int:
     import os
     import shutil
     import tempfile
+    import threading
 
     import uvicorn
 
     from .engine.cache import make_cache_dir
-    from .engine.supervisor import EngineSupervisor
+    from .engine.supervisor import EngineSupervisor, engine_environment, started_marker
 
     workdir = tempfile.mkdtemp(prefix="qwen3vl-")
     metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -183,6 +184,11 @@ def run_with_engine_process(settings: Settings) -> int:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(workdir, "metrics")
         os.makedirs(metrics_dir)
     devices = settings.resolved_devices()
+    try:
+        device_envs = [engine_environment(device) for device in devices]
+    except ValueError as e:
+        log.error("invalid setting devices: %s", e)
+        return 2
     sockets = [os.path.join(workdir, f"engine-{i}.sock") for i in range(len(devices))]
     cache_dir = make_cache_dir() if settings.embedding_cache_mib else None  # shared by the front-ends
     settings = settings.model_copy(update={"engine_socket": ",".join(sockets), "devices": ",".join(devices),
@@ -207,26 +213,45 @@ def run_with_engine_process(settings: Settings) -> int:
         log.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
         return 1
     engines: list[EngineSupervisor] = []
+    started = threading.Event()  # every engine was ready once: start-up is over
 
     def gave_up(code: int) -> None:
-        # one device's engine crash-looping leaves the others serving; the server stops when none is left
-        if all(e.exit_code is not None for e in engines):
+        # at start-up, any engine that cannot start stops the server: it never serves at a fraction of its capacity
+        # unnoticed. Later, one device's engine crash-looping leaves the others serving; the server stops when none
+        # is left.
+        if not started.is_set() or all(e.exit_code is not None for e in engines):
             frontends.should_exit.set()
 
-    for device, sock in zip(devices, sockets):
+    for device, sock, device_env in zip(devices, sockets, device_envs):
         engines.append(EngineSupervisor(
-            {**env, "QWEN3VL_DEVICE": device, "QWEN3VL_ENGINE_SOCKET": sock},
+            {**env, **device_env, "QWEN3VL_ENGINE_SOCKET": sock},
             backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
             window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
             on_restart=restarts.labels(device).inc, on_give_up=gave_up, name=device))
     log.info("engine processes on %s", ", ".join(devices))
     for engine in engines:
         engine.start()
-    frontends.run()  # returns on SIGTERM/SIGINT, or when every engine supervisor gave up, once the front-ends drained
+
+    def await_start() -> None:
+        for engine in engines:
+            while not engine.ready.wait(0.5):
+                if frontends.should_exit.is_set() or engine.exit_code is not None:
+                    return
+        started.set()
+        with open(started_marker(sockets[0]), "w"):
+            pass  # front-ends started later (a restarted one) read start-up as over
+        log.info("all %d engines ready", len(engines))
+
+    threading.Thread(target=await_start, name="start-up", daemon=True).start()
+    frontends.run()  # returns on SIGTERM/SIGINT, or when the engines gave up, once the front-ends drained
     codes = [engine.stop(settings.graceful_shutdown_s + 30) for engine in engines]
     if cache_dir:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    given_up = [e.exit_code for e in engines if e.exit_code is not None]
-    if len(given_up) == len(engines):
-        return max(given_up)
+    shutil.rmtree(workdir, ignore_errors=True)
+    given_up = [e for e in engines if e.exit_code is not None]
+    if given_up and (not started.is_set() or len(given_up) == len(engines)):
+        failed = given_up[0]
+        log.error("the engine on %s could not %s: %s", failed.name, "start" if not started.is_set() else "keep running",
+                  failed.last_error)
+        return max(e.exit_code for e in given_up)
     return max(codes)

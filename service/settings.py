@@ -144,8 +144,9 @@ class Settings(BaseSettings):
         "a larger pack (one item over the budget) runs eagerly")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
-                                     "respond) feeding one engine process that owns the model; 0: one process does "
-                                     "everything (service.engine.process). Default: on CUDA one per two cores, at most 8; 0 on CPU")
+                                     "respond) feeding the engine processes that own the model; 0: one process does "
+                                     "everything (service.engine.process). Default on CUDA: 8, and 4 per GPU beyond "
+                                     "two, within half the cores; 0 on CPU")
     engine_restart_backoff_s: float = Field(0.5, ge=0, description="wait before restarting a dead engine process; "
                                             "doubles with each death inside the crash window")
     engine_max_restarts: int = Field(5, ge=0, description="engine deaths within engine_restart_window_s beyond "
@@ -225,7 +226,10 @@ class Settings(BaseSettings):
             return self.http_workers
         if not self.resolved_device().startswith("cuda"):
             return 1 if self.devices and len(self.resolved_devices()) > 1 else 0
-        return max(1, min(8, (os.cpu_count() or 4) // 2))
+        # 8 front-ends keep one GPU's engine fed with 448 px JPEGs; more GPUs need more decoding (4 per engine),
+        # within half the cores this process may run on (the others decode in the front-ends' threads)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
+        return max(1, min(64, cores // 2, max(8, 4 * len(self.resolved_devices()))))
 
     def resolved_cuda_graphs(self) -> bool:
         """Graphs pay off once the engine's host work is not shared with HTTP handling (in one process they

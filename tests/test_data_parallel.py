@@ -1,13 +1,17 @@
 """Several engine processes behind the front-ends (`QWEN3VL_DEVICES`), on the CPU: two engines on `cpu,cpu`.
 
-Requests spread over both engines and their results are those of encoding alone; killing one engine under load
-leaves the other serving, and the dead one is restarted without stopping it."""
+Requests spread over both engines and their results are those of encoding alone; /ready turns 200 only once every
+engine is up; killing one engine under load leaves the other serving and the server ready, and the dead one is
+restarted without stopping it. An engine that cannot start is retried, then the server exits with code 2."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -15,7 +19,9 @@ import torch
 
 from conftest import rel_err
 from conftest import random_pngs
-from test_engine_process import _post_all, server
+from servers import free_port
+from test_engine_process import _metric, _post_all, server
+from service.engine.supervisor import engine_environment
 from service.model.encoder import Encoder
 
 
@@ -27,12 +33,10 @@ def test_two_engines_share_the_load_and_survive_each_other():
     tiny = Encoder.load("random:tiny")
     images = random_pngs(24, seed=31)
     with server(2, engines=2, QWEN3VL_DEVICES="cpu,cpu", QWEN3VL_MAX_WAIT_MS="20") as (url, proc):
-        deadline = time.time() + 60
-        while not all(e["state"] == "up" for e in _engines(url)):  # /ready needs one; this test wants both
-            assert time.time() < deadline, _engines(url)
-            time.sleep(0.1)
-        engines = _engines(url)
+        engines = _engines(url)  # /ready said 200: every engine is up
+        assert [e["state"] for e in engines] == ["up", "up"], engines
         assert [e["device"] for e in engines] == ["cpu", "cpu"] and engines[0]["pid"] != engines[1]["pid"]
+        assert _metric(url, "qwen3vl_engines") == 2
 
         responses = asyncio.run(_post_all(url, images, {"format": "json"}))
         assert [r.status_code for r in responses] == [200] * len(images)
@@ -58,7 +62,20 @@ def test_two_engines_share_the_load_and_survive_each_other():
                 after = await asyncio.gather(*(one(b) for b in images[12:]))
                 return during, after
 
+        readiness: list[int] = []
+        watching = threading.Event()
+
+        def watch_ready():  # while engine 0 restarts, engine 1 keeps the server ready
+            with httpx.Client(timeout=5) as c:
+                while not watching.is_set():
+                    readiness.append(c.get(f"{url}/ready").status_code)
+                    time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch_ready)
+        watcher.start()
         during, after = asyncio.run(load_while_killing())
+        info = httpx.get(f"{url}/info").json()["engine"]
+        capacity_during = (info["engines_up"], info["engines_configured"])
         assert {r.status_code for r in during} <= {200, 503}, [r.text for r in during if r.status_code not in (200, 503)]
         assert [r.status_code for r in after] == [200] * len(after)  # the surviving engine took them all
         deadline = time.time() + 60
@@ -68,7 +85,66 @@ def test_two_engines_share_the_load_and_survive_each_other():
                 break
             assert time.time() < deadline, engines
             time.sleep(0.1)
+        watching.set()
+        watcher.join()
+        assert readiness and set(readiness) == {200}, readiness
+        assert capacity_during in ((1, 2), (2, 2)), capacity_during
+        assert httpx.get(f"{url}/info").json()["engine"]["engines_up"] == 2
         assert engines[0]["restarts"] == 1 and engines[1]["restarts"] == 0
         metrics = httpx.get(f"{url}/metrics").text
         assert 'qwen3vl_engine_restarts_total{device="cpu"} 1.0' in metrics
     assert proc.returncode == 0
+
+
+def test_an_engine_that_cannot_start_is_retried_then_the_server_exits_2():
+    """Two engines, one on a device that cannot start (cuda:0 on a CPU build of torch): it is retried with the
+    backoff; /ready never says 200 meanwhile although the other engine is up (a pod at half its capacity is not
+    ready); after its retries the server exits with code 2 and names the engine's error in one line."""
+    port = free_port()
+    env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICES": "cpu,cuda:0", "QWEN3VL_DEVICE": "cpu",
+           "QWEN3VL_PORT": str(port), "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_HTTP_WORKERS": "1",
+           "QWEN3VL_ENGINE_MAX_RESTARTS": "2", "QWEN3VL_ENGINE_RESTART_BACKOFF_S": "0.5"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    statuses = set()
+    try:
+        with httpx.Client(timeout=5) as c:
+            while proc.poll() is None:
+                try:
+                    statuses.add(c.get(f"http://127.0.0.1:{port}/ready").status_code)
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    out = "".join(lines)
+    assert proc.returncode == 2, out[-3000:]
+    assert 200 not in statuses and 503 in statuses, statuses
+    assert any("engine on cpu ready" in line or "engine process" in line and "on cpu ready" in line for line in lines)
+    retried = [line for line in lines if "on cuda:0 failed to start" in line]
+    assert len(retried) == 2, out[-3000:]  # two restarts, then the third failure gives up
+    final = [line for line in lines if "service.server" in line and "could not start" in line]
+    assert len(final) == 1 and "cuda:0" in final[0] and "CUDA" in final[0], out[-3000:]
+
+
+def test_each_gpu_engine_sees_only_its_own_gpu(monkeypatch):
+    """cuda:N names the Nth GPU this process sees: an orchestrator's CUDA_VISIBLE_DEVICES still applies, and the
+    engine sees that one GPU alone, as cuda:0."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert engine_environment("cuda:3") == {"CUDA_VISIBLE_DEVICES": "3", "QWEN3VL_DEVICE": "cuda:0"}
+    assert engine_environment("cuda") == {"CUDA_VISIBLE_DEVICES": "0", "QWEN3VL_DEVICE": "cuda:0"}
+    assert engine_environment("cpu") == {"QWEN3VL_DEVICE": "cpu"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5, GPU-8d1e")
+    assert engine_environment("cuda:1")["CUDA_VISIBLE_DEVICES"] == "5"
+    assert engine_environment("cuda:2")["CUDA_VISIBLE_DEVICES"] == "GPU-8d1e"
+    try:
+        engine_environment("cuda:3")
+    except ValueError as e:
+        assert "3 GPUs visible" in str(e)
+    else:
+        raise AssertionError("cuda:3 of three visible GPUs was accepted")

@@ -132,6 +132,14 @@ class Engine(Protocol):
     @property
     def alive(self) -> bool: ...
 
+    @property
+    def started(self) -> bool:
+        """Start-up is over: every configured engine has been up once (until then the server is not ready)."""
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(engines serving, engines configured)."""
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...

@@ -34,7 +34,7 @@ import torch
 from kernels.runtime import launch_status
 
 from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
-from ..model.encoder import Encoder, pack_size
+from ..model.encoder import Encoder, bind_thread, pack_size
 from ..model.preprocess import Preprocessed
 from .api import BatchStats, DeviceStats, Encoded, ItemDone, Timing
 
@@ -77,13 +77,15 @@ class Batcher:
         self._queued_patch_count = 0  # patches of the items in _queue
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward")  # dispatches, in order
+        self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward", initializer=bind_thread,
+                                       initargs=(encoder.device,))  # dispatches, in order
         # A lone pack (nothing in flight, nothing queued behind it) is dispatched from the event loop's own thread:
         # the loop has nothing else to do meanwhile, and handing it to the sleeping forward thread and back costs a
         # lone request a few hundred microseconds. Only where a launch is asynchronous (CUDA): on the CPU it is the
         # whole forward.
         self.inline_launch = encoder.device.type == "cuda"
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish")  # waits for outputs
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish", initializer=bind_thread,
+                                           initargs=(encoder.device,))  # waits for outputs
         self._accepting = False
         self._in_flight = 0  # items handed to the GPU worker and not yet answered
         # when launched work will be done: moving averages of GPU seconds per patch and of a launch's host time

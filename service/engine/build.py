@@ -3,6 +3,8 @@ passed down (`local.LocalEngine` calls it, in the serving process or in an engin
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -19,7 +21,7 @@ import kernels
 from kernels.attention import configure as configure_attention
 from kernels.runtime import restore_choices, tuned_choices
 
-from ..model.encoder import Encoder
+from ..model.encoder import Encoder, bind_thread
 from ..model.loader import set_cublaslt_workspace
 from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
@@ -69,15 +71,43 @@ def tuning_cache(settings: Settings, device: torch.device) -> Path | None:
     return Path(settings.cache_dir) / "tuning" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.pkl"
 
 
-def load_tuning(path: Path | None) -> None:
+def load_tuning(path: Path | None) -> bool:
+    """Restore the tuner's choices from `path`; whether there were any."""
     if path is None or not path.is_file():
-        return
+        return False
     try:
         count = restore_choices(pickle.loads(path.read_bytes()))
     except Exception as e:  # noqa: BLE001 - a bad cache file costs a re-tune, never the start
         log.warning("ignoring the kernel tuning cache %s (%s)", path, e)
-        return
+        return False
     log.info("kernel tuning: %d choices from %s", count, path)
+    return count > 0
+
+
+@contextlib.contextmanager
+def tuning_lock(path: Path | None):
+    """Held while this process tunes the kernels into `path`: the engines of one host (one per GPU, started
+    together) tune once, not N times in a race. The first to take it tunes and saves; the others wait, then load its
+    choices. Yields a function that releases the lock early (once the choices came from the cache). An advisory
+    lock on a file beside the cache: it is released when its holder exits, however it exits."""
+    if path is None:
+        yield lambda: None
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_suffix(".lock"), "a+")
+    except OSError as e:  # a read-only cache volume: no sharing, each engine tunes itself
+        log.warning("cannot lock the kernel tuning cache %s (%s); every engine tunes for itself", path, e)
+        yield lambda: None
+        return
+    with f:
+        start = time.perf_counter()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        waited = time.perf_counter() - start
+        if waited > 1:
+            log.info("waited %.1f s for another engine of this host to tune the kernels", waited)
+        yield lambda: fcntl.flock(f, fcntl.LOCK_UN)
+        fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def save_tuning(path: Path | None) -> None:
@@ -101,8 +131,9 @@ def tower_options(settings: Settings) -> TowerOptions:
 def load_encoder(settings: Settings) -> Encoder:
     configure_runtime(settings)
     if settings.model.startswith("random:"):
-        log.warning("NO MODEL CONFIGURED or a random preset: serving %s with RANDOM WEIGHTS; embeddings are "
-                    "MEANINGLESS. Set QWEN3VL_MODEL to a Qwen3-VL checkpoint directory.", settings.model)
+        log.warning("serving the preset %s with RANDOM WEIGHTS: its embeddings are meaningless. Give --model (or "
+                    "QWEN3VL_MODEL) a Qwen3-VL or Qwen2.5-VL checkpoint directory to serve a real model.", settings.model)
+    bind_thread(settings.resolved_device())
     return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(), tower_options(settings),
                         settings.graph_buckets())
 
@@ -128,10 +159,24 @@ def warmup(enc: Encoder, settings: Settings):
     per attention length class (<=256, <=1024, <=4096, longer) one image alone and one pack as full as the batch
     limits allow cover them; each also runs as a pack of unequal sizes, whose kernels are compiled apart from those
     of equal ones (the Gluon kernel specialises on a pack of one length)."""
+    cache = tuning_cache(settings, enc.device)
+    with tuning_lock(cache) as release:
+        if load_tuning(cache):
+            release()  # tuned already (by an earlier start, or by another engine of this host just now)
+        _warm_packs(enc, settings)
+        save_tuning(cache)
+    if not (enc.device.type == "cuda" and enc.forward.buckets):
+        log.info("warm-up done (multiples of %d px)", enc.preprocessor.config.factor)
+        return
+    start = time.perf_counter()
+    enc.capture_graphs()  # after the kernels are compiled and tuned: a capture must not tune
+    log.info("warm-up done (multiples of %d px); CUDA graphs captured in %.1f s", enc.preprocessor.config.factor,
+             time.perf_counter() - start)
+
+
+def _warm_packs(enc: Encoder, settings: Settings) -> None:
     from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
-    cache = tuning_cache(settings, enc.device)
-    load_tuning(cache)
     rng = np.random.default_rng(0)
     patch = enc.preprocessor.config.patch_size
     cuda = enc.device.type == "cuda"
@@ -150,8 +195,3 @@ def warmup(enc: Encoder, settings: Settings):
         for pack in packs:
             if pack:
                 enc.encode(pack)
-    save_tuning(cache)
-    start = time.perf_counter()
-    enc.capture_graphs()  # after the kernels are compiled and tuned: a capture must not tune
-    log.info("warm-up done (multiples of %d px); CUDA graphs captured in %.1f s", enc.preprocessor.config.factor,
-             time.perf_counter() - start)

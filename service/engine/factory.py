@@ -8,6 +8,7 @@ from .api import BatchListener, ChangeListener, Decoder, Engine
 from .build import video_sandbox
 from .local import LocalEngine
 from .remote import EnginePool
+from .supervisor import started_marker
 
 
 def open_engine(settings: Settings, encoder: Encoder | None = None, *, on_batch: BatchListener | None = None,
@@ -16,7 +17,8 @@ def open_engine(settings: Settings, encoder: Encoder | None = None, *, on_batch:
     process (`encoder`: already loaded, else loaded by `start`)."""
     if settings.engine_socket:
         decoder = Decoder(settings.preprocess_workers, video_sandbox(settings))
-        return EnginePool.of(settings.engine_socket.split(","), settings.resolved_devices(), decoder,
+        sockets = settings.engine_socket.split(",")
+        return EnginePool.of(sockets, settings.resolved_devices(), decoder,
                              shared_memory_bytes=settings.shared_memory_mib << 20, on_batch=on_batch,
-                             on_change=on_change)
+                             on_change=on_change, started_marker=started_marker(sockets[0]))
     return LocalEngine(settings, encoder, on_batch=on_batch, on_change=on_change)

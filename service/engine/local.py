@@ -12,7 +12,7 @@ from typing import Callable
 
 from kernels.runtime import launch_status
 
-from ..model.encoder import Encoder
+from ..model.encoder import Encoder, bind_thread
 from ..model.preprocess import Preprocessed
 from ..settings import Settings
 from .api import BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo
@@ -20,6 +20,12 @@ from .batching import Batcher
 from .build import apply_limits, load_encoder, video_sandbox, warmup
 
 log = logging.getLogger(__name__)
+
+
+def _on_device(device, fn, *args):
+    """`fn(*args)` in a worker thread bound to the model's device first (`bind_thread`)."""
+    bind_thread(device)
+    return fn(*args)
 
 
 class LocalEngine:
@@ -39,15 +45,24 @@ class LocalEngine:
     def alive(self) -> bool:
         return self.state == "up"
 
+    @property
+    def started(self) -> bool:
+        return self.state != "starting"
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        return int(self.alive), 1
+
     async def start(self) -> None:
         """Load the model (unless given), warm it up (`Settings.warmup`), then serve."""
         settings, start = self.settings, time.perf_counter()
         enc = self.encoder if self.encoder is not None else await asyncio.to_thread(load_encoder, settings)
         self.encoder = enc
         apply_limits(enc, settings)
+        bind_thread(enc.device)  # the loop's thread launches lone packs (`Batcher.inline_launch`)
         loaded = time.perf_counter()
         if settings.warmup:
-            await asyncio.to_thread(warmup, enc, settings)
+            await asyncio.to_thread(_on_device, enc.device, warmup, enc, settings)
         log.info("model loaded in %.1f s, warmed up in %.1f s", loaded - start, time.perf_counter() - loaded)
         if enc.device.type == "cuda":
             status = launch_status()

@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import errors
 from .api import BatchStats
+from ..model.encoder import bind_thread
 from .local import LocalEngine
 from .protocol import error_header, raw_bytes, read_message, write_message, write_tensors
 from .shm import attach, page_lock, page_unlock
@@ -192,20 +193,23 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         return 0
     restarts = message[1]
     settings = Settings()
-    device = settings.resolved_device()
-    if device.startswith("cuda:"):
-        import torch
-
-        torch.cuda.set_device(device)  # before anything touches CUDA: kernels launch on the current device
     try:
+        bind_thread(settings.resolved_device())  # before anything touches CUDA: kernels launch on the current device
         return _run(_serve(conn, settings, restarts))
-    except errors.EncoderError as e:
-        conn.send(("error", str(e)))
+    except errors.CheckpointError as e:  # the same on every try: the supervisor does not retry it
+        conn.send(("fatal", _one_line(str(e))))
         return 2
-    except Exception as e:  # noqa: BLE001 - reported to the parent, which exits non-zero
+    except errors.EncoderError as e:
+        conn.send(("error", _one_line(str(e))))
+        return 2
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which retries it, then exits non-zero
         log.exception("engine process failed")
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", _one_line(f"{type(e).__name__}: {e}")))
         return 1
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
 
 
 def _run(coro):

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from typing import Callable
 
 import numpy as np
@@ -325,26 +326,47 @@ class EnginePool:
     (`RemoteEngine.load`). While none is connected the pool is not alive: the API answers 503 (the supervisors in
     the main process restart the engines)."""
 
-    def __init__(self, engines: list[RemoteEngine], decoder: Decoder, *, on_change: ChangeListener | None = None):
+    def __init__(self, engines: list[RemoteEngine], decoder: Decoder, *, on_change: ChangeListener | None = None,
+                 started_marker: str | None = None):
+        """`started_marker`: the file the server writes once every engine has been up (`started`)."""
         self.engines = engines
         self.on_change = on_change
+        self._started_marker = started_marker
+        self._ever_up: set[int] = set()  # the engines this front-end has been connected to
         self._decode = decoder
         self._links: list[asyncio.Task] = []
 
     @classmethod
     def of(cls, sockets: list[str], devices: list[str], decoder: Decoder, *, shared_memory_bytes: int = 0,
-           on_batch: BatchListener | None = None, on_change: ChangeListener | None = None) -> "EnginePool":
+           on_batch: BatchListener | None = None, on_change: ChangeListener | None = None,
+           started_marker: str | None = None) -> "EnginePool":
         """A pool of the engine processes listening at `sockets`, one per device in `devices`."""
         def reporter(device: str):
             return (lambda stats: on_batch(device, stats)) if on_batch is not None else None
 
         engines = [RemoteEngine(path, on_batch=reporter(device), device=device, shared_memory_bytes=shared_memory_bytes)
                    for path, device in zip(sockets, devices)]
-        return cls(engines, decoder, on_change=on_change)
+        return cls(engines, decoder, on_change=on_change, started_marker=started_marker)
 
     @property
     def alive(self) -> bool:
         return any(e.alive for e in self.engines)
+
+    @property
+    def started(self) -> bool:
+        """Whether start-up is over: every engine has been up (a pod is not ready at a fraction of its capacity).
+        After that, any one live engine serves (`alive`) while the others restart."""
+        if len(self._ever_up) == len(self.engines):
+            return True
+        if self._started_marker is not None and os.path.exists(self._started_marker):
+            self._ever_up = set(range(len(self.engines)))
+            return True
+        return False
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(engines up, engines configured)."""
+        return sum(e.alive for e in self.engines), len(self.engines)
 
     @property
     def state(self) -> str:
@@ -369,6 +391,7 @@ class EnginePool:
                 await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
                 continue
             log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))
+            self._ever_up.add(self.engines.index(engine))
             if self.on_change is not None:
                 self.on_change(engine.device, True)
             why = await engine.disconnected()

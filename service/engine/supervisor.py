@@ -9,8 +9,10 @@ Policy:
   `backoff_s` and doubles with each death still inside the crash window, up to `max_backoff_s`;
 - more than `max_restarts` deaths within `window_s` is a crash loop: the supervisor gives up (exit code 3) so the
   orchestrator sees a failed container rather than a server that never serves;
-- an engine that reports a load error before it ever became ready (a bad checkpoint, a bad setting) is not retried:
-  exit code 2, the same as the single-process server's;
+- an engine that fails to start (an error in warm-up, a device that will not initialise, a death before it is
+  ready) is retried with the same backoff; one that never became ready and exhausts its restarts is a load failure:
+  exit code 2, its last error on one line, the same as the single-process server's. Only an error of the checkpoint
+  itself (`errors.CheckpointError`: a missing directory, an unknown preset), the same on every try, is not retried;
 - `stop()` tells a ready engine to finish its queue and exit; one still starting is killed (it holds no requests).
 
 With `standby`, the next engine process is spawned as soon as the current one is ready and waits with its modules
@@ -26,6 +28,7 @@ import collections
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import threading
 import time
@@ -46,6 +49,30 @@ def _engine_main(conn, env: dict[str, str]) -> int:
     return engine_process_main(conn, env)
 
 
+def engine_environment(device: str) -> dict[str, str]:
+    """The environment of the engine process on `device` (cuda:N, cuda or cpu). A GPU engine sees its own GPU alone,
+    as cuda:0 (CUDA_VISIBLE_DEVICES): no thread of it can create a context or allocate on another engine's GPU, and
+    Triton launches where its tensors are. N counts the GPUs this process sees, so an orchestrator's own
+    CUDA_VISIBLE_DEVICES (a pod given GPUs 4-7) still applies."""
+    if not device.startswith("cuda"):
+        return {"QWEN3VL_DEVICE": device}
+    index = int(device.partition(":")[2] or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or not visible.strip():
+        gpu = str(index)
+    else:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index >= len(ids):
+            raise ValueError(f"device {device}: CUDA_VISIBLE_DEVICES={visible} makes {len(ids)} GPUs visible")
+        gpu = ids[index]
+    return {"CUDA_VISIBLE_DEVICES": gpu, "QWEN3VL_DEVICE": "cuda:0"}
+
+
+def started_marker(socket_path: str) -> str:
+    """The file `serve` writes beside the engines' sockets once every engine has been ready (start-up is over)."""
+    return os.path.join(os.path.dirname(socket_path), "engines-started")
+
+
 class EngineSupervisor:
     def __init__(self, env: dict[str, str], *, backoff_s: float = 0.5, max_backoff_s: float = 15.0,
                  max_restarts: int = 5, window_s: float = 600.0, standby: bool = True,
@@ -61,6 +88,7 @@ class EngineSupervisor:
         self.on_restart, self.on_give_up = on_restart, on_give_up
         self.ready = threading.Event()  # an engine is up and listening
         self.exit_code: int | None = None  # set when the supervisor gave up
+        self.last_error: str | None = None  # why, on one line
         self.restarts = 0
         self._ctx = multiprocessing.get_context("spawn")
         self._stopping = threading.Event()
@@ -147,28 +175,34 @@ class EngineSupervisor:
             self.ready.clear()
             if self._stopping.is_set():
                 return
-            if status == "error" and not ever_ready:
-                log.error("the engine on %s could not start: %s", self.name, message)
+            how = message if status in ("error", "fatal") else _exit_description(proc.exitcode)
+            if status == "fatal" and not ever_ready:
+                self.last_error = how
+                log.error("the engine on %s could not start: %s", self.name, how)
                 return self._give_up(LOAD_ERROR_EXIT)
             now = time.monotonic()
             deaths.append(now)
             while deaths and deaths[0] < now - self.window_s:
                 deaths.popleft()
-            how = message if status == "error" else _exit_description(proc.exitcode)
             if len(deaths) > self.max_restarts:
+                self.last_error = how
+                if not ever_ready:
+                    log.error("the engine on %s could not start (%d tries): %s", self.name, len(deaths), how)
+                    return self._give_up(LOAD_ERROR_EXIT)
                 log.error("the engine process on %s died %d times within %.0f s (last: %s); giving up", self.name,
                           len(deaths), self.window_s, how)
                 return self._give_up(CRASH_LOOP_EXIT)
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (len(deaths) - 1))
             self.restarts += 1
-            log.error("the engine process %d on %s died (%s); starting a new one in %.1f s (restart %d)", proc.pid,
-                      self.name, how, delay, self.restarts)
+            log.error("the engine process %d on %s %s (%s); starting a new one in %.1f s (restart %d)", proc.pid,
+                      self.name, "died" if ever_ready else "failed to start", how, delay, self.restarts)
             if self.on_restart is not None:
                 self.on_restart()
             self._stopping.wait(delay)
 
     def _await_ready(self, proc, conn) -> tuple[str, str | None]:
-        """("ready", None), ("error", message) as the engine reported it, or ("died", None)."""
+        """("ready", None), ("error", message) or ("fatal", message) as the engine reported it (fatal: the same on
+        every try), or ("died", None)."""
         try:
             while not multiprocessing.connection.wait([conn, proc.sentinel], 0.5):
                 if self._stopping.is_set():

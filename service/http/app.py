@@ -65,11 +65,12 @@ class Service:
     async def start(self):
         """Start the engine: the model in this process is loaded and warmed before this returns; engine processes are
         followed in the background (/health answers at once, /ready is 503 until one is connected)."""
+        self.metrics.engines.set(self.engine.capacity[1])
         await self.engine.start()
 
     def _engine_changed(self, device: str, up: bool) -> None:
         self.metrics.engine_up.labels(device).set(int(up))
-        if up and not self.ready:
+        if up and not self.ready and self.engine.started:  # at start-up: once every engine is up
             self._set_ready()
         elif not up:
             self.ready = self.engine.alive
@@ -276,7 +277,9 @@ class Service:
         body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
             enc.preprocessor.config.max_pixels if enc else None)
         stats = await eng.stats()
-        body["engine"] = {"state": eng.state, **stats.as_dict(),
+        up, configured = eng.capacity
+        body["engine"] = {"state": eng.state, "engines_up": up, "engines_configured": configured, "started": eng.started,
+                          **stats.as_dict(),
                           "process": "this" if any(e.pid == os.getpid() for e in stats.engines) else "separate"}
         body["embedding_cache"] = {"max_bytes": self.cache.max_bytes, "bytes": self.cache.bytes,
                                    "path": self.cache.path}
@@ -347,7 +350,7 @@ async def health():
 @router.get("/ready", summary="Readiness: model loaded and kernels warmed up")
 async def ready(request: Request):
     svc = _service(request)
-    if svc.draining or not (svc.ready and svc.engine.alive and svc.every_frontend_ready()):
+    if svc.draining or not (svc.ready and svc.engine.alive and svc.engine.started and svc.every_frontend_ready()):
         return JSONResponse({"ready": False}, status_code=503)
     return {"ready": True}
 

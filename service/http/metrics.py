@@ -45,6 +45,8 @@ class Metrics:
                                     multiprocess_mode="livemostrecent")
         self.engine_up = Gauge(f"{PREFIX}_engine_up", "1 while the engine is connected and serving", ["device"],
                                registry=r, multiprocess_mode="livemax")
+        self.engines = Gauge(f"{PREFIX}_engines", "engine processes configured (one per device): the capacity "
+                             "serving is sum(qwen3vl_engine_up) / this", registry=r, multiprocess_mode="livemax")
         self.in_flight = Gauge(f"{PREFIX}_in_flight_requests", "HTTP requests being served", registry=r,
                                multiprocess_mode="livesum")
         self.images = Counter(f"{PREFIX}_images", "images encoded", registry=r)

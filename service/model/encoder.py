@@ -8,6 +8,7 @@ packed with (attention is block-diagonal per frame, every other op is per token)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -18,6 +19,20 @@ from .graphs import BucketedTower
 from .loader import load_tower
 from .preprocess import Preprocessor, Preprocessed, lut_table, patchify
 from .tower import TowerOptions, VisionTower
+
+
+def bind_thread(device: torch.device | str) -> None:
+    """Make `device` the calling thread's current CUDA device (no-op elsewhere). CUDA's current device is per thread,
+    and Triton launches on it: a kernel given tensors on cuda:N from a thread still on cuda:0 fails ("cannot be
+    accessed from Triton"), and a thread that never chose one creates a context on cuda:0. Every thread that touches
+    the model's device calls this first."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{device}: CUDA is not available to this process (torch {torch.__version__}, CUDA "
+                               f"build {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        torch.cuda.set_device(device.index if device.index is not None else 0)
 
 
 @dataclass

@@ -6,7 +6,9 @@
 // next request when the last one is answered; it measures capacity.
 //
 // Bodies are the files of -bodies, sent in name order and round robin; a file named *.mp4 goes out as video/mp4
-// every -video-every requests, the others (JPEG) as image/jpeg. Connections are kept alive, as real clients do.
+// every -video-every requests, the others (JPEG) as image/jpeg. With -unique each image request's bytes are its own:
+// a JPEG comment segment holding the request's number follows the start-of-image marker, so no reply comes from
+// the server's embedding cache (what a stream of distinct photos gets) and the pixels are unchanged. Connections are kept alive, as real clients do.
 // Every request becomes one CSV row: due (ns from start), send delay (ns after due), latency (ns, due to the last
 // byte of the reply), status (0: no reply), reply bytes, kind, the X-Cache header, error. A JSON summary goes to stdout at the end:
 // offered and achieved rates (requests sent over the time it took to send them) and the generator's CPU seconds.
@@ -67,6 +69,19 @@ func loadBodies(dir string) (images, videos []body, err error) {
 	return images, videos, nil
 }
 
+// withComment: the JPEG `data` with a comment segment (FFFE) holding `n` right after its start-of-image marker.
+func withComment(data []byte, n int) []byte {
+	if len(data) < 2 || data[0] != 0xFF || data[1] != 0xD8 {
+		return data
+	}
+	text := []byte(fmt.Sprintf("openloop request %d", n))
+	out := make([]byte, 0, len(data)+len(text)+4)
+	out = append(out, data[:2]...)
+	out = append(out, 0xFF, 0xFE, byte((len(text)+2)>>8), byte(len(text)+2))
+	out = append(out, text...)
+	return append(out, data[2:]...)
+}
+
 func cpuSeconds() float64 {
 	var ru syscall.Rusage
 	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
@@ -84,6 +99,7 @@ func main() {
 	videoEvery := flag.Int("video-every", 0, "every Nth request is a video (0: none)")
 	timeout := flag.Duration("timeout", 60*time.Second, "per request")
 	out := flag.String("out", "", "CSV of every request")
+	unique := flag.Bool("unique", false, "give each image request bytes of its own (a JPEG comment)")
 	flag.Parse()
 	if *url == "" || *dir == "" || *out == "" || (*rate > 0) == (*concurrency > 0) {
 		fmt.Fprintln(os.Stderr, "need -url, -bodies, -out and one of -rate or -concurrency")
@@ -124,10 +140,16 @@ func main() {
 
 	start := time.Now()
 	var sent int64
+	var statusMu sync.Mutex
+	statuses := map[string]int{}
 	send := func(i int, due time.Duration) {
 		b := pick(i)
 		r := row{due: due, delay: time.Since(start) - due, kind: b.kind}
-		req, _ := http.NewRequest("POST", *url, bytes.NewReader(b.data))
+		data := b.data
+		if *unique && b.kind == "image" {
+			data = withComment(b.data, i)
+		}
+		req, _ := http.NewRequest("POST", *url, bytes.NewReader(data))
 		req.Header.Set("Content-Type", b.ctype)
 		atomic.AddInt64(&sent, 1)
 		resp, err := client.Do(req)
@@ -141,6 +163,9 @@ func main() {
 			r.err = err.Error()
 		}
 		r.latency = time.Since(start) - due
+		statusMu.Lock()
+		statuses[fmt.Sprint(r.status)]++
+		statusMu.Unlock()
 		rows <- r
 	}
 
@@ -185,6 +210,7 @@ func main() {
 		"duration_s": duration.Seconds(), "requests": sent, "send_window_s": sendEnd.Seconds(),
 		"offered_per_s": *rate, "achieved_per_s": float64(sent) / sendEnd.Seconds(),
 		"concurrency": *concurrency, "generator_cpu_s": cpuSeconds(), "wall_s": time.Since(start).Seconds(),
+		"statuses": statuses, "unique": *unique,
 	}
 	json.NewEncoder(os.Stdout).Encode(summary)
 }

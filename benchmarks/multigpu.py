@@ -1,0 +1,327 @@
+"""The whole node through one endpoint: `qwen3vl-encoder serve` on 1, 2 and every GPU of the host, at its defaults.
+
+Parts (each fits one device command; they share a kernel cache directory, `--cache`):
+- `startup`: seconds from launch to /ready 200 (every engine up, every front-end connected) on one GPU and on every
+  GPU, each with an empty kernel cache and then again with the warm one; and per-GPU memory from nvidia-smi.
+- `scaling`: per configuration (`--devices 0`, `0,1`, every GPU), `--clients` closed-loop clients of the compiled
+  generator (`tools/openloop`, `-unique`: each request's bytes its own, so no reply comes from the embedding cache)
+  posting 448 px JPEGs, tokens only. Warm-up `--warmup-s`, then `--seconds` measured: images/s, p50/p99, the
+  generator's achieved rate and CPU, each engine's forwards and GPU busy fraction (/info), the front-ends' and the
+  engines' CPU-seconds per image, per-GPU memory. On every GPU also: a load of mixed sizes (224-1024 px; each GPU's
+  busy fraction) and the fault test (SIGKILL of the engine on cuda:2, or the last, under the same load: statuses,
+  dropped connections, seconds until it serves again).
+- `QWEN3VL_QUANTIZATION=fp8` in the environment measures the FP8 tower (its own keys, `_fp8`).
+
+Results merge into `multigpu.json` under `--out` (one key per part and precision), with a `summary`.
+
+Usage on a multi-GPU machine (the web stack's wheels carried, the generator built here with
+`CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go`):
+    python -m benchmarks.multigpu --part startup --out $OUT
+    python -m benchmarks.multigpu --part scaling --out $OUT
+    QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+
+from benchmarks.bench_service import photo_jpegs
+from benchmarks.common import environment, wait_until_ready
+
+PARAMS = "format=safetensors&deepstack=false"  # tokens only, as bench_service's uniform load
+
+
+def gpu_count() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                         text=True).stdout
+    return len(out.split())
+
+
+def gpu_memory() -> dict:
+    """Per GPU: memory in use (MiB), and each compute process on it with its memory (from nvidia-smi)."""
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.used,clocks.sm,power.draw",
+                           "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
+                           "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+    out, uuid_index = {}, {}
+    for line in gpus.splitlines():
+        index, uuid, used, clock, power = (p.strip() for p in line.split(","))
+        uuid_index[uuid] = index
+        out[index] = {"memory_used_mib": float(used), "sm_clock_mhz": clock, "power_w": power, "processes": {}}
+    for line in apps.splitlines():
+        if line.strip():
+            pid, uuid, used = (p.strip() for p in line.split(","))
+            out[uuid_index[uuid]]["processes"][pid] = float(used)
+    return out
+
+
+def write_bodies(directory: Path, sizes: list[tuple[int, int]]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for n, jpeg in enumerate(photo_jpegs(sizes, seed=len(sizes))):
+        (directory / f"{n:05d}.jpg").write_bytes(jpeg)
+    return directory
+
+
+def start(devices: str | None, cache: Path, port: int, log: Path) -> tuple[subprocess.Popen, str, float]:
+    """`serve` at its defaults on `devices` (None: every GPU); (process, url, seconds to /ready 200)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_CACHE")}
+    env.update({"QWEN3VL_MODEL": os.environ.get("QWEN3VL_MODEL", "random:qwen3-vl-2b"), "QWEN3VL_PORT": str(port),
+                "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_CACHE_DIR": str(cache)})
+    if devices is not None:
+        env["QWEN3VL_DEVICES"] = devices
+    t0 = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=open(log, "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    if not wait_until_ready(url, server, timeout_s=480, interval_s=0.1):
+        server.kill()
+        raise RuntimeError(f"server on {devices} did not become ready:\n{log.read_text()[-3000:]}")
+    return server, url, time.perf_counter() - t0
+
+
+def stop(server: subprocess.Popen) -> int:
+    server.send_signal(signal.SIGTERM)
+    try:
+        return server.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        return -9
+
+
+def engines(url: str) -> list[dict]:
+    return httpx.get(f"{url}/info", timeout=10).json()["engine"]["engines"]
+
+
+def cpu_seconds(server: subprocess.Popen, engine_pids: set[int]) -> tuple[float, float]:
+    """(CPU seconds of the server's processes other than its engines, of its engines) so far."""
+    front = eng = 0.0
+    procs = [psutil.Process(server.pid)]
+    try:
+        procs += psutil.Process(server.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        pass
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        s = t.user + t.system
+        if p.pid in engine_pids:
+            eng += s
+        else:
+            front += s
+    return front, eng
+
+
+def openloop(binary: str, url: str, bodies: Path, out: Path, seconds: float, clients: int) -> dict:
+    args = [binary, "-url", f"{url}/embed?{PARAMS}", "-bodies", str(bodies), "-out", str(out), "-duration",
+            f"{seconds}s", "-concurrency", str(clients), "-unique"]
+    return json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
+
+
+def rows(path: Path) -> list[tuple[float, float, int, str]]:
+    """(done_s, latency_ms, status, error) of each request."""
+    with open(path, newline="") as f:
+        return [((int(r["due_ns"]) + int(r["latency_ns"])) / 1e9, int(r["latency_ns"]) / 1e6, int(r["status"]),
+                 r["error"]) for r in csv.DictReader(f)]
+
+
+def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, warmup_s: float, seconds: float,
+            clients: int) -> dict:
+    """One closed-loop run: `warmup_s` unmeasured, then `seconds` measured (requests completed within them)."""
+    pids = {e["pid"] for e in engines(url)}
+    box: dict = {}
+    total = warmup_s + seconds
+    gen = threading.Thread(target=lambda: box.update(openloop(binary, url, bodies, work / f"{tag}.csv", total,
+                                                              clients)))
+    gen.start()
+    time.sleep(warmup_s)
+    t0, e0, c0 = time.perf_counter(), engines(url), cpu_seconds(server, pids)
+    time.sleep(seconds)
+    t1, e1, c1 = time.perf_counter(), engines(url), cpu_seconds(server, pids)
+    memory = gpu_memory()
+    gen.join()
+    done = [r for r in rows(work / f"{tag}.csv") if warmup_s <= r[0] < total]
+    ok = [r for r in done if r[2] == 200]
+    lat = np.array([r[1] for r in ok])
+    wall = t1 - t0
+    images = len(ok) / seconds * wall  # completions over the sampled wall window
+    per_engine = [{"device": a["device"], "forwards": b["forwards"] - a["forwards"],
+                   "gpu_busy_fraction": round((b["gpu_busy_s"] - a["gpu_busy_s"]) / wall, 4)}
+                  for a, b in zip(e0, e1)]
+    statuses: dict[str, int] = {}
+    for r in done:
+        statuses[str(r[2])] = statuses.get(str(r[2]), 0) + 1
+    result = {
+        "images_per_s": round(len(ok) / seconds, 1), "p50_ms": round(float(np.percentile(lat, 50)), 1),
+        "p99_ms": round(float(np.percentile(lat, 99)), 1), "statuses": statuses, "engines": per_engine,
+        "images_per_forward": round(len(ok) / max(1, sum(e["forwards"] for e in per_engine)), 1),
+        "frontend_cpu_s_per_image": round((c1[0] - c0[0]) / max(1, images), 5),
+        "engine_cpu_s_per_image": round((c1[1] - c0[1]) / max(1, images), 5),
+        "frontend_cores": round((c1[0] - c0[0]) / wall, 2),
+        "generator": {"achieved_requests_per_s": round(box["achieved_per_s"], 1),
+                      "cpu_cores": round(box["generator_cpu_s"] / box["wall_s"], 2),
+                      "clients": clients, "host_cores": os.cpu_count(), "statuses_all": box["statuses"]},
+        "gpu_memory": memory,
+    }
+    print(tag, json.dumps({k: v for k, v in result.items() if k != "gpu_memory"}), flush=True)
+    return result
+
+
+def fault(binary: str, url: str, bodies: Path, work: Path, seconds: float, clients: int, victim_index: int) -> dict:
+    """SIGKILL the engine at `victim_index` a third of the way into a closed-loop run; every request's status, the
+    dropped connections (status 0), and when it served again."""
+    before = engines(url)
+    victim = before[victim_index]
+    box: dict = {}
+    gen = threading.Thread(target=lambda: box.update(openloop(binary, url, bodies, work / "fault.csv", seconds,
+                                                              clients)))
+    gen.start()
+    time.sleep(seconds / 3)
+    killed_at = time.perf_counter()
+    os.kill(victim["pid"], signal.SIGKILL)
+    rejoin_s, ready_codes = None, set()
+    while rejoin_s is None and time.perf_counter() - killed_at < 120:
+        ready_codes.add(httpx.get(f"{url}/ready", timeout=10).status_code)
+        now = engines(url)[victim_index]
+        if now["state"] == "up" and now.get("pid") not in (None, victim["pid"]):
+            rejoin_s = round(time.perf_counter() - killed_at, 2)
+        time.sleep(0.05)
+    gen.join()
+    done = rows(work / "fault.csv")
+    statuses: dict[str, int] = {}
+    for r in done:
+        statuses[str(r[2])] = statuses.get(str(r[2]), 0) + 1
+    errors = sorted({r[3] for r in done if r[3]})[:5]
+    result = {"victim": victim["device"], "killed_after_s": round(seconds / 3, 1), "statuses": statuses,
+              "dropped_connections": statuses.get("0", 0), "fault_500s": statuses.get("500", 0),
+              "rejoined_after_s": rejoin_s, "ready_statuses_meanwhile": sorted(ready_codes),
+              "errors": errors, "generator": box}
+    print("fault", json.dumps(result), flush=True)
+    return result
+
+
+def part_startup(args, gpus: int, work: Path) -> dict:
+    out: dict = {}
+    for label, devices in (("1gpu", "0"), (f"{gpus}gpu", None)):
+        cache = Path(tempfile.mkdtemp(prefix="qwen3vl-ready-"))
+        for run in ("empty_cache", "warm_cache"):
+            server, url, ready_s = start(devices, cache, args.port, work / f"startup_{label}_{run}.log")
+            info = engines(url)
+            memory = gpu_memory()
+            code = stop(server)
+            out[f"{label}_{run}"] = {"ready_s": round(ready_s, 1), "engines_up": sum(e["state"] == "up" for e in info),
+                                     "exit_code": code, "gpu_memory": memory,
+                                     "engine_pids": {e["device"]: e["pid"] for e in info}}
+            print(label, run, ready_s, flush=True)
+        shutil.rmtree(cache, ignore_errors=True)
+    return out
+
+
+def part_scaling(args, gpus: int, work: Path) -> dict:
+    uniform = write_bodies(work / "uniform", [(448, 448)] * 64)
+    rng = np.random.default_rng(1)
+    mixed = write_bodies(work / "mixed", [(int(s), int(s * r)) for s, r in
+                                          zip(rng.integers(224, 1025, 96), rng.choice([0.75, 1.0, 1.33], 96))])
+    configs = [("1gpu", "0")] + ([("2gpu", "0,1")] if gpus > 2 else []) + [(f"{gpus}gpu", None)]
+    out: dict = {}
+    for label, devices in configs:
+        server, url, ready_s = start(devices, Path(args.cache), args.port, work / f"scaling_{label}.log")
+        try:
+            out[label] = {"ready_s": round(ready_s, 1), "devices": devices or "default (every GPU)",
+                          "http_workers": httpx.get(f"{url}/info").json()["http_workers"]}
+            out[label]["uniform"] = measure(args.openloop, url, server, uniform, work, f"{label}_uniform",
+                                            args.warmup_s, args.seconds, args.clients)
+            if devices is None:
+                out[label]["mixed"] = measure(args.openloop, url, server, mixed, work, f"{label}_mixed",
+                                              args.warmup_s, args.seconds, args.clients)
+                if args.fault:
+                    out[label]["fault"] = fault(args.openloop, url, uniform, work, 3 * args.seconds, args.clients,
+                                                min(2, gpus - 1))
+        finally:
+            out[label]["exit_code"] = stop(server)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["startup", "scaling"], required=True)
+    ap.add_argument("--openloop", default=".bin/openloop")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "qwen3vl-bench-cache"),
+                    help="the kernel cache the scaling runs share (warm after the first start)")
+    ap.add_argument("--clients", type=int, default=256)
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--warmup-s", type=float, default=5.0)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--no-fault", dest="fault", action="store_false")
+    args = ap.parse_args()
+    gpus = gpu_count()
+    quant = os.environ.get("QWEN3VL_QUANTIZATION", "none")
+    suffix = "_fp8" if quant == "fp8" else ""
+    work = Path(tempfile.mkdtemp(prefix="qwen3vl-multigpu-"))
+    path = Path(args.out) / "multigpu.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results.setdefault("benchmark", "multigpu")
+    results.setdefault("environment", environment())
+    results["gpus"] = gpus
+    if args.part == "startup":
+        results["startup"] = part_startup(args, gpus, work)
+    else:
+        results[f"scaling{suffix}"] = {"clients": args.clients, "seconds": args.seconds, "warmup_s": args.warmup_s,
+                                       "load": "448 px JPEGs, each request's bytes its own, tokens only (" + PARAMS
+                                       + "); mixed: 224-1024 px", **part_scaling(args, gpus, work)}
+    results["summary"] = summarize(results, gpus)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    for log in work.glob("*.log"):
+        shutil.copy(log, Path(args.out) / f"multigpu_{log.name}")
+    print(json.dumps(results["summary"], indent=1))
+
+
+def summarize(results: dict, gpus: int) -> dict:
+    s: dict = {"gpus": gpus}
+    for suffix, name in (("", "bf16"), ("_fp8", "fp8")):
+        sc = results.get(f"scaling{suffix}")
+        if not sc:
+            continue
+        one = sc["1gpu"]["uniform"]["images_per_s"]
+        for label in ("2gpu", f"{gpus}gpu"):
+            if label in sc:
+                s[f"scaling_{label}_{name}"] = round(sc[label]["uniform"]["images_per_s"] / one, 3)
+                s[f"images_per_s_{label}_{name}"] = sc[label]["uniform"]["images_per_s"]
+        s[f"images_per_s_1gpu_{name}"] = one
+        top = sc[f"{gpus}gpu"]
+        if "mixed" in top:
+            s[f"mixed_min_gpu_busy_{name}"] = min(e["gpu_busy_fraction"] for e in top["mixed"]["engines"])
+        if "fault" in top:
+            s[f"fault_500s{'' if name == 'bf16' else '_fp8'}"] = top["fault"]["fault_500s"]
+            s[f"fault_dropped{'' if name == 'bf16' else '_fp8'}"] = top["fault"]["dropped_connections"]
+        s[f"frontend_cpu_s_per_image_{name}"] = top["uniform"]["frontend_cpu_s_per_image"]
+    st = results.get("startup")
+    if st:
+        for run in ("empty_cache", "warm_cache"):
+            s[f"ready_s_1gpu_{run}"] = st[f"1gpu_{run}"]["ready_s"]
+            s[f"ready_s_{gpus}gpu_{run}"] = st[f"{gpus}gpu_{run}"]["ready_s"]
+            s[f"ready_ratio_{gpus}gpu_{run}"] = round(st[f"{gpus}gpu_{run}"]["ready_s"] / st[f"1gpu_{run}"]["ready_s"], 3)
+        s[f"ready_ratio_{gpus}gpu"] = max(s[f"ready_ratio_{gpus}gpu_empty_cache"], s[f"ready_ratio_{gpus}gpu_warm_cache"])
+    return s
+
+
+if __name__ == "__main__":
+    main()
