@@ -171,7 +171,8 @@ class EngineServer:
             await writer.drain()
 
 
-FAULT_EXIT_CODE = 70  # the exit code after a device fault (the supervisor restarts the process)
+FAULT_EXIT_CODE = 70
+ENGINE_TORCH_THREADS = 4  # the exit code after a device fault (the supervisor restarts the process)
 
 
 def engine_process_main(conn, settings_env: dict[str, str]) -> int:
@@ -193,6 +194,11 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         return 0
     restarts = message[1]
     settings = Settings()
+    import torch
+
+    # the engine's host work is launches and copies; PyTorch's default of one intra-op thread per core, in each of
+    # a node's engines and front-ends, would oversubscribe the host's cores with spinning OpenMP workers
+    torch.set_num_threads(ENGINE_TORCH_THREADS)
     try:
         bind_thread(settings.resolved_device())  # before anything touches CUDA: kernels launch on the current device
         return _run(_serve(conn, settings, restarts))

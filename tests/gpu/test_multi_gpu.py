@@ -1,8 +1,9 @@
 """Every GPU of the host: wherever two or more are visible, the same inputs through each GPU's engine give GPU 0's
 results, and each engine process of `serve` holds memory on its own GPU alone.
 
-The in-process test starts each engine from a thread whose current device is cuda:0 (what the engine's worker
-threads had before they bound to their device: Triton then refused every tensor on another GPU). The server test
+The first test starts each engine, one process per GPU with every GPU visible, from a thread whose current device is
+cuda:0 (what the engine's worker threads had before they bound to their device: Triton then refused every tensor on
+another GPU). The server test
 runs `qwen3vl-encoder serve` at its defaults (every visible GPU) and reads `nvidia-smi`'s compute processes.
 Tolerance: none beyond bfloat16's: the same weights (drawn on each device from one seed), the same kernels and the
 same tuning (shared through the cache) give results equal to GPU 0's within 1e-3 relative error (bf16 rounding of
@@ -26,8 +27,6 @@ from PIL import Image
 
 from conftest import rel_err
 from servers import free_port, wait_until_ready
-from service.engine.local import LocalEngine
-from service.settings import Settings
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA GPUs")]
@@ -47,29 +46,54 @@ def _jpegs(n: int, seed: int) -> list[bytes]:
     return out
 
 
+ENCODE_ON = """
+import asyncio, io, json, os, subprocess, sys
+import torch
+from service.engine.local import LocalEngine
+from service.settings import Settings
+
+index, cache, bodies_path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+bodies = torch.load(bodies_path, weights_only=False)
+settings = Settings(model=MODEL, device=f"cuda:{index}", cache_dir=cache, **SMALL)
+
+async def main():
+    torch.cuda.set_device(0)  # the starting thread is on GPU 0, whatever the engine's device
+    engine = LocalEngine(settings)
+    await engine.start()
+    items = [await engine.preprocess(b) for b in bodies]
+    done = await engine.submit(items, timeout_s=60)
+    apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout
+    mine = sorted({line.split(",")[1].strip() for line in apps.splitlines() if line.split(",")[0].strip() == str(os.getpid())})
+    torch.save({"results": [(r.embeds, r.deepstack, r.pooled) for r in done.results], "gpus": mine,
+                "uuid": "GPU-" + str(torch.cuda.get_device_properties(index).uuid)}, out)
+    await engine.stop()
+
+asyncio.run(main())
+"""
+
+
 def test_each_gpu_engine_gives_gpu0s_results(tmp_path):
-    bodies = _jpegs(6, seed=5)
-
-    async def encode_on(index: int):
-        torch.cuda.set_device(0)  # the starting thread's device is GPU 0's, whatever the engine's
-        settings = Settings(model=MODEL, device=f"cuda:{index}", cache_dir=str(tmp_path), **SMALL)
-        engine = LocalEngine(settings)
-        await engine.start()
-        try:
-            items = [await engine.preprocess(b) for b in bodies]
-            done = await engine.submit(items, timeout_s=60)
-            assert engine.batcher.forwards >= 1
-            return [(r.embeds.float(), r.deepstack.float(), r.pooled) for r in done.results]
-        finally:
-            await engine.stop()
-
-    reference = asyncio.run(encode_on(0))
-    for index in range(1, torch.cuda.device_count()):
-        before = torch.cuda.memory_allocated(0)
-        got = asyncio.run(encode_on(index))
-        assert torch.cuda.memory_allocated(0) == before, "an engine on another GPU allocated on GPU 0"
-        for (e, d, p), (re, rd, rp) in zip(got, reference):
-            assert rel_err(e, re) <= 1e-3 and rel_err(d, rd) <= 1e-3 and rel_err(p, rp) <= 1e-3, index
+    """One process per GPU, each serving one device given as cuda:N with every GPU visible (the single-process
+    server's `--device cuda:N`): its threads launch on its own GPU, it holds memory there alone, and its results
+    equal GPU 0's."""
+    bodies = tmp_path / "bodies.pt"
+    torch.save(_jpegs(6, seed=5), bodies)
+    script = f"MODEL = {MODEL!r}\nSMALL = {SMALL!r}\n" + ENCODE_ON
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    outputs = []
+    for index in range(torch.cuda.device_count()):
+        out = tmp_path / f"out{index}.pt"
+        done = subprocess.run([sys.executable, "-c", script, str(index), str(tmp_path / "cache"), str(bodies),
+                               str(out)], env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-4000:]
+        outputs.append(torch.load(out, weights_only=False))
+    for index, got in enumerate(outputs):
+        assert got["gpus"] == [got["uuid"]], (index, got["gpus"], got["uuid"])  # no context on another GPU
+        for (e, d, p), (re, rd, rp) in zip(got["results"], outputs[0]["results"]):
+            assert rel_err(e.float(), re.float()) <= 1e-3, index
+            assert rel_err(d.float(), rd.float()) <= 1e-3, index
+            assert rel_err(p, rp) <= 1e-3, index
 
 
 def _compute_apps() -> dict[int, set[str]]:
