@@ -145,8 +145,8 @@ class Settings(BaseSettings):
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding the engine processes that own the model; 0: one process does "
-                                     "everything (service.engine.process). Default on CUDA: 8, and 4 per GPU beyond "
-                                     "two, within half the cores; 0 on CPU")
+                                     "everything (service.engine.process). Default on CUDA: 6 per GPU, at least 8, "
+                                     "within half the cores; 0 on CPU")
     engine_restart_backoff_s: float = Field(0.5, ge=0, description="wait before restarting a dead engine process; "
                                             "doubles with each death inside the crash window")
     engine_max_restarts: int = Field(5, ge=0, description="engine deaths within engine_restart_window_s beyond "
@@ -226,10 +226,11 @@ class Settings(BaseSettings):
             return self.http_workers
         if not self.resolved_device().startswith("cuda"):
             return 1 if self.devices and len(self.resolved_devices()) > 1 else 0
-        # 8 front-ends keep one GPU's engine fed with 448 px JPEGs; more GPUs need more decoding (4 per engine),
-        # within half the cores this process may run on (the others decode in the front-ends' threads)
+        # A front-end's event loop carries about 190 448-px JPEG requests a second (5.3 ms of CPU each: decoding,
+        # the reply) before it saturates its core, and one H200 encodes about 900: 6 per GPU, at least 8, within
+        # half the cores this process may run on (its decoding threads and the engines take the others).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
-        return max(1, min(64, cores // 2, max(8, 4 * len(self.resolved_devices()))))
+        return max(1, min(64, cores // 2, max(8, 6 * len(self.resolved_devices()))))
 
     def resolved_cuda_graphs(self) -> bool:
         """Graphs pay off once the engine's host work is not shared with HTTP handling (in one process they

@@ -1,9 +1,9 @@
 """Every GPU of the host: wherever two or more are visible, the same inputs through each GPU's engine give GPU 0's
 results, and each engine process of `serve` holds memory on its own GPU alone.
 
-The first test starts each engine, one process per GPU with every GPU visible, from a thread whose current device is
-cuda:0 (what the engine's worker threads had before they bound to their device: Triton then refused every tensor on
-another GPU). The server test
+The first test starts each engine, one process per GPU with every GPU visible, from threads whose current device is
+CUDA's default, GPU 0 (before the engine's threads bound to their device, Triton then refused every tensor on another
+GPU, and each engine created a context on GPU 0). The server test
 runs `qwen3vl-encoder serve` at its defaults (every visible GPU) and reads `nvidia-smi`'s compute processes.
 Tolerance: none beyond bfloat16's: the same weights (drawn on each device from one seed), the same kernels and the
 same tuning (shared through the cache) give results equal to GPU 0's within 1e-3 relative error (bf16 rounding of
@@ -57,7 +57,7 @@ bodies = torch.load(bodies_path, weights_only=False)
 settings = Settings(model=MODEL, device=f"cuda:{index}", cache_dir=cache, **SMALL)
 
 async def main():
-    torch.cuda.set_device(0)  # the starting thread is on GPU 0, whatever the engine's device
+    # this thread, and every worker thread the engine starts, begins on CUDA's default device, GPU 0
     engine = LocalEngine(settings)
     await engine.start()
     items = [await engine.preprocess(b) for b in bodies]
