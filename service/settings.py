@@ -64,6 +64,18 @@ def default_cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "qwen3vl-encoder")
 
 
+def default_http_workers(gpus: int, cores: int) -> int:
+    """HTTP front-end processes for `gpus` engines on `cores` cores.
+
+    Measured on 4 H200s with 64 vCPUs (benchmarks/results/multigpu.json): a front-end's event loop carries
+    about 190 448-px JPEG requests a second (5-6 ms of CPU each: decoding, the reply) and one H200 encodes
+    900-1,100, so 6 per GPU; but each front-end's decoding threads take up to 1.3 cores under large photos,
+    and 24 front-ends on 64 vCPUs starved the engines (16 did better), so at most a quarter of the cores;
+    at least 8 (or half the cores), which one GPU needs.
+    """
+    return max(1, min(64, max(min(8, cores // 2), min(6 * gpus, cores // 4))))
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="QWEN3VL_", extra="ignore")
 
@@ -145,8 +157,8 @@ class Settings(BaseSettings):
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding the engine processes that own the model; 0: one process does "
-                                     "everything (service.engine.process). Default on CUDA: 6 per GPU, at least 8, "
-                                     "within half the cores; 0 on CPU")
+                                     "everything (service.engine.process). Default on CUDA: 6 per GPU within a quarter "
+                                     "of the cores, at least 8 (within half the cores); 0 on CPU")
     engine_restart_backoff_s: float = Field(0.5, ge=0, description="wait before restarting a dead engine process; "
                                             "doubles with each death inside the crash window")
     engine_max_restarts: int = Field(5, ge=0, description="engine deaths within engine_restart_window_s beyond "
@@ -161,10 +173,11 @@ class Settings(BaseSettings):
                                      "in shared memory, for every HTTP process, and answered without the engine; 0: "
                                      "none kept (identical inputs in flight in one process still share one encoding)")
     embedding_cache_path: str | None = Field(None, description="internal: the cache's directory, made by `serve`")
-    shared_memory_mib: int = Field(64, ge=0, description="per front-end process and engine: shared memory in "
-                                   "/dev/shm through which decoded frames reach the engine and its results come back "
-                                   "(what does not fit goes over the socket, as all does with 0). Containers need room for it: 4 front-ends "
-                                   "take 256 MiB (compose: shm_size)")
+    shared_memory_mib: int = Field(64, ge=0, description="per front-end process, split evenly between its "
+                                   "connections to the engines: shared memory in /dev/shm (page-locked by the engines) "
+                                   "through which decoded frames reach an engine and its results come back (what does "
+                                   "not fit goes over the socket, as all does with 0). Containers need room for it: 16 "
+                                   "front-ends take 1 GiB (compose: shm_size)")
 
     @field_validator("device")
     @classmethod
@@ -226,11 +239,8 @@ class Settings(BaseSettings):
             return self.http_workers
         if not self.resolved_device().startswith("cuda"):
             return 1 if self.devices and len(self.resolved_devices()) > 1 else 0
-        # A front-end's event loop carries about 190 448-px JPEG requests a second (5.3 ms of CPU each: decoding,
-        # the reply) before it saturates its core, and one H200 encodes about 900: 6 per GPU, at least 8, within
-        # half the cores this process may run on (its decoding threads and the engines take the others).
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
-        return max(1, min(64, cores // 2, max(8, 6 * len(self.resolved_devices()))))
+        return default_http_workers(len(self.resolved_devices()), cores)
 
     def resolved_cuda_graphs(self) -> bool:
         """Graphs pay off once the engine's host work is not shared with HTTP handling (in one process they

@@ -19,7 +19,7 @@ from PIL import Image
 
 from conftest import encode_bytes
 from servers import free_port, serve
-from service.settings import Settings
+from service.settings import Settings, default_http_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -164,9 +164,10 @@ def _bytes(size: str) -> int:
 def test_shared_memory_room_for_every_front_end():
     """Decoded frames reach the engine through /dev/shm (`shared_memory_mib` per front-end and engine), and the
     embedding cache lives there: compose and the pod give it room for the most front-ends a GPU host gets by default
-    and the cache, beyond Docker's and Kubernetes' 64 MiB default."""
+    (32, on an 8-GPU node of 128 cores) and the cache, beyond Docker's and Kubernetes' 64 MiB default."""
     settings = Settings()
-    need = (8 + 1) * (settings.shared_memory_mib << 20) + (settings.embedding_cache_mib << 20) * 9 // 8
+    most = default_http_workers(8, 128)
+    need = (most + 1) * (settings.shared_memory_mib << 20) + (settings.embedding_cache_mib << 20) * 9 // 8
     assert _bytes(COMPOSE["services"]["encoder"]["shm_size"]) >= need
     pod = K8S_DOCS[("Deployment", "qwen3vl-encoder")]["spec"]["template"]["spec"]
     (container,) = pod["containers"]

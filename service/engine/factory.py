@@ -24,6 +24,7 @@ def open_engine(settings: Settings, encoder: Encoder | None = None, *, on_batch:
         decoder = Decoder(settings.preprocess_workers, video_sandbox(settings))
         sockets = settings.engine_socket.split(",")
         return EnginePool.of(sockets, settings.resolved_devices(), decoder,
-                             shared_memory_bytes=settings.shared_memory_mib << 20, on_batch=on_batch,
+                             shared_memory_bytes=(settings.shared_memory_mib << 20) // len(sockets),
+                             on_batch=on_batch,
                              on_change=on_change, started_marker=started_marker(sockets[0]))
     return LocalEngine(settings, encoder, on_batch=on_batch, on_change=on_change)
