@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -34,7 +34,7 @@ import torch
 from kernels.runtime import launch_status
 
 from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
-from ..model.encoder import Encoder, bind_thread, pack_size
+from ..model.encoder import EncodeResult, Encoder, bind_thread, pack_size
 from ..model.preprocess import Preprocessed
 from .api import BatchStats, DeviceStats, Encoded, ItemDone, Timing
 
@@ -58,6 +58,15 @@ class _Work:
     deepstack: bool = True
     tokens: bool = True
     enqueued: float = field(default_factory=time.perf_counter)
+
+
+def _asked(result: EncodeResult, deepstack: bool, tokens: bool) -> EncodeResult:
+    """`result` without the DeepStack features or the merged tokens where its request did not ask for them (empty
+    along the token axis, as a pack that computed none returns them)."""
+    if (deepstack or not result.deepstack.shape[0]) and (tokens or not result.embeds.shape[0]):
+        return result
+    return replace(result, embeds=result.embeds if tokens else result.embeds[:0],
+                   deepstack=result.deepstack if deepstack else result.deepstack[:0])
 
 
 class Batcher:
@@ -184,7 +193,8 @@ class Batcher:
             gone = True  # cancelled (client gone) or failed: the rest of its items are not computed
             raise
         timing = Timing(queue_s=max(d.queue_s for d in results), inference_s=max(d.inference_s for d in results))
-        return Encoded([d.result for d in results], timing)
+        # a pack computes what any of its requests asked for: each gets only what it asked for
+        return Encoded([_asked(d.result, deepstack, tokens) for d in results], timing)
 
     # -- batching --------------------------------------------------------------------------------------
 

@@ -152,9 +152,7 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001 - every failure goes back to the front-end as a typed error
             reply, buffers = error_header(rid, e), []
         else:
-            # only what this request asked for crosses (its pack may have computed more for others)
-            sent = [(r.embeds if header["tokens"] else r.embeds[:0], r.deepstack if header["deepstack"] else
-                     r.deepstack[:0], r.pooled) for r in done.results]
+            sent = [(r.embeds, r.deepstack, r.pooled) for r in done.results]  # what it asked for (`Batcher.submit`)
             reply = {"op": "result", "id": rid, "timing": (done.timing.queue_s, done.timing.inference_s),
                      "results": [(r.grid_thw, r.num_tokens, str(e.dtype).removeprefix("torch."), tuple(e.shape),
                                   tuple(d.shape), tuple(p.shape)) for r, (e, d, p) in zip(done.results, sent)]}
