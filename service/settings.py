@@ -13,6 +13,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "random:qwen3-vl-2b"
+CPU_MAX_PIXELS = 1024 * 1024  # the default max_pixels_limit on the CPU
 # token counts of the CUDA graph buckets, up to the default patch budget of a pack: each about 1.25x the last up to
 # 4096, then about 1.125x (multiples of 512), where the padding's share of a forward's GPU time is what it costs
 DEFAULT_GRAPH_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 4608, 5120, 5632,
@@ -128,8 +129,10 @@ class Settings(BaseSettings):
 
     # images
     max_image_pixels: int = Field(40_000_000, ge=1, description="decoded width*height limit (bombs)")
-    max_pixels_limit: int | None = Field(None, description="upper bound of a request's max_pixels; default: "
-                                                            "the checkpoint's max_pixels")
+    max_pixels_limit: int | None = Field(None, ge=1, description="the most pixels any image is resized to (a "
+                                         "request's max_pixels may only lower it); default: the checkpoint's "
+                                         "max_pixels on a GPU, at most 1,048,576 (1024 x 1024) on the CPU, where the "
+                                         "checkpoint's 16.7 Mpx cost one request tens of seconds")
     min_pixels_limit: int = Field(256, ge=1, description="lower bound of a request's min_pixels")
 
     # videos
@@ -256,6 +259,12 @@ class Settings(BaseSettings):
         buckets = parse_buckets(self.cuda_graph_buckets)
         full = next((i for i, b in enumerate(buckets) if b >= self.max_batch_patches), len(buckets) - 1)
         return buckets[:full + 1]
+
+    def resolved_max_pixels_limit(self, device_type: str) -> int | None:
+        """The operator's bound on an image's resized pixels on `device_type` (None: the checkpoint's)."""
+        if self.max_pixels_limit is not None:
+            return self.max_pixels_limit
+        return CPU_MAX_PIXELS if device_type == "cpu" else None
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":

@@ -139,9 +139,14 @@ def load_encoder(settings: Settings) -> Encoder:
 
 
 def apply_limits(enc: Encoder, settings: Settings) -> None:
-    """The server's decoded-size and video-length limits replace the checkpoint preprocessor's defaults."""
+    """The server's decoded-size, resized-size and video-length limits replace the checkpoint preprocessor's
+    defaults: the operator's `max_pixels_limit` bounds every image, also one whose request names no max_pixels (it
+    is the preprocessor's max_pixels, which requests may only lower)."""
     cfg = enc.preprocessor.config
+    limit = settings.resolved_max_pixels_limit(enc.device.type)
+    max_pixels = min(cfg.max_pixels, limit) if limit else cfg.max_pixels
     enc.preprocessor = Preprocessor(replace(cfg, max_image_pixels=settings.max_image_pixels,
+                                            max_pixels=max_pixels, min_pixels=min(cfg.min_pixels, max_pixels),
                                             video=replace(cfg.video, max_source_frames=settings.max_video_frames)))
 
 

@@ -274,8 +274,7 @@ class Service:
         body["limits"] = {k: getattr(settings, k) for k in (
             "max_body_bytes", "max_inputs_per_request", "request_timeout_s", "max_image_pixels", "min_pixels_limit",
             "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items", "max_video_frames")}
-        body["limits"]["max_pixels_limit"] = settings.max_pixels_limit or (
-            enc.preprocessor.config.max_pixels if enc else None)
+        body["limits"]["max_pixels_limit"] = enc.preprocessor.config.max_pixels if enc else None
         stats = await eng.stats()
         up, configured = eng.capacity
         body["engine"] = {"state": eng.state, "engines_up": up, "engines_configured": configured, "started": eng.started,

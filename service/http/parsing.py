@@ -145,8 +145,8 @@ async def parse_openai(request: Request, settings: Settings) -> tuple[list[bytes
 
 def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_frames: int,
                  has_deepstack: bool = True) -> None:
-    """Options against the server's limits and model (`max_pixels`: the default upper bound of a request's
-    max_pixels, `max_frames`: the video processor's, `has_deepstack`: whether the tower has DeepStack taps)."""
+    """Options against the server's limits and model (`max_pixels`: the upper bound of a request's max_pixels,
+    the preprocessor's, `max_frames`: the video processor's, `has_deepstack`: whether the tower has DeepStack taps)."""
     if opts.format in LLM_LAYOUTS:
         asked = [name for name, on in (("pooling=mean", opts.pooling == "mean"), ("normalize", opts.normalize),
                                        ("embeddings=false", not opts.embeddings),
@@ -158,7 +158,7 @@ def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_fr
     if opts.deepstack and not has_deepstack:
         raise HTTPError(422, "invalid_options", "deepstack=true: this model's tower has no DeepStack features "
                                                 "(Qwen2.5-VL returns the merged tokens and the pooled vector)")
-    limit = settings.max_pixels_limit or max_pixels
+    limit = max_pixels  # the preprocessor's, which the operator's max_pixels_limit bounds (`build.apply_limits`)
     for name, v in (("min_pixels", opts.min_pixels), ("max_pixels", opts.max_pixels)):
         if v is not None and not settings.min_pixels_limit <= v <= limit:
             raise HTTPError(422, "invalid_options", f"{name}={v} outside the server's limits "
