@@ -117,7 +117,11 @@ class Settings(BaseSettings):
     # HTTP
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
-    api_key: SecretStr | None = Field(None, description="if set, /embed and /v1/embeddings need 'Bearer <key>'")
+    api_key: SecretStr | None = Field(None, description="if set, every route but /health, /ready and /metrics needs "
+                                      "'Authorization: Bearer <key>'. Prefer QWEN3VL_API_KEY or api_key_file to the "
+                                      "flag, which other users of the host see in ps")
+    api_key_file: str | None = Field(None, description="a file holding the API key (a mounted secret); read at "
+                                     "start-up, surrounding whitespace ignored")
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     max_inputs_per_request: int = Field(64, ge=1)
     request_timeout_s: float = Field(60.0, gt=0, description="deadline from arrival to response")
@@ -204,6 +208,18 @@ class Settings(BaseSettings):
             if not (d.isdigit() or d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit())):
                 raise ValueError(f"devices {v!r}: {d!r} is not a GPU index, cuda:N or cpu")
         return v
+
+    @model_validator(mode="after")
+    def _key_file(self):
+        if self.api_key_file:
+            try:
+                key = open(self.api_key_file).read().strip()
+            except OSError as e:
+                raise ValueError(f"api_key_file: {e}") from None
+            if not key:
+                raise ValueError(f"api_key_file {self.api_key_file} is empty")
+            self.api_key = SecretStr(key)
+        return self
 
     @model_validator(mode="after")
     def _limits(self):

@@ -112,9 +112,35 @@ def test_api_key(server):
     _err(httpx.post(f"{url}/embed", files=_files(GOOD)), 401, "unauthorized")
     _err(httpx.post(f"{url}/embed", files=_files(GOOD), headers={"Authorization": "Bearer wrong"}), 401, "unauthorized")
     _err(httpx.post(f"{url}/v1/embeddings", json={"input": "x"}), 401, "unauthorized")
-    for route in ("/health", "/ready", "/metrics", "/info"):
+    for route in ("/health", "/ready", "/metrics"):  # probes and the scrape
         assert httpx.get(f"{url}{route}").status_code == 200, route
+    # /info names paths and pids; the docs describe the API: only with the key
+    for route in ("/info", "/docs", "/redoc", "/openapi.json", "/nowhere"):
+        r = httpx.get(f"{url}{route}")
+        _err(r, 401, "unauthorized")
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(f"{url}{route}", headers=AUTH).status_code == (404 if route == "/nowhere" else 200), route
+    token = AUTH["Authorization"].split(" ", 1)[1]
+    for scheme in ("bearer", "BEARER"):  # the scheme's name is case-insensitive (RFC 7235)
+        assert httpx.get(f"{url}/info", headers={"Authorization": f"{scheme} {token}"}).status_code == 200
+    _err(httpx.get(f"{url}/info", headers={"Authorization": f"Basic {token}"}), 401, "unauthorized")
+    _err(httpx.get(f"{url}/info", headers={"Authorization": f"Bearer {token}x"}), 401, "unauthorized")
     assert httpx.post(f"{url}/embed", files=_files(GOOD), headers=AUTH).status_code == 200
+
+
+def test_api_key_file(tmp_path):
+    from service.settings import Settings
+
+    path = tmp_path / "key"
+    path.write_text("s3cret\n")
+    assert Settings(api_key_file=str(path)).api_key.get_secret_value() == "s3cret"
+    path.write_text("  \n")
+    try:
+        Settings(api_key_file=str(path))
+    except ValueError as e:
+        assert "empty" in str(e)
+    else:
+        raise AssertionError("an empty key file was accepted")
 
 
 def test_bad_request_does_not_break_good_ones_in_the_same_window(server):

@@ -32,7 +32,7 @@ from ..model.encoder import Encoder
 from ..settings import Settings
 from . import openapi
 from .metrics import Metrics
-from .middleware import ObserveMiddleware
+from .middleware import ApiKeyMiddleware, ObserveMiddleware
 from .output import LLM_LAYOUTS, embed_response, llm_response, openai_response, wants_deepstack
 from .parsing import check_limits, parse_embed, parse_openai
 from .schemas import EmbedOptions
@@ -139,12 +139,6 @@ class Service:
         await self.engine.stop()
         if self.settings.engine_socket and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             multiprocess.mark_process_dead(os.getpid())
-
-    def check_auth(self, request: Request):
-        key = self.settings.api_key
-        if key is not None and request.headers.get("authorization", "") != f"Bearer {key.get_secret_value()}":
-            raise HTTPError(401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                            headers={"WWW-Authenticate": "Bearer"})
 
     def serving_engine(self) -> Engine:
         state = self.engine.state
@@ -323,7 +317,6 @@ def _service(request: Request) -> Service:
                                         "pooled vectors, or the layouts vLLM and SGLang take")
 async def embed(request: Request):
     svc = _service(request)
-    svc.check_auth(request)
     inputs, opts = await parse_embed(request, svc.settings)
     results, items, headers = await svc.encode(request, inputs, opts)
     if opts.format in LLM_LAYOUTS:  # megabytes to copy and encode: in a thread, the loop serves on meanwhile
@@ -335,7 +328,6 @@ async def embed(request: Request):
 @encoding_router.post("/v1/embeddings", summary="OpenAI-compatible: mean-pooled, L2-normalised image embeddings")
 async def openai_embeddings(request: Request):
     svc = _service(request)
-    svc.check_auth(request)
     inputs, req = await parse_openai(request, svc.settings)
     results, _, headers = await svc.encode(request, inputs, OPENAI_OPTIONS)
     return openai_response(results, req.model or svc.settings.model, req.encoding_format, headers)
@@ -391,6 +383,9 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
     # /docs with Swagger UI's assets served from the package (fastapi-offline), not a CDN: it works air-gapped
     app = FastAPIOffline(title="Qwen3-VL vision encoder", version=__version__, lifespan=lifespan)
     install_error_handlers(app, metrics)
+    if settings.api_key is not None:  # inside the observer: a 401 is counted like any reply
+        app.add_middleware(ApiKeyMiddleware, key=settings.api_key.get_secret_value(),
+                           on_reject=metrics.errors.labels("unauthorized").inc)
     app.add_middleware(ObserveMiddleware, metrics=metrics, closing=lambda: service.draining)
     app.include_router(encoding_router)
     app.include_router(router)

@@ -1,8 +1,10 @@
 """ASGI middleware: request count and latency by route and status, requests in flight, X-Total-Time-Ms, and
-`Connection: close` on every response while the server drains."""
+`Connection: close` on every response while the server drains; the API key."""
 
 from __future__ import annotations
 
+import hmac
+import json
 import time
 
 from .metrics import Metrics
@@ -46,3 +48,34 @@ class ObserveMiddleware:
                 code = str(status["code"])
                 self.metrics.requests.labels(route, code).inc()
                 self.metrics.request_latency.labels(route, code).observe(time.perf_counter() - start)
+
+
+# what answers without the key: orchestrators' probes and Prometheus' scrape
+OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    """With an API key set, every route but OPEN_ROUTES (the encoding routes, /info with its paths and pids, /docs,
+    /redoc, /openapi.json, unknown paths) needs `Authorization: Bearer <key>`: the scheme's name in any case (RFC 7235),
+    the key compared in constant time. Otherwise 401 with `WWW-Authenticate: Bearer`."""
+
+    def __init__(self, app, key: str, on_reject=lambda: None):
+        self.app, self.key, self.on_reject = app, key.encode(), on_reject
+
+    def _authorized(self, headers) -> bool:
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.strip().partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_ROUTES or self._authorized(scope["headers"]):
+            return await self.app(scope, receive, send)
+        self.on_reject()
+        body = json.dumps({"error": {"type": "unauthorized", "message": "missing or wrong API key: send "
+                                     "'Authorization: Bearer <key>'"}}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
