@@ -51,6 +51,8 @@ def quant_check_main(args) -> int:
     from .model.encoder import Encoder
     from .model.quant_check import all_tokens, compare, fp8_copy
 
+    if args.device == "auto":
+        args.device = Settings(device="auto").resolved_device()
     encoder = Encoder.load(args.model, args.device, args.dtype)
     inputs = []
     for path in args.files:
@@ -114,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "images and videos: per-token cosine of the merged tokens, each DeepStack level and each "
                         "block's output. Exit 1 outside the targets (mean >= 0.999, worst token >= 0.99).")
     qc.add_argument("--model", required=True, help="checkpoint directory or random:<preset>")
-    qc.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu computes the FP8 GEMMs in float32)")
+    qc.add_argument("--device", default="auto", help="auto (cuda where there is a GPU), cuda, cuda:N or cpu (cpu "
+                    "computes the FP8 GEMMs in float32)")
     qc.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     qc.add_argument("--max-pixels", type=int, default=None, help="resize larger inputs down to this many pixels")
     qc.add_argument("--json", default=None, help="also write the report here")

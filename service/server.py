@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import socket
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -126,6 +127,20 @@ def _frontends_class():
     return Frontends
 
 
+def check_model(model: str) -> None:
+    """What can be told of `model` before any process loads it (the preset's name, the directory and its
+    config.json), without torch: a bad --model is one line and exit code 2, at once. `CheckpointError` if not."""
+    from .model.config import preset, tower_config_from_dir
+
+    if model.startswith("random:"):
+        preset(model.removeprefix("random:"))
+        return
+    path = Path(model)
+    if not path.is_dir():
+        raise CheckpointError(f"{model}: not a directory (use a local checkpoint directory or random:<preset>)")
+    tower_config_from_dir(path)
+
+
 def settings_from_args(args) -> Settings:
     """The flags given (`service.cli.add_settings_flags`: one per field), over the environment."""
     return Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
@@ -141,8 +156,20 @@ def run(args) -> int:
             log.error("invalid setting %s: %s (flag --%s or env QWEN3VL_%s)", ".".join(map(str, err["loc"])),
                       err["msg"], str(err["loc"][0]).replace("_", "-"), str(err["loc"][0]).upper())
         return 2
+    try:
+        check_model(settings.model)
+    except CheckpointError as e:
+        log.error("%s", e)
+        return 2
     if settings.resolved_http_workers():
         return run_with_engine_process(settings)
+    try:  # before the model loads: a port in use is found in a second, not after the warm-up
+        probe = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
+        with probe:
+            probe.bind((settings.host, settings.port))
+    except OSError as e:
+        log.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
+        return 1
     from .http.app import create_app  # not before run_with_engine_process: it sets up multiprocess metrics first
     from .uvicorn_server import server_class
 

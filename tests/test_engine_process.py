@@ -292,9 +292,16 @@ def test_crash_loop_gives_up_with_exit_code_3():
     assert "giving up" in "".join(proc.output)
 
 
-def test_load_error_exits_2_without_retrying(tmp_path):
+def test_load_error_exits_2_without_retrying(tmp_path, full_checkpoint):
+    """A checkpoint whose config.json reads (so `serve` starts) but whose weights are missing: the engine's load
+    error is the same on every try, so it is not retried."""
+    import shutil
+
+    for name in ("config.json", "preprocessor_config.json"):
+        if (full_checkpoint / name).exists():
+            shutil.copy(full_checkpoint / name, tmp_path / name)
     port = free_port()
-    env = {**os.environ, "QWEN3VL_MODEL": str(tmp_path / "missing"), "QWEN3VL_DEVICE": "cpu",
+    env = {**os.environ, "QWEN3VL_MODEL": str(tmp_path), "QWEN3VL_DEVICE": "cpu",
            "QWEN3VL_PORT": str(port), "QWEN3VL_HTTP_WORKERS": "1"}
     out = subprocess.run([sys.executable, "-m", "service.cli", "serve"], env=env, capture_output=True, text=True,
                          timeout=120)
