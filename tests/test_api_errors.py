@@ -100,6 +100,11 @@ def test_content_type_and_options(server):
          "bogus")
     _err(httpx.post(f"{url}/embed", params={"max_pixels": 10**12}, files=_files(GOOD), headers=AUTH), 422,
          "invalid_options", "outside the server's limits")
+    # JSON numbers are float32: a dtype asked of them would be silently ignored
+    _err(httpx.post(f"{url}/embed", params={"dtype": "float16"}, files=_files(GOOD), headers=AUTH), 422,
+         "invalid_options", "encoding=base64")
+    assert httpx.post(f"{url}/embed", params={"dtype": "float16", "encoding": "base64"}, files=_files(GOOD),
+                      headers=AUTH).status_code == 200
     _err(httpx.post(f"{url}/embed", files=[("image", ("a.png", GOOD, "image/png"))], headers=AUTH), 422,
          "invalid_multipart", "'image'")
     # httpx writes text fields before file parts: the text 'file' is part 0

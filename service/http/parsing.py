@@ -155,6 +155,9 @@ def check_limits(opts: EmbedOptions, settings: Settings, max_pixels: int, max_fr
         if asked:
             raise HTTPError(422, "invalid_options", f"format={opts.format} is that server's layout of the tokens "
                                                     f"(and DeepStack features); {', '.join(asked)} does not apply")
+    if opts.format == "json" and opts.encoding == "float" and opts.dtype not in (None, "float32"):
+        raise HTTPError(422, "invalid_options", f"dtype={opts.dtype} applies to encoding=base64; JSON numbers "
+                                                f"(encoding=float) are float32")
     if opts.deepstack and not has_deepstack:
         raise HTTPError(422, "invalid_options", "deepstack=true: this model's tower has no DeepStack features "
                                                 "(Qwen2.5-VL returns the merged tokens and the pooled vector)")
