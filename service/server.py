@@ -141,6 +141,17 @@ def check_model(model: str) -> None:
     tower_config_from_dir(path)
 
 
+def limit_connections(config, settings: Settings) -> None:
+    """uvicorn's `config` bounded by the settings' connection limits (`uvicorn_server.LimitedHttpToolsProtocol`)."""
+    from .uvicorn_server import ConnectionLimits, LimitedHttpToolsProtocol
+
+    config.http = LimitedHttpToolsProtocol
+    config.connection_limits = ConnectionLimits(settings.max_connections, settings.max_header_bytes,
+                                                settings.max_headers, settings.header_timeout_s,
+                                                settings.body_timeout_s)
+    config.timeout_keep_alive = settings.keep_alive_s
+
+
 def settings_from_args(args) -> Settings:
     """The flags given (`service.cli.add_settings_flags`: one per field), over the environment."""
     return Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
@@ -176,6 +187,7 @@ def run(args) -> int:
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.graceful_shutdown_s, access_log=False)
+    limit_connections(config, settings)
     server = server_class(settings.drain_s, app.state.service.start_draining)(config)
     try:
         server.run()
@@ -234,6 +246,7 @@ def run_with_engine_process(settings: Settings) -> int:
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
     config.drain_s = settings.drain_s
+    limit_connections(config, settings)
     try:
         frontends = _frontends_class()(config)
     except OSError as e:

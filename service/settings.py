@@ -125,6 +125,16 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     max_inputs_per_request: int = Field(64, ge=1)
     request_timeout_s: float = Field(60.0, gt=0, description="deadline from arrival to response")
+    max_connections: int = Field(1000, ge=1, description="open connections per HTTP process; the next is answered "
+                                 "503 with Retry-After and closed (a process's descriptors are bounded)")
+    max_header_bytes: int = Field(32768, ge=1024, description="request line and headers, in bytes (431 beyond)")
+    max_headers: int = Field(100, ge=8, description="headers per request (431 beyond)")
+    header_timeout_s: float = Field(10.0, gt=0, description="from a connection's opening, or a request's first "
+                                    "byte, to its last header (then 408 and closed: a client sending a byte a second, "
+                                    "or nothing, holds no connection longer)")
+    body_timeout_s: float = Field(60.0, gt=0, description="from a request's headers to its body's last byte (then "
+                                  "408 and closed: a stalled upload frees its memory)")
+    keep_alive_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open")
     drain_s: float = Field(5.0, ge=0, description="on SIGTERM: seconds the server keeps serving with /ready 503 and "
                            "'Connection: close' on every response, so that clients leave their keep-alive connections "
                            "before it stops accepting (a second SIGTERM skips the rest)")

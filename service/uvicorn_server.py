@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import signal
 
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.supervisors.multiprocess import Process
 
 
@@ -72,3 +73,124 @@ class FrontendProcess(Process):
         if self._server is None:
             self._server = server_class(one_process=False)(config=self.config)
         return self._server
+
+
+class ConnectionLimits:
+    """What one HTTP process allows a connection (`LimitedHttpToolsProtocol`): `max_connections` open at once (the next is
+    answered 503 and closed), `max_header_bytes` of request line and headers and `max_headers` headers (431),
+    `header_timeout_s` from a connection's opening or a request's first byte to its last header, and `body_timeout_s`
+    from there to its body's last byte (408, then closed). Idle keep-alive connections close after uvicorn's
+    `timeout_keep_alive`."""
+
+    def __init__(self, max_connections: int, max_header_bytes: int, max_headers: int, header_timeout_s: float,
+                 body_timeout_s: float):
+        self.max_connections, self.max_header_bytes, self.max_headers = max_connections, max_header_bytes, max_headers
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol bounded by its config's `connection_limits` (`ConnectionLimits`): without them a
+    client holds memory with headers of any size (read before authentication), and descriptors with connections
+    that send a byte a second, or nothing."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.limits: ConnectionLimits = config.connection_limits
+        self._timer = None
+        self._refused = None  # (status, message): answered once the parser returns
+        self._header_bytes = 0
+        self._header_count = 0
+        self._in_headers = True  # reading a request line and headers (or waiting for one)
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, f"more than {self.limits.max_connections} connections to this process",
+                         retry_after=True)
+            return
+        self._arm(self.limits.header_timeout_s)
+
+    def connection_lost(self, exc):
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _cancel(self):
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, seconds: float):
+        self._cancel()
+        self._timer = self.loop.call_later(seconds, self._expired)
+
+    def _expired(self):
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and self.cycle.response_started:  # mid-reply: nothing more can be said
+            self.transport.close()
+            return
+        what = "headers" if self._in_headers else "body"
+        self._refuse(408, f"the request's {what} did not arrive in time")
+
+    def _refuse(self, status: int, message: str, retry_after: bool = False):
+        self._refused = (status, message)
+        self._cancel()
+        body = ('{"error": {"type": "%s", "message": "%s"}}' % (
+            {408: "request_timeout", 431: "headers_too_large", 503: "too_many_connections"}[status],
+            message)).encode()
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]), b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body), b"connection: close\r\n"]
+        if retry_after:
+            head.append(b"retry-after: 1\r\n")
+        self.transport.write(b"".join(head) + b"\r\n" + body)
+        self.transport.close()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+
+    def data_received(self, data):
+        if self._refused is not None:
+            return
+        super().data_received(data)
+        if self._refused is None and self._in_headers and not self.transport.is_closing():
+            # still in a request's headers after all of `data`: every byte of it was header (or waiting for
+            # one), which the parser buffers until a header is whole, so it is counted here
+            self._header_bytes += len(data)
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._refuse(431, f"request line and headers over {self.limits.max_header_bytes} bytes")
+
+    def on_message_begin(self):
+        super().on_message_begin()
+        self._in_headers, self._header_count = True, 0
+        self._arm(self.limits.header_timeout_s)
+
+    def on_header(self, name, value):
+        if self._refused is None:
+            self._header_count += 1
+            if self._header_count > self.limits.max_headers:
+                self._refuse(431, f"more than {self.limits.max_headers} headers")
+            else:
+                super().on_header(name, value)
+
+    def on_headers_complete(self):
+        if self._refused is not None:
+            return
+        self._in_headers, self._header_bytes = False, 0
+        if len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.limits.max_header_bytes:
+            self._refuse(431, f"request line and headers over {self.limits.max_header_bytes} bytes")
+            return
+        self._arm(self.limits.body_timeout_s)
+        super().on_headers_complete()
+
+    def on_body(self, body):
+        if self._refused is None:
+            super().on_body(body)
+
+    def on_message_complete(self):
+        if self._refused is None:
+            self._cancel()
+            super().on_message_complete()

@@ -1,0 +1,112 @@
+"""Every resource a connection can claim is bounded, on a real `serve` with real sockets: header bytes and count (431),
+the time to send headers and body (408, then closed: a byte a second, or nothing, holds no connection), idle
+keep-alive connections, and the connections of a process (503 with Retry-After). Requests within the limits, kept
+alive, are served throughout."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from servers import free_port, wait_until_ready
+
+
+@pytest.fixture(scope="module", params=["0", "1"], ids=["one-process", "front-ends"])
+def limited(request):
+    port = free_port()
+    env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICE": "cpu", "QWEN3VL_HOST": "127.0.0.1",
+           "QWEN3VL_PORT": str(port), "QWEN3VL_HTTP_WORKERS": request.param, "QWEN3VL_MAX_HEADER_BYTES": "4096",
+           "QWEN3VL_MAX_HEADERS": "20", "QWEN3VL_HEADER_TIMEOUT_S": "1", "QWEN3VL_BODY_TIMEOUT_S": "1",
+           "QWEN3VL_KEEP_ALIVE_S": "1", "QWEN3VL_MAX_CONNECTIONS": "8"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until_ready(url, proc, timeout_s=120, interval_s=0.1)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _connect(port) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return s
+
+
+def _reply(s: socket.socket) -> bytes:
+    """Everything until the server closes the connection."""
+    out = b""
+    with contextlib.suppress(ConnectionResetError, socket.timeout):
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_headers_over_the_byte_limit_get_431(limited):
+    with _connect(limited) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n")
+        assert _reply(s).startswith(b"HTTP/1.1 431")
+    with _connect(limited) as s:  # one header of many megabytes, sent without its end: refused while it arrives
+        s.sendall(b"GET /health HTTP/1.1\r\nX-Big: ")
+        with contextlib.suppress(OSError):
+            for _ in range(64):
+                s.sendall(b"a" * 65536)
+        assert _reply(s).startswith(b"HTTP/1.1 431")
+
+
+def test_too_many_headers_get_431(limited):
+    with _connect(limited) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(30)) + b"\r\n")
+        assert _reply(s).startswith(b"HTTP/1.1 431")
+
+
+def test_slow_headers_silent_and_stalled_uploads_are_closed(limited):
+    start = time.monotonic()
+    with _connect(limited) as silent, _connect(limited) as slow, _connect(limited) as stalled:
+        stalled.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n\r\n"
+                        + b"\x89PNG")
+
+        def drip():
+            with contextlib.suppress(OSError):
+                for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n":
+                    slow.send(bytes([byte]))
+                    time.sleep(0.2)
+
+        threading.Thread(target=drip, daemon=True).start()
+        replies = [_reply(s) for s in (silent, slow, stalled)]
+    assert time.monotonic() - start < 8
+    assert replies[0].startswith(b"HTTP/1.1 408") and b"headers" in replies[0]
+    assert replies[1].startswith(b"HTTP/1.1 408") and b"headers" in replies[1]
+    assert replies[2].startswith(b"HTTP/1.1 408") and b"body" in replies[2]
+
+
+def test_idle_keep_alive_connections_close_and_a_connection_cap_refuses_cleanly(limited):
+    with httpx.Client(base_url=f"http://127.0.0.1:{limited}") as client:  # kept alive: served within the limits
+        for _ in range(3):
+            assert client.get("/health").status_code == 200
+    with _connect(limited) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _reply(s).startswith(b"HTTP/1.1 200")  # then closed after the keep-alive timeout
+    held = [_connect(limited) for _ in range(12)]  # beyond 8 per process
+    try:
+        replies = []
+        for s in held:
+            s.settimeout(0.5)
+            with contextlib.suppress(socket.timeout):
+                replies.append(s.recv(4096))
+        refused = [r for r in replies if r.startswith(b"HTTP/1.1 503")]
+        assert refused and all(b"retry-after: 1" in r.lower() for r in refused), replies
+    finally:
+        for s in held:
+            s.close()
+    time.sleep(1.5)
+    assert httpx.get(f"http://127.0.0.1:{limited}/health").status_code == 200
