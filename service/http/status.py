@@ -9,6 +9,7 @@ import math
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import (CheckpointError, EncoderError, ImageTooLarge, InferenceFailed, InvalidInput, Overloaded,
                       Unavailable, UnsupportedImage)
@@ -30,6 +31,9 @@ class HTTPError(Exception):
         self.status, self.reason, self.message, self.index, self.headers = status, reason, message, index, headers
 
 
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
+
+
 def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     def respond(status: int, reason: str, message: str, index=None, headers=None) -> JSONResponse:
         metrics.errors.labels(reason).inc()
@@ -44,6 +48,12 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         reason = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
         return respond(e.status_code, reason, f"{request.method} {request.url.path}: {e.detail}",
                        headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: ClientDisconnect):
+        # the client closed its connection before its request's body arrived: its fault, not the server's, and no
+        # one reads the reply; recorded as nginx records it (499), without a traceback
+        return respond(CLIENT_CLOSED, "client_closed", "the client closed the connection before sending its body")
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError):
