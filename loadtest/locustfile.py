@@ -4,14 +4,17 @@ Each simulated user POSTs one JPEG at a time to /embed (binary safetensors out, 
 client would), now and then asks for JSON with pooled vectors, calls the OpenAI-compatible route, and
 sends a short MP4 clip (VIDEO_WEIGHT, default 1 in 11 requests; 0 turns videos off). Images are real
 photographs from scikit-image when it is installed, else random noise, resized to IMAGE_SIDE (default
-448) pixels; the clip is 4 s of them panning at 24 fps (16 frames sampled at 2 fps). 429 answers count as rejected, not failed: they are the service
-shedding load as designed.
+448) pixels; the clip is 4 s of them panning at 24 fps (16 frames sampled at 2 fps). Each image request's bytes are
+its own (a JPEG comment holding a counter, the pixels unchanged), as a stream of distinct photos is, so the run
+measures encoding, not the server's embedding cache; CACHE_HITS=1 sends the same 16 images again and again instead.
+429 answers count as rejected, not failed: they are the service shedding load as designed.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import itertools
 import os
 import random
 
@@ -21,6 +24,17 @@ from PIL import Image
 
 SIDE = int(os.environ.get("IMAGE_SIDE", "448"))
 VIDEO_WEIGHT = int(os.environ.get("VIDEO_WEIGHT", "1"))
+CACHE_HITS = os.environ.get("CACHE_HITS", "0") == "1"
+_COUNTER = itertools.count()
+
+
+def _image() -> bytes:
+    """One of the images; in bytes of its own unless CACHE_HITS (a comment segment after the JPEG's first marker)."""
+    jpeg = random.choice(IMAGES)
+    if CACHE_HITS:
+        return jpeg
+    text = f"locust {os.getpid()} {next(_COUNTER)}".encode()
+    return jpeg[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + jpeg[2:]
 
 
 def _images(n=16):
@@ -78,12 +92,12 @@ class EncoderUser(HttpUser):
     @task(8)
     def embed_safetensors(self):
         self._post("/embed [safetensors]", url="/embed?format=safetensors&deepstack=false",
-                   data=random.choice(IMAGES), headers={"content-type": "image/jpeg"})
+                   data=_image(), headers={"content-type": "image/jpeg"})
 
     @task(1)
     def embed_json_pooled(self):
         self._post("/embed [json pooled]", url="/embed?pooling=mean&normalize=true",
-                   files=[("file", ("img.jpg", random.choice(IMAGES), "image/jpeg"))])
+                   files=[("file", ("img.jpg", _image(), "image/jpeg"))])
 
     @task(VIDEO_WEIGHT)
     def embed_video(self):
@@ -93,5 +107,5 @@ class EncoderUser(HttpUser):
 
     @task(1)
     def openai_embeddings(self):
-        uri = "data:image/jpeg;base64," + base64.b64encode(random.choice(IMAGES)).decode()
+        uri = "data:image/jpeg;base64," + base64.b64encode(_image()).decode()
         self._post("/v1/embeddings", url="/v1/embeddings", json={"input": [uri], "model": "qwen3-vl"})

@@ -36,3 +36,20 @@ def test_locustfile_runs_clean(tmp_path):
         assert int(rows[name]["Failure Count"]) == 0, rows[name]
     frames = [line for line in metrics.splitlines() if line.startswith("qwen3vl_video_frames_total")]
     assert frames and float(frames[0].split()[-1]) >= 8, frames  # 8 sampled frames per clip
+
+
+def test_the_locust_users_send_bytes_of_their_own_unless_asked_for_cache_hits():
+    """A rotation of 16 images would make a run mostly cache hits: each request's bytes are its own, its pixels
+    those of its photo; CACHE_HITS=1 sends the same bytes again."""
+    import subprocess
+    import sys
+
+    probe = ("import io, sys, numpy as np; from PIL import Image; sys.path.insert(0, 'loadtest'); import locustfile as l; "
+             "a, b = l._image(), l._image(); px = lambda d: np.asarray(Image.open(io.BytesIO(d))); "
+             "print(len({a, b} | set(l.IMAGES)) - len(l.IMAGES), "
+             "any(np.array_equal(px(a), px(i)) for i in l.IMAGES))")
+    for env, fresh in (({}, "2"), ({"CACHE_HITS": "1"}, "0")):
+        out = subprocess.run([sys.executable, "-c", probe], env={**__import__("os").environ, "VIDEO_WEIGHT": "0", **env},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-2:] == [fresh, "True"], out.stdout
