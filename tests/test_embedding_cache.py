@@ -125,9 +125,18 @@ def test_an_input_shared_with_a_failing_request_is_still_served(server):
             good = await c.post(f"{url}/embed", content=OTHER, headers={"content-type": "image/png"})
             return await failing, good
 
+    def shared() -> float:
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith('qwen3vl_embedding_cache_items_total{result="shared"}'):
+                return float(line.split()[1])
+        return 0.0
+
+    before = shared()
     failing, good = asyncio.run(together())
     assert failing.status_code == 422 and failing.json()["error"]["index"] == 1
     assert good.status_code == 200, good.text
+    # it was encoded for this request after all: a miss, not a hit, and not counted as shared
+    assert good.headers["x-cache"] == "miss" and shared() == before
 
 
 def _entry(n_bytes: int, fill: float = 0.0, meta=None):

@@ -27,7 +27,7 @@ from .. import __version__
 from ..engine.api import Engine
 from ..engine.factory import open_engine
 from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
-from ..errors import InvalidInput
+from ..errors import DeadlineExceeded, InvalidInput
 from ..model.encoder import Encoder
 from ..settings import Settings
 from . import openapi
@@ -181,8 +181,7 @@ class Service:
                 self.cache.lead(key)
                 misses.append(i)
         self.metrics.cache_items.labels("hit").inc(len(inputs) - len(misses) - len(waits))
-        self.metrics.cache_items.labels("shared").inc(len(waits))
-        self.metrics.cache_items.labels("miss").inc(len(misses))
+        self.metrics.cache_items.labels("miss").inc(len(misses))  # shared ones: once their encoding is in
         timing, preprocessed = None, time.perf_counter()
         if misses:
             try:
@@ -197,17 +196,23 @@ class Service:
                 served[i] = (item, result)
                 self.cache.finish(keys[i], (CachedItem(item.meta), result))
             self.metrics.cache_bytes.set(self.cache.bytes)
+        retried = 0
         for i, future in waits.items():
             try:
                 served[i] = await asyncio.shield(future)
             except InvalidInput as e:
+                self.metrics.cache_items.labels("shared").inc()
                 raise e.at(i) from e.__cause__
-            except _Retry:
-                (item,), (result,), _, _ = await self._encode_misses(eng, request, [inputs[i]], [i], opts, arrival,
-                                                                     deepstack, tokens)
+            except _Retry:  # the identical input's request failed for its own reasons: encoded here after all
+                self.metrics.cache_items.labels("miss").inc()
+                retried += 1
+                (item,), (result,), timing, _ = await self._encode_misses(eng, request, [inputs[i]], [i], opts,
+                                                                          arrival, deepstack, tokens)
                 served[i] = (item, result)
+            else:
+                self.metrics.cache_items.labels("shared").inc()
         items, results = [s[0] for s in served], [s[1] for s in served]
-        headers = {"X-Cache": "miss" if misses else "hit",
+        headers = {"X-Cache": "miss" if misses or retried else "hit",
                    "X-Preprocess-Time-Ms": f"{(preprocessed - arrival) * 1000:.2f}",
                    "X-Queue-Time-Ms": f"{(timing.queue_s if timing else 0.0) * 1000:.2f}",
                    "X-Inference-Time-Ms": f"{(timing.inference_s if timing else 0.0) * 1000:.2f}"}
@@ -223,7 +228,10 @@ class Service:
         watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
         try:
             remaining = self.settings.request_timeout_s - (time.perf_counter() - arrival)
-            done = await eng.submit(items, timeout_s=max(0.001, remaining), abandoned=disconnected,
+            if remaining <= 0:
+                raise DeadlineExceeded(f"request not served within its {self.settings.request_timeout_s:.1f} s "
+                                       f"deadline: decoding its inputs took {preprocessed - arrival:.1f} s")
+            done = await eng.submit(items, timeout_s=remaining, abandoned=disconnected,
                                     deepstack=deepstack, tokens=tokens, poll=self._alone if alone else None)
         finally:
             watcher.cancel()
