@@ -36,6 +36,20 @@ def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> so
     return sock
 
 
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """SIGTERM and SIGINT blocked in this thread while it starts a child: the child, and every process it starts in
+    turn (a video decoder's forkserver, say), begins with them blocked, so a stop sent to the whole process group
+    (systemd's KillMode=control-group, Ctrl-C) reaches only this process, which drains them all. A signal that
+    arrived meanwhile is delivered here when the block lifts."""
+    stop = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _frontends_class():
     import os
     import threading
@@ -68,12 +82,13 @@ def _frontends_class():
         def init_processes(self) -> None:
             for sock in self.slots:
                 process = FrontendProcess(self.config, [sock])
-                process.start()
+                with stop_signals_blocked():
+                    process.start()
                 self.processes.append(process)
 
         def keep_subprocess_alive(self) -> None:
             for idx, process in enumerate(self.processes):
-                if self.should_exit.is_set():
+                if self.should_exit.is_set() or self.draining:  # a front-end started mid-drain would take requests
                     return
                 if process.is_alive(timeout=self.config.timeout_worker_healthcheck):
                     continue
@@ -85,7 +100,8 @@ def _frontends_class():
                     return
                 log.warning("front-end process %s died; starting another in its slot", process.pid)
                 self.processes[idx] = FrontendProcess(self.config, [self.slots[idx]])
-                self.processes[idx].start()
+                with stop_signals_blocked():
+                    self.processes[idx].start()
 
         def restart_all(self) -> None:  # SIGHUP
             log.warning("SIGHUP: restarting front-end processes is not supported; restart the server")

@@ -5,6 +5,7 @@ pickled into the spawned child, which finds its class here."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -35,7 +36,24 @@ def server_class(drain_s: float = 0.0, on_drain=lambda: None, one_process: bool 
             await super().shutdown()
 
     if not one_process:
-        return Server
+        class FrontendServer(Server):
+            """A front-end's server stops on STOP_SIGNAL, which only the supervisor sends, after draining it
+            (SIGUSR1). SIGTERM and SIGINT are the supervisor's to handle: sent to the whole process group (systemd's
+            KillMode=control-group, Ctrl-C in a terminal) they would stop this process at once, in the middle of the
+            drain the supervisor runs for everyone."""
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                handlers = {signal.SIGTERM: signal.SIG_IGN, signal.SIGINT: signal.SIG_IGN,
+                            STOP_SIGNAL: lambda sig, frame: self.handle_exit(signal.SIGTERM, frame)}
+                previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+        return FrontendServer
 
     class OneProcessServer(Server):
         """The first SIGTERM (or SIGINT) drains for `drain_s` (`on_drain`: the app starts closing connections),
@@ -65,8 +83,24 @@ def server_class(drain_s: float = 0.0, on_drain=lambda: None, one_process: bool 
     return OneProcessServer
 
 
+STOP_SIGNAL = signal.SIGUSR2  # the supervisor's "stop now" to a front-end (`FrontendServer`)
+
+
 class FrontendProcess(Process):
-    """A front-end process: drained by the supervisor (SIGUSR1, then SIGTERM), so uvicorn's signal handling."""
+    """A front-end process: drained by the supervisor (SIGUSR1), then stopped by it (STOP_SIGNAL); it ignores
+    SIGTERM and SIGINT, which reach it only when sent to the whole process group."""
+
+    def target(self, sockets=None):
+        # in the child, before the app is imported (seconds of torch): a stop sent to the whole process group is
+        # the supervisor's to handle (`FrontendServer.capture_signals` keeps it so once uvicorn runs)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        return super().target(sockets)
+
+    def terminate(self) -> None:
+        if self.process.exitcode is None and self.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, STOP_SIGNAL)
 
     @property
     def server(self):

@@ -32,8 +32,9 @@ def server(workers: int = 2, engines: int = 1, **env):
     port = free_port()
     full_env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICE": "cpu", "QWEN3VL_PORT": str(port),
                 "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_HTTP_WORKERS": str(workers), **env}
+    # a process group of its own, as a service manager starts it (tests send signals to the whole group)
     proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -618,10 +619,12 @@ def test_ready_means_every_front_end_serves():
         proc.wait(60)
 
 
-@pytest.mark.parametrize("run", range(3))
-def test_sigterm_drains_keep_alive_connections(run):
+@pytest.mark.parametrize("run,to_group,sig", [(0, False, signal.SIGTERM), (1, True, signal.SIGTERM),
+                                            (2, True, signal.SIGINT)], ids=["main", "group-sigterm", "group-sigint"])
+def test_sigterm_drains_keep_alive_connections(run, to_group, sig):
     """32 clients on keep-alive connections (httpx's pool, as locust, requests sessions and the OpenAI client keep
-    them), SIGTERM under load: at once /ready is 503 and each response closes its connection, so that no request goes
+    them), SIGTERM under load, to the main process or to the whole process group (systemd's KillMode=control-group;
+    SIGINT: Ctrl-C in a terminal), where every front-end gets it too and must leave the drain to the server: at once /ready is 503 and each response closes its connection, so that no request goes
     out on a connection the server is about to close. Every request sent on a connection the server had accepted is
     answered 200. The clients never stop (no load balancer takes them elsewhere), so they reconnect until the server
     stops listening: then their connections are refused, or, for one the kernel had queued but no process ever
@@ -642,7 +645,10 @@ def test_sigterm_drains_keep_alive_connections(run):
                 tasks = [asyncio.create_task(client(i)) for i in range(32)]
                 await asyncio.sleep(1.5)
                 sigterm = time.monotonic()
-                proc.send_signal(signal.SIGTERM)
+                if to_group:
+                    os.killpg(proc.pid, sig)
+                else:
+                    proc.send_signal(sig)
                 await asyncio.sleep(0.3)
                 ready = await c.get(f"{url}/ready")
                 code = await asyncio.to_thread(proc.wait, 60)

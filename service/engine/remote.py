@@ -89,8 +89,11 @@ class RemoteEngine:
         link = self._link
         if link is None:
             return "never connected"
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
             await asyncio.shield(link.reader_task)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this wait was cancelled (the pool stops), not the reader
+                raise
         return link.broken or "closed"
 
     async def stop(self):

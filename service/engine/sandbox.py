@@ -34,6 +34,10 @@ PRELOAD = ["numpy", "PIL.Image", "av", "torch", "service.model.preprocess", __na
 
 
 def _child(conn, fn: Callable, args: tuple, cpu_s: float, memory_bytes: int) -> None:
+    # a stop of the whole process group (systemd, Ctrl-C) is the server's to handle: this decode finishes, within
+    # its CPU and wall-clock limits, for the request that waits on it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpu = max(1, int(cpu_s))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
     resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))

@@ -44,6 +44,8 @@ CRASH_LOOP_EXIT = 3
 def _engine_main(conn, env: dict[str, str]) -> int:
     """The engine process's entry point: `process.engine_process_main`, imported there rather than here, so the main
     process never imports torch (seconds, before any engine could start)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the imports (seconds of torch): the main process stops us
+        signal.signal(sig, signal.SIG_IGN)
     from .process import engine_process_main
 
     return engine_process_main(conn, env)
@@ -135,6 +137,10 @@ class EngineSupervisor:
         return proc, conn
 
     def _run(self) -> None:
+        # the engine processes this thread starts begin with SIGTERM and SIGINT blocked (the mask is inherited), so
+        # a stop sent to the whole process group cannot interrupt one mid-import; the main process decides when
+        # they stop (`stop`)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         try:
             self._supervise()
         finally:
