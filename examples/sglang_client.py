@@ -87,4 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except httpx.HTTPStatusError as e:  # one line, not a traceback: what answered, and what it said
+        sys.exit(f"{e.request.url} answered {e.response.status_code}: {e.response.text[:300]}")
+    except httpx.RequestError as e:
+        sys.exit(f"cannot reach {e.request.url}: {e} (is the server running there?)")

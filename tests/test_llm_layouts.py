@@ -220,3 +220,19 @@ def test_bfloat16_by_default_and_options_checked(family, inputs):
         for bad in ("pooling=mean", "embeddings=false", "encoding=base64"):
             r = httpx.post(f"{url}/embed?format=vllm&{bad}", content=inputs[0], headers={"content-type": "image/jpeg"})
             assert r.status_code == 422 and r.json()["error"]["type"] == "invalid_options", (bad, r.text)
+
+
+def test_the_example_clients_say_in_one_line_when_the_encoder_is_not_there(tmp_path):
+    import subprocess
+    import sys
+
+    from servers import free_port
+
+    image = tmp_path / "a.png"
+    image.write_bytes(b"\x89PNG")
+    # (the SGLang client loads its checkpoint's tokenizer first, which needs a model here)
+    for module in ("examples.vllm_client",):
+        out = subprocess.run([sys.executable, "-m", module, "--encoder", f"http://127.0.0.1:{free_port()}",
+                              "--model", "x", str(image)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "cannot reach" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
