@@ -58,6 +58,10 @@ def test_a_hit_does_not_reach_the_engine(server):
     assert again.status_code == 200 and again.headers["x-cache"] == "hit"
     assert (counts.preprocessed, counts.submitted) == (1, 1)
     assert again.json()["data"] == first.json()["data"]
+    # the gauge counts what was written, before any eviction pass
+    gauge = [line for line in httpx.get(f"{url}/metrics").text.splitlines()
+             if line.startswith("qwen3vl_embedding_cache_bytes ")]
+    assert gauge and float(gauge[0].split()[1]) > 0, gauge
     # other renderings of the same result are hits too; other options are not
     assert _post(url, PHOTO, "?pooling=mean&encoding=base64&dtype=float16").headers["x-cache"] == "hit"
     for query in ("?pooling=mean&max_pixels=4096", "?pooling=mean&embeddings=false", "?pooling=mean&deepstack=true"):

@@ -169,6 +169,7 @@ class EncoderCache:
             self._evict(self.max_bytes // 2)
             return
         self._written += size
+        self.bytes += size  # (an eviction pass counts the directory again)
         if self._written > self.max_bytes // 8:
             self._evict(self.max_bytes)
 
