@@ -24,6 +24,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import resource
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -34,10 +35,6 @@ PRELOAD = ["numpy", "PIL.Image", "av", "torch", "service.model.preprocess", __na
 
 
 def _child(conn, fn: Callable, args: tuple, cpu_s: float, memory_bytes: int) -> None:
-    # a stop of the whole process group (systemd, Ctrl-C) is the server's to handle: this decode finishes, within
-    # its CPU and wall-clock limits, for the request that waits on it
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cpu = max(1, int(cpu_s))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))
     resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
@@ -79,18 +76,20 @@ class DecodeSandbox:
         raise value
 
     def _call(self, fn: Callable, args: tuple) -> tuple[bool, Any]:
-        for attempt in range(2):
+        for attempt in range(3):
+            if attempt:  # a forkserver killed just now still looks alive to the next start for a moment
+                time.sleep(0.1 * attempt)
             recv, send = self._ctx.Pipe(duplex=False)
             proc = self._ctx.Process(target=_child, args=(send, fn, args, self.cpu_s, self.memory_bytes), daemon=True)
             try:
                 proc.start()
                 break
             # the forkserver died (EOFError reading the new child's pid; the next start replaces it), the child died
-            # reading its arguments (BrokenPipeError), or no process could be made: the input never ran, so once more
+            # reading its arguments (BrokenPipeError), or no process could be made: the input never ran, so again (twice at most)
             except (OSError, EOFError) as e:
                 recv.close()
                 send.close()
-                if attempt:
+                if attempt == 2:
                     return False, Unavailable(f"the video decoder could not be started ({type(e).__name__}: {e})")
         send.close()
         try:
