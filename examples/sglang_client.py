@@ -16,7 +16,6 @@ and the special token ids (a local checkpoint directory or a Hub name).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import httpx
@@ -87,9 +86,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except httpx.HTTPStatusError as e:  # one line, not a traceback: what answered, and what it said
-        sys.exit(f"{e.request.url} answered {e.response.status_code}: {e.response.text[:300]}")
-    except httpx.RequestError as e:
-        sys.exit(f"cannot reach {e.request.url}: {e} (is the server running there?)")
+    from examples import run
+
+    run(main)

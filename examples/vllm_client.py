@@ -16,7 +16,6 @@ a video's `video_embeds` / `video_grid_thw` go to its Python API, `LLM.generate(
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import httpx
@@ -67,9 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except httpx.HTTPStatusError as e:  # one line, not a traceback: what answered, and what it said
-        sys.exit(f"{e.request.url} answered {e.response.status_code}: {e.response.text[:300]}")
-    except httpx.RequestError as e:
-        sys.exit(f"cannot reach {e.request.url}: {e} (is the server running there?)")
+    from examples import run
+
+    run(main)

@@ -12,11 +12,11 @@ import contextlib
 import logging
 import signal
 import socket
-from pathlib import Path
 
 from pydantic import ValidationError
 
 from .errors import CheckpointError
+from .model.config import model_tower_config
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,20 +34,6 @@ def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> so
         sock.listen(config.backlog)
     sock.set_inheritable(True)
     return sock
-
-
-@contextlib.contextmanager
-def stop_signals_blocked():
-    """SIGTERM and SIGINT blocked in this thread while it starts a child: the child, and every process it starts in
-    turn (a video decoder's forkserver, say), begins with them blocked, so a stop sent to the whole process group
-    (systemd's KillMode=control-group, Ctrl-C) reaches only this process, which drains them all. A signal that
-    arrived meanwhile is delivered here when the block lifts."""
-    stop = {signal.SIGTERM, signal.SIGINT}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _frontends_class():
@@ -82,8 +68,7 @@ def _frontends_class():
         def init_processes(self) -> None:
             for sock in self.slots:
                 process = FrontendProcess(self.config, [sock])
-                with stop_signals_blocked():
-                    process.start()
+                process.start()
                 self.processes.append(process)
 
         def keep_subprocess_alive(self) -> None:
@@ -100,8 +85,7 @@ def _frontends_class():
                     return
                 log.warning("front-end process %s died; starting another in its slot", process.pid)
                 self.processes[idx] = FrontendProcess(self.config, [self.slots[idx]])
-                with stop_signals_blocked():
-                    self.processes[idx].start()
+                self.processes[idx].start()
 
         def restart_all(self) -> None:  # SIGHUP
             log.warning("SIGHUP: restarting front-end processes is not supported; restart the server")
@@ -143,20 +127,6 @@ def _frontends_class():
     return Frontends
 
 
-def check_model(model: str) -> None:
-    """What can be told of `model` before any process loads it (the preset's name, the directory and its
-    config.json), without torch: a bad --model is one line and exit code 2, at once. `CheckpointError` if not."""
-    from .model.config import preset, tower_config_from_dir
-
-    if model.startswith("random:"):
-        preset(model.removeprefix("random:"))
-        return
-    path = Path(model)
-    if not path.is_dir():
-        raise CheckpointError(f"{model}: not a directory (use a local checkpoint directory or random:<preset>)")
-    tower_config_from_dir(path)
-
-
 def limit_connections(config, settings: Settings) -> None:
     """uvicorn's `config` bounded by the settings' connection limits (`uvicorn_server.LimitedHttpToolsProtocol`)."""
     from .uvicorn_server import ConnectionLimits, LimitedHttpToolsProtocol
@@ -183,17 +153,15 @@ def run(args) -> int:
             log.error("invalid setting %s: %s (flag --%s or env QWEN3VL_%s)", ".".join(map(str, err["loc"])),
                       err["msg"], str(err["loc"][0]).replace("_", "-"), str(err["loc"][0]).upper())
         return 2
-    try:
-        check_model(settings.model)
+    try:  # what can be told of the model without torch: a bad --model is one line and exit code 2, at once
+        model_tower_config(settings.model)
     except CheckpointError as e:
         log.error("%s", e)
         return 2
     if settings.resolved_http_workers():
         return run_with_engine_process(settings)
     try:  # before the model loads: a port in use is found in a second, not after the warm-up
-        probe = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
-        with probe:
-            probe.bind((settings.host, settings.port))
+        listening_socket(settings, reuse_port=False, listen=False).close()
     except OSError as e:
         log.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
         return 1

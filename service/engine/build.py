@@ -133,8 +133,9 @@ def load_encoder(settings: Settings) -> Encoder:
     if settings.model.startswith("random:"):
         log.warning("serving the preset %s with RANDOM WEIGHTS: its embeddings are meaningless. Give --model (or "
                     "QWEN3VL_MODEL) a Qwen3-VL or Qwen2.5-VL checkpoint directory to serve a real model.", settings.model)
-    bind_thread(settings.resolved_device())
-    return Encoder.load(settings.model, settings.resolved_device(), settings.resolved_dtype(), tower_options(settings),
+    device = settings.resolved_device()
+    bind_thread(device)  # this thread (a worker's) launches the kernels of loading, FP8's quantisation say
+    return Encoder.load(settings.model, device, settings.resolved_dtype(), tower_options(settings),
                         settings.graph_buckets())
 
 
@@ -164,6 +165,7 @@ def warmup(enc: Encoder, settings: Settings):
     per attention length class (<=256, <=1024, <=4096, longer) one image alone and one pack as full as the batch
     limits allow cover them; each also runs as a pack of unequal sizes, whose kernels are compiled apart from those
     of equal ones (the Gluon kernel specialises on a pack of one length)."""
+    bind_thread(enc.device)  # run in a worker thread: its kernels launch on the model's device
     cache = tuning_cache(settings, enc.device)
     with tuning_lock(cache) as release:
         if load_tuning(cache):

@@ -22,12 +22,6 @@ from .build import apply_limits, load_encoder, video_sandbox, warmup
 log = logging.getLogger(__name__)
 
 
-def _on_device(device, fn, *args):
-    """`fn(*args)` in a worker thread bound to the model's device first (`bind_thread`)."""
-    bind_thread(device)
-    return fn(*args)
-
-
 class LocalEngine:
     """The `api.Engine` of a model loaded here. `encoder`: an already loaded model (tests), else loaded by `start`."""
 
@@ -62,7 +56,7 @@ class LocalEngine:
         bind_thread(enc.device)  # the loop's thread launches lone packs (`Batcher.inline_launch`)
         loaded = time.perf_counter()
         if settings.warmup:
-            await asyncio.to_thread(_on_device, enc.device, warmup, enc, settings)
+            await asyncio.to_thread(warmup, enc, settings)
         log.info("model loaded in %.1f s, warmed up in %.1f s", loaded - start, time.perf_counter() - loaded)
         if enc.device.type == "cuda":
             status = launch_status()

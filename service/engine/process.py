@@ -169,8 +169,8 @@ class EngineServer:
             await writer.drain()
 
 
-FAULT_EXIT_CODE = 70
-ENGINE_TORCH_THREADS = 4  # the exit code after a device fault (the supervisor restarts the process)
+FAULT_EXIT_CODE = 70  # the exit code after a device fault (the supervisor restarts the process)
+ENGINE_TORCH_THREADS = 4  # PyTorch's intra-op threads in an engine process (`engine_process_main`)
 
 
 def engine_process_main(conn, settings_env: dict[str, str]) -> int:

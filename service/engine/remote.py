@@ -335,7 +335,7 @@ class EnginePool:
         self.engines = engines
         self.on_change = on_change
         self._started_marker = started_marker
-        self._ever_up: set[int] = set()  # the engines this front-end has been connected to
+        self._ever_up: set[RemoteEngine] = set()  # the engines this front-end has been connected to
         self._decode = decoder
         self._links: list[asyncio.Task] = []
 
@@ -362,7 +362,7 @@ class EnginePool:
         if len(self._ever_up) == len(self.engines):
             return True
         if self._started_marker is not None and os.path.exists(self._started_marker):
-            self._ever_up = set(range(len(self.engines)))
+            self._ever_up = set(self.engines)
             return True
         return False
 
@@ -394,7 +394,7 @@ class EnginePool:
                 await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
                 continue
             log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))
-            self._ever_up.add(self.engines.index(engine))
+            self._ever_up.add(engine)
             if self.on_change is not None:
                 self.on_change(engine.device, True)
             why = await engine.disconnected()

@@ -85,7 +85,8 @@ class DecodeSandbox:
                 proc.start()
                 break
             # the forkserver died (EOFError reading the new child's pid; the next start replaces it), the child died
-            # reading its arguments (BrokenPipeError), or no process could be made: the input never ran, so again (twice at most)
+            # reading its arguments (BrokenPipeError), or no process could be made: the input never ran, so again
+            # (twice at most)
             except (OSError, EOFError) as e:
                 recv.close()
                 send.close()

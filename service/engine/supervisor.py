@@ -137,10 +137,6 @@ class EngineSupervisor:
         return proc, conn
 
     def _run(self) -> None:
-        # the engine processes this thread starts begin with SIGTERM and SIGINT blocked (the mask is inherited), so
-        # a stop sent to the whole process group cannot interrupt one mid-import; the main process decides when
-        # they stop (`stop`)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         try:
             self._supervise()
         finally:

@@ -144,6 +144,20 @@ def preset(name: str) -> TowerConfig:
         raise CheckpointError(f"unknown preset 'random:{name}'; known presets: {sorted(PRESETS)}") from None
 
 
+RANDOM_PREFIX = "random:"
+
+
+def model_tower_config(model: str) -> TowerConfig:
+    """The tower's architecture for `model`, a checkpoint directory or `random:<preset>`, from its config.json or
+    the preset alone (no weights, no torch): `CheckpointError` naming what is wrong."""
+    if model.startswith(RANDOM_PREFIX):
+        return preset(model[len(RANDOM_PREFIX):])
+    path = Path(model)
+    if not path.is_dir():
+        raise CheckpointError(f"{model}: not a directory (use a local checkpoint directory or random:<preset>)")
+    return tower_config_from_dir(path)
+
+
 def tower_config_from_dir(path: Path) -> TowerConfig:
     """Read `config.json` of a full Qwen3-VL(-MoE) or Qwen2.5-VL checkpoint, or a vision-only one."""
     cfg_file = path / "config.json"

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_vision_state_dict
-from .config import TowerConfig, preset, tower_config_from_dir
+from .config import RANDOM_PREFIX, TowerConfig, model_tower_config
 from ..errors import CheckpointError
 from .preprocess import PreprocessConfig
 from .quant import quantize_blocks
@@ -18,7 +18,6 @@ from .tower import RMSNorm, TowerOptions, VisionTower, pad_mlp
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RANDOM_PREFIX = "random:"
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -64,15 +63,12 @@ def random_tower(cfg: TowerConfig, device, dtype, seed: int = 0, options: TowerO
 def model_configs(model: str) -> tuple[TowerConfig, PreprocessConfig]:
     """The tower's architecture and its preprocessing for `model` (a checkpoint directory or `random:<preset>`),
     without reading any weight."""
+    cfg = model_tower_config(model)
     if model.startswith(RANDOM_PREFIX):
-        cfg = preset(model[len(RANDOM_PREFIX):])
         return cfg, PreprocessConfig.for_family(cfg.family, patch_size=cfg.patch_size,
                                                 temporal_patch_size=cfg.temporal_patch_size,
                                                 merge_size=cfg.spatial_merge_size)
     path = Path(model)
-    if not path.is_dir():
-        raise CheckpointError(f"{model}: not a directory (use a local checkpoint directory or random:<preset>)")
-    cfg = tower_config_from_dir(path)
     pre = PreprocessConfig.from_dir(path, cfg.family)
     if (pre.patch_size, pre.temporal_patch_size, pre.merge_size) != (
         cfg.patch_size, cfg.temporal_patch_size, cfg.spatial_merge_size
