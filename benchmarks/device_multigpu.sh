@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # One device command on a multi-GPU machine: the carried web stack (.whl), then the named steps, results under $OUT.
 #   tests    tests/gpu/test_multi_gpu.py (two or more GPUs)
-#   startup  benchmarks.multigpu --part startup
-#   bf16     benchmarks.multigpu --part scaling
-#   fp8      the same with QWEN3VL_QUANTIZATION=fp8
+#   startup  benchmarks.multigpu --part startup, plus one profiled warm start (py-spy on every process)
+#   bf16     benchmarks.multigpu --part scaling, plus every GPU with 24 and 32 front-ends, py-spy on a front-end and
+#            an engine under the load at the defaults
+#   fp8      the same with QWEN3VL_QUANTIZATION=fp8, with the engine-kill fault test, without the profile
+# SCALING_ARGS adds to both scaling steps (default: 12 s measured after 4 s of warm-up).
 # The generator comes built (.bin/openloop: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
+# the HTTP figures are a user's install's only on uvloop (uvicorn[standard] brings it)
+python3 -c "import uvloop, httptools" || { echo "carry the uvloop and httptools wheels (.whl)"; exit 1; }
+SCALING_ARGS=${SCALING_ARGS:---seconds 12 --warmup-s 4}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --format=csv > "$OUT/multigpu_gpus.txt"
 nproc >> "$OUT/multigpu_gpus.txt"
 for step in "$@"; do
   case $step in
     tests) timeout 300 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_multi_gpu.py 2>&1 | tee "$OUT/multigpu_tests.log" | tail -n 15 ;;
-    startup) python -m benchmarks.multigpu --part startup --out "$OUT" 2>&1 | tee "$OUT/multigpu_startup.out" | tail -n 30 ;;
-    bf16) python -m benchmarks.multigpu --part scaling --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16.out" | grep -v "^ " | tail -n 30 ;;
-    fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8.out" | grep -v "^ " | tail -n 30 ;;
+    startup) python -m benchmarks.multigpu --part startup --profile --out "$OUT" 2>&1 | tee "$OUT/multigpu_startup.out" | tail -n 30 ;;
+    bf16) python -m benchmarks.multigpu --part scaling --no-fault --frontends 24,32 --profile $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16.out" | grep -v "^ " | tail -n 30 ;;
+    fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --frontends 24 $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8.out" | grep -v "^ " | tail -n 30 ;;
   esac
 done

@@ -77,9 +77,13 @@ def write_bodies(directory: Path, sizes: list[tuple[int, int]]) -> Path:
     return directory
 
 
-def start(devices: str | None, cache: Path, port: int, log: Path) -> tuple[subprocess.Popen, str, float]:
-    """`serve` at its defaults on `devices` (None: every GPU); (process, url, seconds to /ready 200)."""
+def start(devices: str | None, cache: Path, port: int, log: Path,
+          http_workers: int | None = None) -> tuple[subprocess.Popen, str, float]:
+    """`serve` at its defaults on `devices` (None: every GPU), or with `http_workers` front-ends; (process, url,
+    seconds to /ready 200)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_CACHE")}
+    if http_workers is not None:
+        env["QWEN3VL_HTTP_WORKERS"] = str(http_workers)
     env.update({"QWEN3VL_MODEL": os.environ.get("QWEN3VL_MODEL", "random:qwen3-vl-2b"), "QWEN3VL_PORT": str(port),
                 "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_CACHE_DIR": str(cache)})
     if devices is not None:
@@ -141,9 +145,39 @@ def rows(path: Path) -> list[tuple[float, float, int, str]]:
                  r["error"]) for r in csv.DictReader(f)]
 
 
+def profile(server: subprocess.Popen, engine_pids: set[int], seconds: float, out: Path, tag: str) -> list:
+    """py-spy (where installed) on one front-end process and one engine process for `seconds`, in the background:
+    raw stacks of the threads holding the interpreter lock (`--gil`: what bounds each process) under `out`."""
+    if shutil.which("py-spy") is None:
+        return []
+    front = [p.pid for p in psutil.Process(server.pid).children(recursive=True)
+             if p.pid not in engine_pids and "spawn_main" in " ".join(p.cmdline())]
+    jobs = []
+    for role, pid in (("frontend", front[0] if front else None), ("engine", min(engine_pids, default=None))):
+        if pid is not None:
+            jobs.append(subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                                          "--rate", "200", "--gil", "--nonblocking", "--format", "raw", "--output",
+                                          str(out / f"profile_{tag}_{role}.txt")],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return jobs
+
+
+def top_frames(path: Path, n: int = 25) -> list[str]:
+    """The `n` frames where most samples of a py-spy raw profile end, with their shares."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, k = line.rpartition(" ")
+        frame = stack.rsplit(";", 1)[-1]
+        counts[frame] = counts.get(frame, 0) + int(k)
+        total += int(k)
+    return [f"{c / total:.1%} {f}" for f, c in sorted(counts.items(), key=lambda x: -x[1])[:n]]
+
+
 def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, warmup_s: float, seconds: float,
-            clients: int) -> dict:
-    """One closed-loop run: `warmup_s` unmeasured, then `seconds` measured (requests completed within them)."""
+            clients: int, profile_out: Path | None = None) -> dict:
+    """One closed-loop run: `warmup_s` unmeasured, then `seconds` measured (requests completed within them);
+    `profile_out`: py-spy on a front-end and an engine meanwhile (`profile`)."""
     pids = {e["pid"] for e in engines(url)}
     box: dict = {}
     total = warmup_s + seconds
@@ -152,10 +186,13 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
     gen.start()
     time.sleep(warmup_s)
     t0, e0, c0 = time.perf_counter(), engines(url), cpu_seconds(server, pids)
+    spies = profile(server, pids, seconds - 1, profile_out, tag) if profile_out is not None else []
     time.sleep(seconds)
     t1, e1, c1 = time.perf_counter(), engines(url), cpu_seconds(server, pids)
     memory = gpu_memory()
     gen.join()
+    for spy in spies:
+        spy.wait(30)
     done = [r for r in rows(work / f"{tag}.csv") if warmup_s <= r[0] < total]
     ok = [r for r in done if r[2] == 200]
     lat = np.array([r[1] for r in ok])
@@ -179,6 +216,9 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
                       "clients": clients, "host_cores": os.cpu_count(), "statuses_all": box["statuses"]},
         "gpu_memory": memory,
     }
+    if spies:
+        result["profile_gil_top"] = {role: top_frames(f) for role in ("frontend", "engine")
+                                     if (f := profile_out / f"profile_{tag}_{role}.txt").exists()}
     print(tag, json.dumps({k: v for k, v in result.items() if k != "gpu_memory"}), flush=True)
     return result
 
@@ -216,18 +256,58 @@ def fault(binary: str, url: str, bodies: Path, work: Path, seconds: float, clien
     return result
 
 
+def profile_start(out: Path, seconds: int = 25) -> None:
+    """py-spy on every process (`--subprocesses`) of the server this process starts next, sampled from its launch
+    for `seconds`."""
+    me = psutil.Process()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        found = [c for c in me.children() if "service.cli" in " ".join(c.cmdline())]
+        if found:
+            subprocess.run(["py-spy", "record", "--pid", str(found[0].pid), "--subprocesses", "--duration",
+                            str(seconds), "--rate", "100", "--nonblocking", "--format", "raw", "--output", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return
+        time.sleep(0.02)
+
+
+def engine_startup_top(path: Path, n: int = 30) -> list[str]:
+    """Where the engine processes of a start-up profile (`profile_start`) spent their samples: the frames their
+    samples end in, summed over the engines, with shares of the engines' samples."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, k = line.rpartition(" ")
+        if "engine_process_main" not in stack:
+            continue
+        frame = stack.rsplit(";", 1)[-1]
+        counts[frame] = counts.get(frame, 0) + int(k)
+        total += int(k)
+    return [f"{c / total:.1%} {f}" for f, c in sorted(counts.items(), key=lambda x: -x[1])[:n]]
+
+
 def part_startup(args, gpus: int, work: Path) -> dict:
     out: dict = {}
     for label, devices in (("1gpu", "0"), (f"{gpus}gpu", None)):
         cache = Path(tempfile.mkdtemp(prefix="qwen3vl-ready-"))
-        for run in ("empty_cache", "warm_cache"):
+        # a profiled start comes after the measured ones: py-spy's sampling does not touch their times
+        for run in ("empty_cache", "warm_cache") + (("warm_cache_profiled",) if args.profile else ()):
+            spy = None
+            if run == "warm_cache_profiled" and shutil.which("py-spy"):
+                spy = threading.Thread(target=profile_start, args=(Path(args.out) / f"profile_startup_{label}.txt",))
+                spy.start()
             server, url, ready_s = start(devices, cache, args.port, work / f"startup_{label}_{run}.log")
+            if spy is not None:
+                spy.join()
             info = engines(url)
             memory = gpu_memory()
             code = stop(server)
             out[f"{label}_{run}"] = {"ready_s": round(ready_s, 1), "engines_up": sum(e["state"] == "up" for e in info),
                                      "exit_code": code, "gpu_memory": memory,
                                      "engine_pids": {e["device"]: e["pid"] for e in info}}
+            if spy is not None and (Path(args.out) / f"profile_startup_{label}.txt").exists():
+                out[f"{label}_{run}"]["engine_profile_top"] = engine_startup_top(
+                    Path(args.out) / f"profile_startup_{label}.txt")
             print(label, run, ready_s, flush=True)
         shutil.rmtree(cache, ignore_errors=True)
     return out
@@ -246,13 +326,24 @@ def part_scaling(args, gpus: int, work: Path) -> dict:
             out[label] = {"ready_s": round(ready_s, 1), "devices": devices or "default (every GPU)",
                           "http_workers": httpx.get(f"{url}/info").json()["http_workers"]}
             out[label]["uniform"] = measure(args.openloop, url, server, uniform, work, f"{label}_uniform",
-                                            args.warmup_s, args.seconds, args.clients)
+                                            args.warmup_s, args.seconds, args.clients,
+                                            Path(args.out) if devices is None and args.profile else None)
             if devices is None:
                 out[label]["mixed"] = measure(args.openloop, url, server, mixed, work, f"{label}_mixed",
                                               args.warmup_s, args.seconds, args.clients)
                 if args.fault:
                     out[label]["fault"] = fault(args.openloop, url, uniform, work, 3 * args.seconds, args.clients,
                                                 min(2, gpus - 1))
+        finally:
+            out[label]["exit_code"] = stop(server)
+    # every GPU with other front-end counts than the default's: what the front-ends bound
+    for workers in args.frontends:
+        label = f"{gpus}gpu_{workers}_frontends"
+        server, url, ready_s = start(None, Path(args.cache), args.port, work / f"scaling_{label}.log", workers)
+        try:
+            out[label] = {"ready_s": round(ready_s, 1), "http_workers": workers,
+                          "uniform": measure(args.openloop, url, server, uniform, work, f"{label}_uniform",
+                                             args.warmup_s, args.seconds, args.clients)}
         finally:
             out[label]["exit_code"] = stop(server)
     return out
@@ -270,6 +361,11 @@ def main():
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--no-fault", dest="fault", action="store_false")
+    ap.add_argument("--frontends", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
+                    help="also every GPU with these front-end counts, e.g. 24,32 (uniform load only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy on a front-end and an engine during every GPU's uniform load (--gil, raw, in --out); "
+                         "with --part startup, on every process of one more warm start")
     args = ap.parse_args()
     gpus = gpu_count()
     quant = os.environ.get("QWEN3VL_QUANTIZATION", "none")
@@ -313,6 +409,12 @@ def summarize(results: dict, gpus: int) -> dict:
             s[f"fault_500s{'' if name == 'bf16' else '_fp8'}"] = top["fault"]["fault_500s"]
             s[f"fault_dropped{'' if name == 'bf16' else '_fp8'}"] = top["fault"]["dropped_connections"]
         s[f"frontend_cpu_s_per_image_{name}"] = top["uniform"]["frontend_cpu_s_per_image"]
+        s[f"engine_cpu_s_per_image_{name}"] = top["uniform"]["engine_cpu_s_per_image"]
+        s[f"gpu_busy_{gpus}gpu_{name}"] = [e["gpu_busy_fraction"] for e in top["uniform"]["engines"]]
+        s[f"http_workers_{gpus}gpu"] = top.get("http_workers")
+        for label, run in sc.items():
+            if label.endswith("_frontends"):
+                s[f"scaling_{label}_{name}"] = round(run["uniform"]["images_per_s"] / one, 3)
     st = results.get("startup")
     if st:
         for run in ("empty_cache", "warm_cache"):

@@ -56,7 +56,7 @@ class CachedItem:
 def cache_key(data: bytes, variant: Hashable) -> str:
     """The entry's name: a digest of the input's bytes and of everything else its result depends on (`variant`:
     the model, dtype, sizing and sampling options, the outputs asked for)."""
-    h = hashlib.blake2b(data, digest_size=20)
+    h = hashlib.sha256(data)  # SHA-256 runs in the CPU's SHA instructions: a fraction of BLAKE2's time per request
     h.update(repr(variant).encode())
     return h.hexdigest()
 

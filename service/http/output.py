@@ -11,7 +11,6 @@ import orjson
 import pybase64
 import torch
 from fastapi.responses import Response
-from safetensors.torch import save as safetensors_save
 
 from ..model.encoder import EncodeResult, result_tensors
 from ..model.preprocess import Preprocessed
@@ -67,7 +66,7 @@ def embed_response(results: list[EncodeResult], items: list[Preprocessed], opts:
             tensors = {k: v for k, v in tensors.items() if not k.startswith("embeds.")}
         if opts.dtype:
             tensors = {k: v.to(getattr(torch, opts.dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
-        return Response(safetensors_save(tensors), media_type="application/octet-stream", headers=headers)
+        return ChunkedResponse(safetensors_chunks(tensors), media_type="application/octet-stream", headers=headers)
     data = []
     for i, (it, r) in enumerate(zip(items, results)):
         entry: dict[str, Any] = {"index": i, "type": it.kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens}
@@ -124,6 +123,28 @@ def torch_base64(t: torch.Tensor) -> bytes:
     buf = io.BytesIO()
     torch.save(t.contiguous(), buf)
     return pybase64.b64encode(buf.getbuffer())
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor]) -> list:
+    """A safetensors file as the chunks of its body: the length and JSON header, then each tensor's own bytes, not
+    copied into one buffer first (`safetensors.torch.save` copies every tensor once more, megabytes a reply). The
+    header is padded with spaces to a multiple of 8 bytes, as `safetensors` writes it, so the data stay aligned."""
+    header, views, offset = {}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        raw = t.view(torch.uint8).numpy().reshape(-1) if t.numel() else b""
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+        if size:
+            views.append(memoryview(raw).cast("B"))
+    text = orjson.dumps(header)
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little") + text, *views]
 
 
 class _Blob:
