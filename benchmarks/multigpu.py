@@ -318,7 +318,7 @@ def part_scaling(args, gpus: int, work: Path) -> dict:
     rng = np.random.default_rng(1)
     mixed = write_bodies(work / "mixed", [(int(s), int(s * r)) for s, r in
                                           zip(rng.integers(224, 1025, 96), rng.choice([0.75, 1.0, 1.33], 96))])
-    configs = [("1gpu", "0")] + ([("2gpu", "0,1")] if gpus > 2 else []) + [(f"{gpus}gpu", None)]
+    configs = [("1gpu", "0")] + ([("2gpu", "0,1")] if gpus > 2 and args.two else []) + [(f"{gpus}gpu", None)]
     out: dict = {}
     for label, devices in configs:
         server, url, ready_s = start(devices, Path(args.cache), args.port, work / f"scaling_{label}.log")
@@ -328,7 +328,7 @@ def part_scaling(args, gpus: int, work: Path) -> dict:
             out[label]["uniform"] = measure(args.openloop, url, server, uniform, work, f"{label}_uniform",
                                             args.warmup_s, args.seconds, args.clients,
                                             Path(args.out) if devices is None and args.profile else None)
-            if devices is None:
+            if devices is None and args.mixed:
                 out[label]["mixed"] = measure(args.openloop, url, server, mixed, work, f"{label}_mixed",
                                               args.warmup_s, args.seconds, args.clients)
                 if args.fault:
@@ -361,6 +361,8 @@ def main():
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--no-fault", dest="fault", action="store_false")
+    ap.add_argument("--no-mixed", dest="mixed", action="store_false", help="without the load of mixed sizes")
+    ap.add_argument("--no-two", dest="two", action="store_false", help="without the 2-GPU configuration")
     ap.add_argument("--frontends", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
                     help="also every GPU with these front-end counts, e.g. 24,32 (uniform load only)")
     ap.add_argument("--profile", action="store_true",
@@ -369,7 +371,7 @@ def main():
     args = ap.parse_args()
     gpus = gpu_count()
     quant = os.environ.get("QWEN3VL_QUANTIZATION", "none")
-    suffix = "_fp8" if quant == "fp8" else ""
+    suffix = ("_fp8" if quant == "fp8" else "") + (f"_{args.clients}_clients" if args.clients != 256 else "")
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-multigpu-"))
     path = Path(args.out) / "multigpu.json"
     results = json.loads(path.read_text()) if path.exists() else {}
@@ -392,7 +394,11 @@ def main():
 
 def summarize(results: dict, gpus: int) -> dict:
     s: dict = {"gpus": gpus}
-    for suffix, name in (("", "bf16"), ("_fp8", "fp8")):
+    runs = [(key.removeprefix("scaling"), key.removeprefix("scaling").replace("_fp8", "fp8").strip("_") or "bf16")
+            for key in results if key.startswith("scaling")]
+    for suffix, name in runs:
+        if "fp8" not in name and "clients" in name:
+            name = "bf16_" + name
         sc = results.get(f"scaling{suffix}")
         if not sc:
             continue
