@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import logging
+import mmap
 import os
 from typing import Callable
 
@@ -33,6 +35,60 @@ INLINE_MAX_PIXELS = 640 * 640
 REPLY_GRACE_S = 10.0
 
 
+class LoadBoard:
+    """What every front-end has outstanding at each engine: a small file beside the engines' sockets, mapped by each
+    front-end, with one row per front-end (written by it alone) and one column per engine, each cell the patches that
+    front-end submitted there and has not had answered. A column's sum is the work ahead of a new request at that
+    engine from every front-end, read at the moment a request is routed: a front-end's own in-flight count and the
+    queue depth an engine last reported to it are a stale fraction of that, and with a few dozen requests per GPU
+    that left one GPU idle while another queued.
+
+    A front-end claims the first row no live process holds (a lock on the row's byte, released when its holder
+    exits however it exits) and zeroes it. Where the file cannot be made or every row is held, `open` returns None
+    and the front-end routes by what it alone sees."""
+
+    ROWS = 128  # the most front-ends (64), twice over: a restarted one may start before its predecessor is gone
+
+    def __init__(self, fd: int, row: int, engines: int):
+        self._fd, self.row = fd, row  # the descriptor holds the row's lock: kept open for the process's life
+        self._map = mmap.mmap(fd, self.ROWS * engines * 8)
+        self.table = np.ndarray((self.ROWS, engines), np.int64, self._map)
+        self.table[row] = 0
+
+    @classmethod
+    def open(cls, path: str, engines: int) -> "LoadBoard | None":
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            log.warning("no shared load board at %s (%s): requests are routed by this front-end's view", path, e)
+            return None
+        try:
+            if os.fstat(fd).st_size < cls.ROWS * engines * 8:
+                os.ftruncate(fd, cls.ROWS * engines * 8)  # zeros; the same size whichever front-end comes first
+            for row in range(cls.ROWS):
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, row)
+                except OSError:
+                    continue
+                return cls(fd, row, engines)
+        except OSError as e:
+            log.warning("no shared load board at %s (%s): requests are routed by this front-end's view", path, e)
+        os.close(fd)
+        return None
+
+    def set(self, engine: int, patches: int) -> None:
+        self.table[self.row, engine] = patches
+
+    def loads(self) -> np.ndarray:
+        """Patches outstanding at each engine, from every front-end."""
+        return self.table.sum(axis=0)
+
+
+def load_board_path(socket_path: str) -> str:
+    """The `LoadBoard` file of the engines listening beside `socket_path`."""
+    return os.path.join(os.path.dirname(socket_path), "engine-loads")
+
+
 class RemoteEngine:
     """One engine process as a front-end sees it (`submit`, `stats`), over its Unix socket; `EnginePool` puts
     several behind the `api.Engine` interface and decodes for them.
@@ -55,8 +111,10 @@ class RemoteEngine:
         self._link: _Link | None = None
         self.model: ModelInfo | None = None
         self.info: dict = {}  # the model's description, the process's pid and how many engines died before it
-        self.sent_patches = 0  # patches this front-end has submitted and not had answered
+        self._sent_patches = 0  # patches this front-end has submitted and not had answered
         self.reported_patches = 0  # patches queued in the engine, as its last reply said
+        self.board: LoadBoard | None = None  # where `sent_patches` is published to the other front-ends
+        self.index = 0  # this engine's column there
 
     async def connect(self, timeout_s: float = 5.0):
         """Connect and fetch the model's description; `OSError` or `EngineUnavailable` if the engine does not
@@ -103,8 +161,19 @@ class RemoteEngine:
                 await self._link.writer.wait_closed()
 
     @property
+    def sent_patches(self) -> int:
+        return self._sent_patches
+
+    @sent_patches.setter
+    def sent_patches(self, patches: int) -> None:
+        self._sent_patches = patches
+        if self.board is not None:
+            self.board.set(self.index, patches)
+
+    @property
     def load(self) -> int:
-        """Patches ahead of a new request on this engine, as far as this front-end can tell."""
+        """Patches ahead of a new request on this engine, as far as this front-end alone can tell (without a
+        `LoadBoard`)."""
         return self.sent_patches + self.reported_patches
 
     @property
@@ -330,9 +399,13 @@ class EnginePool:
     the main process restart the engines)."""
 
     def __init__(self, engines: list[RemoteEngine], decoder: Decoder, *, on_change: ChangeListener | None = None,
-                 started_marker: str | None = None):
-        """`started_marker`: the file the server writes once every engine has been up (`started`)."""
+                 started_marker: str | None = None, board: LoadBoard | None = None):
+        """`started_marker`: the file the server writes once every engine has been up (`started`); `board`: the
+        front-ends' shared account of the work outstanding at each engine, by which requests are routed."""
         self.engines = engines
+        self.board = board
+        for i, e in enumerate(engines):
+            e.board, e.index = board, i
         self.on_change = on_change
         self._started_marker = started_marker
         self._ever_up: set[RemoteEngine] = set()  # the engines this front-end has been connected to
@@ -349,7 +422,8 @@ class EnginePool:
 
         engines = [RemoteEngine(path, on_batch=reporter(device), device=device, shared_memory_bytes=shared_memory_bytes)
                    for path, device in zip(sockets, devices)]
-        return cls(engines, decoder, on_change=on_change, started_marker=started_marker)
+        board = LoadBoard.open(load_board_path(sockets[0]), len(engines)) if len(engines) > 1 else None
+        return cls(engines, decoder, on_change=on_change, started_marker=started_marker, board=board)
 
     @property
     def alive(self) -> bool:
@@ -404,8 +478,13 @@ class EnginePool:
                 self.on_change(engine.device, False)
 
     def _least_loaded(self) -> RemoteEngine | None:
-        """The live engine with the fewest patches ahead of a new request (where it goes), or None."""
-        return min((e for e in self.engines if e.alive), key=lambda e: e.load, default=None)
+        """The live engine with the fewest patches ahead of a new request (where it goes), or None: outstanding from
+        every front-end where they share a `LoadBoard`, else as this front-end sees it."""
+        live = [e for e in self.engines if e.alive]
+        if self.board is None or len(live) < 2:
+            return min(live, key=lambda e: e.load, default=None)
+        loads = self.board.loads()
+        return min(live, key=lambda e: loads[e.index])
 
     async def preprocess(self, data: bytes, min_pixels: int | None = None, max_pixels: int | None = None,
                          fps: float | None = None, num_frames: int | None = None,
