@@ -183,14 +183,17 @@ def _pack_ms(tower, paths: dict, px, grids, rep_ms: float) -> dict[str, float]:
 # -- load ------------------------------------------------------------------------------------------------------------
 
 
-def _client_proc(url, bodies, tags, clients, phases, conn, params, proc):
-    """Closed-loop clients; `phases` is [(name, seconds)] run back to back, each request's body one of `bodies` made
-    unique (`unique`). Sends back, per phase, the (tag, latency) of every 200 completed inside it, the count of every
+def _client_proc(url, bodies, tags, clients, phases, conn, params, proc, start_at):
+    """Closed-loop clients; `phases` is [(name, seconds)] run back to back from `start_at` (`time.time()`: the same
+    instant in every generator process, so that each phase's window is one window of the whole load; windows of each
+    process's own start, seconds apart, would count the ends where fewer processes still send and each got more),
+    each request's body one of `bodies` made unique (`unique`). Sends back, per phase, the (tag, latency) of every 200 completed inside it, the count of every
     other status, and this process's CPU seconds and reply bytes (the generator's own load)."""
     import aiohttp
 
     async def run():
         records = {name: {"ok": [], "errors": {}, "cpu_s": 0.0, "bytes": 0} for name, _ in phases}
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         bounds, t = [], time.perf_counter()
         for name, seconds in phases:
             bounds.append((name, t, t + seconds))
@@ -243,20 +246,22 @@ def _engine_counters(url) -> tuple[float, int, float]:
     return time.perf_counter(), engine["forwards"], engine["gpu_busy_s"]
 
 
-def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS) -> dict:
-    """`CLIENTS` closed-loop clients over `procs` processes through `phases`; per measured phase images/s, patches/s,
+def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS, clients=CLIENTS) -> dict:
+    """`clients` closed-loop clients over `procs` processes through `phases`; per measured phase images/s, patches/s,
     p50/p99 overall and per tag, errors, the medians of the server's timing headers, the engine's forwards and GPU
     busy fraction (from /info at the phase's bounds, as this process sees them), and the load generator's own CPU
     (the busiest process's fraction of a core) and reply bytes/s."""
     ctx = mp.get_context("spawn")
     pipes, workers = [], []
+    start_at = time.time() + 5.0  # every process spawned and connected by then
     for p in range(procs):
         a, b = ctx.Pipe()
-        w = ctx.Process(target=_client_proc, args=(url, bodies[p::procs], tags[p::procs], CLIENTS // procs, phases,
-                                                   b, params, p))
+        w = ctx.Process(target=_client_proc, args=(url, bodies[p::procs], tags[p::procs], clients // procs, phases,
+                                                   b, params, p, start_at))
         w.start()
         pipes.append(a)
         workers.append(w)
+    time.sleep(max(0.0, start_at - time.time()))
     counters, t = {}, time.perf_counter()
     for name, seconds in phases:
         if not name.startswith("_"):

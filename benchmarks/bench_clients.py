@@ -1,0 +1,148 @@
+"""Is the served throughput the server's, whatever the load generator? One GPU, one run, the same 448 px photos.
+
+1. The forward, in this process, over packs of n of those images (n = 8 ... 41, the server's budget holding 41):
+   each pack as a CUDA graph of its own signature, eagerly, and on the served path (`BucketedTower`: padded to its
+   token bucket, graph pieces captured at start-up): ms per image by pack size and bucket.
+2. `serve` at its defaults, then with graph buckets only up to 6,400 tokens (larger packs run eagerly at their own
+   size: no bucket padding). Against each: the compiled closed-loop generator (`tools/openloop`, `-unique`) with 64
+   and with 256 clients, and (defaults) `bench_service`'s aiohttp generator with 64 clients, its processes' windows
+   aligned. Per load: images/s, the generator's achieved rate and CPU, images per forward, the engine's GPU-busy time
+   per image, and the SM clock (nvidia-smi) at the end of the window.
+
+Usage: python -m benchmarks.bench_clients [--out DIR] (the generator built:
+CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.bench_service import (PARAMS, _engine_counters, _pack_ms, load, photo_jpegs, served_encoder,
+                                      start_server, stop_server)
+from benchmarks.common import environment, write_results
+
+PACKS = (8, 16, 20, 24, 28, 32, 41)
+EAGER_ABOVE = 6400  # the second server's largest graph bucket
+
+
+def forward_table(model: str, jpeg: bytes) -> dict:
+    import torch
+
+    from service.model.graphs import BucketedTower
+
+    settings, enc = served_encoder(model)
+    eager, served = BucketedTower(enc.tower), BucketedTower(enc.tower, settings.graph_buckets())
+    out = {}
+    with torch.inference_mode():
+        served.capture()
+        one = enc.preprocess(jpeg)
+        for n in PACKS:
+            items = [one] * n
+            ms = _pack_ms(enc.tower, {"eager": eager, "served": served}, enc.pixels(items), [one.grid_thw] * n, 300.0)
+            out[str(n)] = {"tokens": n * one.num_patches, "bucket": served.bucket_for(n * one.num_patches),
+                           **{f"{k}_ms_per_image": round(v / n, 4) for k, v in ms.items()}}
+            print("forward", n, out[str(n)], flush=True)
+    del enc, eager, served
+    torch.cuda.empty_cache()
+    return out
+
+
+def sm_clock() -> str:
+    return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path) -> dict:
+    csv_path = work / f"c{clients}.csv"
+    gen = subprocess.Popen([".bin/openloop", "-url", f"{url}/embed?format=safetensors&deepstack=false", "-bodies",
+                            str(bodies), "-concurrency", str(clients), "-duration", f"{warmup_s + seconds}s",
+                            "-unique", "-out", str(csv_path)], stdout=subprocess.PIPE, text=True)
+    time.sleep(warmup_s)
+    a = _engine_counters(url)
+    time.sleep(seconds)
+    b = _engine_counters(url)
+    clock = sm_clock()
+    summary = json.loads(gen.communicate()[0])
+    with open(csv_path, newline="") as f:
+        done = [(int(r["due_ns"]) + int(r["latency_ns"])) / 1e9 for r in csv.DictReader(f) if r["status"] == "200"]
+    images = sum(warmup_s <= t < warmup_s + seconds for t in done)
+    return _row(images / seconds, a, b, clock, {"achieved_requests_per_s": summary["achieved_per_s"],
+                                                "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"]})
+
+
+def _row(images_per_s: float, a, b, clock: str, generator: dict) -> dict:
+    (t0, f0, busy0), (t1, f1, busy1) = a, b
+    per_s = (f1 - f0) / (t1 - t0)
+    row = {"images_per_s": round(images_per_s, 1), "images_per_forward": round(images_per_s / max(per_s, 1e-9), 1),
+           "gpu_busy_fraction": round((busy1 - busy0) / (t1 - t0), 4),
+           "gpu_busy_ms_per_image": round((busy1 - busy0) / (t1 - t0) / images_per_s * 1e3, 4),
+           "sm_clock_power": clock, "generator": generator}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-vl-2b")
+    ap.add_argument("--warmup-s", type=float, default=4)
+    ap.add_argument("--seconds", type=float, default=12)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    photos = photo_jpegs([(448, 448)] * 64)
+    work = Path(tempfile.mkdtemp(prefix="qwen3vl-clients-"))
+    bodies = work / "bodies"
+    bodies.mkdir()
+    for i, b in enumerate(photos):
+        (bodies / f"{i:03d}.jpg").write_bytes(b)
+    result = {"benchmark": "clients", "env": environment(), "model": args.model, "params": PARAMS,
+              "forward": forward_table(args.model, photos[0])}
+    cache = tempfile.mkdtemp(prefix="qwen3vl-cache-")
+    from service.settings import DEFAULT_GRAPH_BUCKETS
+
+    configs = {"defaults": {},
+               f"graphs_up_to_{EAGER_ABOVE}": {"QWEN3VL_CUDA_GRAPH_BUCKETS": ",".join(
+                   str(b) for b in DEFAULT_GRAPH_BUCKETS if b <= EAGER_ABOVE)}}
+    for name, env in configs.items():
+        os.environ.update(env)
+        server, url, ready_s = start_server(args.model, 18779, cache)
+        try:
+            runs = {"ready_s": round(ready_s, 1)}
+            for clients in (64, 256):
+                runs[f"compiled_c{clients}"] = compiled(url, bodies, clients, args.warmup_s, args.seconds, work)
+            if name == "defaults":
+                a = load(url, photos, [f"448:{i}" for i in range(len(photos))], [0] * len(photos),
+                         [("_warmup", args.warmup_s), ("warm", args.seconds)])["warm"]
+                runs["aiohttp_c64"] = {"images_per_s": round(a["images_per_s"], 1),
+                                       "images_per_forward": round(a["images_per_forward"], 1),
+                                       "gpu_busy_fraction": round(a["gpu_busy_fraction"], 4),
+                                       "gpu_busy_ms_per_image": round(a["gpu_busy_fraction"] / a["images_per_s"] * 1e3,
+                                                                      4),
+                                       "sm_clock_power": sm_clock(), "generator": a["generator"]}
+            result[name] = runs
+        finally:
+            stop_server(server)
+            for k in env:
+                os.environ.pop(k)
+    best = max(v["images_per_s"] for k, v in result["defaults"].items() if isinstance(v, dict))
+    forward_best = 1e3 / min(min(v["graph_ms_per_image"], v["eager_ms_per_image"], v["served_ms_per_image"])
+                             for v in result["forward"].values())
+    result["summary"] = {
+        "forward_best_images_per_s": round(forward_best, 1),
+        **{f"{cfg}_{k}_ratio": round(v["images_per_s"] / forward_best, 3)
+           for cfg in configs for k, v in result[cfg].items() if isinstance(v, dict)},
+        "best_served_images_per_s": best}
+    write_results("clients", result, args.out)
+    print(json.dumps(result["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
