@@ -90,12 +90,58 @@ def _row(images_per_s: float, a, b, clock: str, generator: dict) -> dict:
     return row
 
 
+COUNTERS = ("qwen3vl_images_total", "qwen3vl_output_tokens_total", 'qwen3vl_embedding_cache_items_total{result="hit"}',
+            'qwen3vl_embedding_cache_items_total{result="miss"}', 'qwen3vl_embedding_cache_items_total{result="shared"}',
+            "qwen3vl_batch_items_sum", "qwen3vl_batch_items_count", "qwen3vl_forward_seconds_sum")
+
+
+def counters(url: str) -> dict[str, float]:
+    """The server's own counts (/metrics, summed over label sets not named): images encoded, tokens returned, cache
+    outcomes, items and forwards."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        for key in COUNTERS:
+            if name == key or ("{" not in key and name.split("{")[0] == key):
+                out[key] += float(value)
+    return out
+
+
+def check(args, photos, bodies: Path, work: Path) -> dict:
+    """The server's own counts around each generator's load: does every request of each cost one image's forward?"""
+    server, url, ready_s = start_server(args.model, 18779, tempfile.mkdtemp(prefix="qwen3vl-cache-"))
+    out = {"ready_s": round(ready_s, 1)}
+    try:
+        for name in ("aiohttp_c64", "compiled_c64"):
+            before = counters(url)
+            if name == "aiohttp_c64":
+                a = load(url, photos, [f"448:{i}" for i in range(len(photos))], [0] * len(photos),
+                         [("warm", args.seconds)])["warm"]
+                row = {"requests_in_window": a["requests"], "images_per_s": round(a["images_per_s"], 1)}
+            else:
+                row = compiled(url, bodies, 64, 0.0, args.seconds, work)
+            after = counters(url)
+            row["server_counts"] = {k: after[k] - before[k] for k in COUNTERS}
+            out[name] = row
+            print(name, json.dumps(row), flush=True)
+    finally:
+        stop_server(server)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen3-vl-2b")
     ap.add_argument("--warmup-s", type=float, default=4)
     ap.add_argument("--seconds", type=float, default=12)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check", action="store_true",
+                    help="only the server's own counts (/metrics) around an aiohttp and a compiled load: clients_check.json")
     args = ap.parse_args()
     photos = photo_jpegs([(448, 448)] * 64)
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-clients-"))
@@ -103,6 +149,10 @@ def main():
     bodies.mkdir()
     for i, b in enumerate(photos):
         (bodies / f"{i:03d}.jpg").write_bytes(b)
+    if args.check:
+        write_results("clients_check", {"benchmark": "clients_check", "env": environment(), "model": args.model,
+                                        **check(args, photos, bodies, work)}, args.out)
+        return
     result = {"benchmark": "clients", "env": environment(), "model": args.model, "params": PARAMS,
               "forward": forward_table(args.model, photos[0])}
     cache = tempfile.mkdtemp(prefix="qwen3vl-cache-")

@@ -161,6 +161,60 @@ def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_ti
     assert first_s < 0.3 + 0.15  # dispatched at once: its own forward, nothing waited before it
 
 
+def test_clients_take_turns_in_a_pack_so_a_large_request_cannot_hold_a_lone_image_behind_it(tiny):
+    """One client's request of 12 images is queued, then another client's single image: with room for 4 items a
+    pack, the single image goes in the very next pack (turns between clients), not after the 12; each client's items
+    keep their order, and every result is what encoding it alone gives."""
+    img = Image.fromarray(np.random.default_rng(6).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    big = [tiny.preprocess(i) for i in random_pngs(12, seed=7)]
+    lone = tiny.preprocess(img)
+    device = SimulatedDevice(tiny, seconds=0.1)
+    order: list[str] = []
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0, max_batch_items=4)
+        await eng.start()
+        await eng.submit([lone], timeout_s=10)  # the engine learns how long a forward takes
+        device.packs.clear()
+        blocker = asyncio.create_task(eng.submit([lone], timeout_s=10, client="c"))  # keeps the GPU busy
+        await asyncio.sleep(0.01)
+        many = asyncio.create_task(eng.submit(big, timeout_s=10, client="a"))
+        await asyncio.sleep(0.01)
+        one = asyncio.create_task(eng.submit([lone], timeout_s=10, client="b"))
+        one.add_done_callback(lambda _: order.append("b"))
+        many.add_done_callback(lambda _: order.append("a"))
+        await asyncio.gather(blocker, many, one)
+        await eng.stop()
+        return many.result(), one.result()
+
+    many, one = asyncio.run(go())
+    assert device.packs[0] == 1 and sum(device.packs) == 14, device.packs
+    assert device.packs[1] == 4 and order[0] == "b", (device.packs, order)  # the lone image went in the next pack
+    for item, result in zip(big + [lone], many.results + one.results):
+        ref = tiny.encode([item])[0]
+        assert rel_err(result.embeds, ref.embeds) <= 1e-5
+
+
+def test_one_client_alone_gets_the_queue_in_order(tiny):
+    device = SimulatedDevice(tiny, seconds=0.05)
+    items = [tiny.preprocess(i) for i in random_pngs(6, seed=8)]
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0, max_batch_items=4)
+        await eng.start()
+        blocker = asyncio.create_task(eng.submit(items[:1], timeout_s=10, client="a"))
+        await asyncio.sleep(0.01)
+        rest = [asyncio.create_task(eng.submit([it], timeout_s=10, client="a")) for it in items[1:]]
+        done = await asyncio.gather(blocker, *rest)
+        await eng.stop()
+        return done
+
+    done = asyncio.run(go())
+    assert device.packs == [1, 4, 1], device.packs
+    for item, d in zip(items, done):
+        assert rel_err(d.results[0].embeds, tiny.encode([item])[0].embeds) <= 1e-5
+
+
 def test_abandoned_items_are_dropped_before_compute(tiny):
     enc = RecordingEncoder(tiny)
     items = [tiny.preprocess(img) for img in random_pngs(3, seed=2)]

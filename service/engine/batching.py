@@ -10,6 +10,10 @@ one GPU worker thread; knows nothing of HTTP.
   flight the batcher waits for one to finish before forming the next. A request then waits for at most the
   forward in progress and its own.
 - Items whose request is abandoned (client gone, deadline passed) are dropped before compute.
+- Clients (`submit(client=...)`: the HTTP layer's peer address) share each pack: while items of several clients
+  wait, a pack takes them in turns, one item per client per turn (each client's items in their order), so one
+  client's request of many large images is spread over several forwards alongside the others' and cannot hold a
+  lone image behind all of them. One client alone gets the queue in order.
 - A forward that fails is split in halves and retried, so an out-of-memory batch still serves what
   fits and a failing item fails alone (`InferenceFailed`, a 503). A device fault (a CUDA error other than
   out-of-memory) leaves the CUDA context unusable: the pack fails with `EngineUnavailable` and `on_fault` is
@@ -57,6 +61,7 @@ class _Work:
     abandoned: Callable[[], bool]
     deepstack: bool = True
     tokens: bool = True
+    client: str = ""
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -157,12 +162,12 @@ class Batcher:
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float,
                      abandoned: "Callable[[], bool] | asyncio.Event | None" = None,
-                     deepstack: bool = True, tokens: bool = True,
+                     deepstack: bool = True, tokens: bool = True, client: str = "",
                      poll: Callable[[], bool] | None = None) -> Encoded:
         """Encode `items` in whatever packs the batcher forms. `abandoned` (a predicate, or an event set when
         the client has gone) drops the request's items before compute; `deepstack=False` and `tokens=False` let a
         pack skip copying the DeepStack features and the merged tokens back when none of its requests wants them
-        (the pooled vectors always come back). `poll` is the front-ends' hint (`RemoteEngine.submit`); here the
+        (the pooled vectors always come back); `client`: who sent it, for the packs' turns between clients. `poll` is the front-ends' hint (`RemoteEngine.submit`); here the
         batcher polls a lone forward from this loop already."""
         if isinstance(abandoned, asyncio.Event):
             abandoned = abandoned.is_set
@@ -180,7 +185,7 @@ class Batcher:
         def is_abandoned() -> bool:
             return gone or abandoned()
 
-        works = [_Work(it, loop.create_future(), is_abandoned, deepstack, tokens) for it in items]
+        works = [_Work(it, loop.create_future(), is_abandoned, deepstack, tokens, client) for it in items]
         self._queue.extend(works)
         self._queued_patch_count += sum(it.num_patches for it in items)
         self._wakeup.set()
@@ -209,10 +214,38 @@ class Batcher:
                 else:
                     kept.append(w)
             self._queue = kept
-        count = pack_size((w.item.num_patches for w in self._queue), self.max_batch_patches, self.max_batch_items)
-        batch = [self._queue.popleft() for _ in range(count)]
+        if self._queue and any(w.client != self._queue[0].client for w in self._queue):
+            batch = self._take_turns()
+        else:
+            count = pack_size((w.item.num_patches for w in self._queue), self.max_batch_patches, self.max_batch_items)
+            batch = [self._queue.popleft() for _ in range(count)]
         self._queued_patch_count -= sum(w.item.num_patches for w in batch)
         return batch
+
+    def _take_turns(self) -> list[_Work]:
+        """The next pack when several clients wait: in turns, one item per client per turn, clients in the order of
+        their oldest item, each client's items in order; a client whose next item does not fit is done for this
+        pack. The first item always goes (one larger than the budget travels alone, as `pack_size` has it)."""
+        by_client: dict[str, collections.deque[_Work]] = {}
+        for w in self._queue:
+            by_client.setdefault(w.client, collections.deque()).append(w)
+        taken: list[_Work] = []
+        used = 0
+        open_clients = list(by_client.values())
+        while open_clients and len(taken) < self.max_batch_items:
+            still = []
+            for q in open_clients:
+                n = q[0].item.num_patches
+                if taken and (used + n > self.max_batch_patches or len(taken) >= self.max_batch_items):
+                    continue  # this client's next item waits for a later pack
+                taken.append(q.popleft())
+                used += n
+                if q:
+                    still.append(q)
+            open_clients = still
+        chosen = {id(w) for w in taken}
+        self._queue = collections.deque(w for w in self._queue if id(w) not in chosen)
+        return taken
 
     def _pack_full(self) -> bool:
         return len(self._queue) >= self.max_batch_items or self._queued_patch_count >= self.max_batch_patches

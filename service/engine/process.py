@@ -143,7 +143,8 @@ class EngineServer:
             items.append(pre.item(frames.reshape(shape), tuple(grid), meta))
         try:
             done = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
-                                            deepstack=header["deepstack"], tokens=header["tokens"])
+                                            deepstack=header["deepstack"], tokens=header["tokens"],
+                                            client=header.get("client", ""))
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise

@@ -208,7 +208,7 @@ class RemoteEngine:
         return DeviceStats(**{**header["stats"], "device": self.device, "restarts": self.info.get("restarts", 0)})
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
-                     deepstack: bool = True, tokens: bool = True,
+                     deepstack: bool = True, tokens: bool = True, client: str = "",
                      poll: Callable[[], bool] | None = None) -> Encoded:
         """Same contract as `api.Engine.submit`; the engine enforces the deadline, `abandoned` (set when the
         client disconnects) cancels the request there. `poll`: while it is true (this request is the front-end's
@@ -225,6 +225,7 @@ class RemoteEngine:
         out_bytes = self._result_bytes(items, deepstack, tokens) if link.arena is not None else 0
         out = link.arena.reserve(out_bytes) if out_bytes else None
         header = {"op": "submit", "id": rid, "timeout_s": timeout_s, "deepstack": deepstack, "tokens": tokens,
+                  "client": client,
                   "items": [(f.shape, it.grid_thw, it.meta, at) for f, it, at in zip(frames, items, placed)],
                   "out": (out, out_bytes) if out is not None else None}
         patches = sum(it.num_patches for it in items)

@@ -231,8 +231,9 @@ class Service:
             if remaining <= 0:
                 raise DeadlineExceeded(f"request not served within its {self.settings.request_timeout_s:.1f} s "
                                        f"deadline: decoding its inputs took {preprocessed - arrival:.1f} s")
-            done = await eng.submit(items, timeout_s=remaining, abandoned=disconnected,
-                                    deepstack=deepstack, tokens=tokens, poll=self._alone if alone else None)
+            done = await eng.submit(items, timeout_s=remaining, abandoned=disconnected, deepstack=deepstack,
+                                    tokens=tokens, client=request.client.host if request.client else "",
+                                    poll=self._alone if alone else None)
         finally:
             watcher.cancel()
         self.metrics.observe_request(items, done.results, done.timing.queue_s)
