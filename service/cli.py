@@ -45,6 +45,36 @@ def encode_main(args) -> int:
     return 0
 
 
+def dataset_main(args) -> int:
+    import asyncio
+
+    from .dataset import OUTPUTS, JobOptions, list_inputs, run_job
+
+    outputs = tuple(o.strip() for o in args.outputs.split(",") if o.strip())
+    unknown = [o for o in outputs if o not in OUTPUTS]
+    if unknown or not outputs:
+        raise EncoderError(f"--outputs: {unknown or 'none'} not among {', '.join(OUTPUTS)}")
+    from pydantic import ValidationError
+
+    from .server import settings_from_args
+
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as e:
+        raise EncoderError(f"invalid settings: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+    entries = list_inputs(args.inputs, args.image_column)
+    if not entries:
+        raise EncoderError(f"no images or videos in {' '.join(args.inputs)}")
+    opts = JobOptions(outputs=outputs, normalize=args.normalize, shard_size=args.shard_size,
+                      min_pixels=args.min_pixels, max_pixels=args.max_pixels, fps=args.fps,
+                      num_frames=args.num_frames, image_column=args.image_column)
+    counts = asyncio.run(run_job(entries, Path(args.output), settings, opts, progress=not args.quiet))
+    log.info("%s: %d shards written now (%d were already), %d rows, %d errors (part-*.errors.jsonl), %.1f s",
+             args.output, counts["shards_written"], counts["shards_done_before"], counts["rows"], counts["errors"],
+             counts["seconds"])
+    return 0
+
+
 def quant_check_main(args) -> int:
     import json
 
@@ -123,6 +153,27 @@ def build_parser() -> argparse.ArgumentParser:
     qc.add_argument("--json", default=None, help="also write the report here")
     qc.add_argument("files", nargs="+", type=Path)
     qc.set_defaults(func=quant_check_main)
+
+    ds = sub.add_parser("dataset", help="encode a dataset (directories, list files, WebDataset tars, Parquet) into "
+                        "sharded Parquet on every GPU, resumably", description="Encode a dataset into sharded Parquet "
+                        "under --output, on every GPU of this node (one engine per device, as the server), resumably: "
+                        "run it again after an interruption and it encodes only the shards not written yet. Every "
+                        "server setting is a flag and a QWEN3VL_* variable (limits, batching, devices).")
+    ds.add_argument("inputs", nargs="+", help="directories, list files (.txt/.lst), WebDataset shards (.tar), Parquet "
+                    "files (.parquet), or single files")
+    ds.add_argument("--output", "-o", required=True, help="the output directory (part-NNNNN.parquet, manifest.json)")
+    ds.add_argument("--outputs", default="pooled", help="comma-separated: pooled, tokens, vllm (default: pooled)")
+    ds.add_argument("--normalize", action="store_true", help="L2-normalise the pooled vectors")
+    ds.add_argument("--shard-size", type=int, default=1000, help="inputs per output shard (default: 1000)")
+    ds.add_argument("--image-column", default="image", help="Parquet inputs: the column of image bytes")
+    ds.add_argument("--min-pixels", type=int, default=None)
+    ds.add_argument("--max-pixels", type=int, default=None)
+    ds_frames = ds.add_mutually_exclusive_group()
+    ds_frames.add_argument("--fps", type=float, default=None, help="videos: frames sampled per second")
+    ds_frames.add_argument("--num-frames", type=int, default=None, help="videos: frames sampled in all")
+    ds.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_settings_flags(ds)
+    ds.set_defaults(func=dataset_main)
 
     srv = sub.add_parser("serve", help="run the HTTP service", description="Run the HTTP service. Every setting is a "
                          "flag and a QWEN3VL_* environment variable (the flag wins); both are validated alike.")
