@@ -13,7 +13,7 @@ ROOT = Path(__file__).parents[1]
 # itself, which holds the version) is shared by every
 # service layer; `service.settings` is read by the engine and the HTTP layer, never by the model.
 RANKS = {"kernels": 0, "service.errors": 1, "service.model": 1, "service.settings": 2, "service.engine": 2,
-         "service.http": 3, "service.server": 4, "service.cli": 4, "service": 1}
+         "service.http": 3, "service.dataset": 3, "service.server": 4, "service.cli": 4, "service": 1}
 
 
 def _rank(module: str) -> int | None:

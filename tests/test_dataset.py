@@ -1,0 +1,178 @@
+"""`qwen3vl-encoder dataset` on the CPU with random:tiny: every kind of input, the outputs the server gives for the
+same bytes and options, bad inputs in the errors files, and a run killed at any moment and run again writing every
+input exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import random_pngs
+from servers import serve
+from service.dataset import JobOptions, list_inputs, run_job
+from service.errors import EncoderError
+from service.settings import Settings
+
+ROOT = Path(__file__).parents[1]
+
+
+def _read(out: Path) -> pa.Table:
+    return pa.concat_tables([pq.read_table(f) for f in sorted(out.glob("part-*.parquet"))])
+
+
+def _errors(out: Path) -> list[dict]:
+    return [json.loads(line) for f in sorted(out.glob("part-*.errors.jsonl")) for line in f.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, list[str], dict[str, bytes]]:
+    """A directory tree, a list file, a WebDataset shard and a Parquet file (datasets' Image struct), with one
+    corrupt file; and the bytes of each input by its id."""
+    root = tmp_path_factory.mktemp("dataset")
+    images = random_pngs(14, seed=41)
+    by_id: dict[str, bytes] = {}
+    tree = root / "tree"
+    (tree / "sub").mkdir(parents=True)
+    for i, img in enumerate(images[:4]):
+        name = f"{i}.png" if i < 2 else f"sub/{i}.png"
+        (tree / name).write_bytes(img)
+        by_id[name] = img
+    (tree / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    (tree / "notes.txt").write_text("not an input: skipped by extension")
+    listed = root / "listed"
+    listed.mkdir()
+    for i, img in enumerate(images[4:7]):
+        (listed / f"l{i}.png").write_bytes(img)
+    (root / "list.txt").write_text("# a comment\n" + "".join(f"listed/l{i}.png\n" for i in range(3)))
+    for i, img in enumerate(images[4:7]):
+        by_id[f"listed/l{i}.png"] = img
+    with tarfile.open(root / "shard-000.tar", "w") as tar:
+        for i, img in enumerate(images[7:10]):
+            for name, data in ((f"sample{i}.png", img), (f"sample{i}.json", b'{"caption": "x"}')):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            by_id[f"shard-000.tar/sample{i}.png"] = img
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    rows = [{"bytes": img, "path": f"p{i}.png"} for i, img in enumerate(images[10:14])]
+    pq.write_table(pa.table({"image": pa.array(rows, type=struct), "caption": ["a", "b", "c", "d"]}),
+                   root / "data.parquet", row_group_size=3)  # rows across two row groups
+    for i, img in enumerate(images[10:14]):
+        by_id[f"data.parquet#{i}"] = img
+    return root, [str(tree), str(root / "list.txt"), str(root / "shard-000.tar"), str(root / "data.parquet")], by_id
+
+
+def _run(paths, out, opts, **settings):
+    cfg = Settings(model="random:tiny", device="cpu", **settings)
+    return asyncio.run(run_job(list_inputs(paths, opts.image_column), out, cfg, opts, progress=False))
+
+
+def test_every_kind_of_input_gives_what_embed_gives_for_the_same_bytes(inputs, tmp_path):
+    _, paths, by_id = inputs
+    out = tmp_path / "out"
+    counts = _run(paths, out, JobOptions(outputs=("pooled", "tokens", "vllm"), normalize=True, shard_size=5))
+    assert counts["rows"] == len(by_id) and counts["errors"] == 1
+    table = _read(out)
+    assert sorted(table.column("id").to_pylist()) == sorted(by_id)  # each input once, the broken one not at all
+    [error] = _errors(out)
+    assert error["id"] == "broken.jpg" and error["error"] == "UnsupportedImage", error
+    assert len(list(out.glob("part-*.parquet"))) == 3  # 15 inputs in shards of 5
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["inputs"] == 15 and manifest["shards"] == 3 and manifest["model"] == "random:tiny"
+
+    rows = {r["id"]: r for r in table.to_pylist()}
+    with serve() as (url, _):
+        for id_, data in by_id.items():
+            row = rows[id_]
+            r = httpx.post(f"{url}/embed", content=data, params={"pooling": "mean", "normalize": "true"},
+                           headers={"content-type": "image/png"}, timeout=60).json()["data"][0]
+            assert row["grid_thw"] == r["grid_thw"] and row["num_tokens"] == r["num_tokens"]
+            np.testing.assert_allclose(row["pooled"], r["pooled"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.array(row["tokens"]), np.array(r["embeddings"]), rtol=1e-5, atol=1e-6)
+            v = httpx.post(f"{url}/embed", content=data, params={"format": "vllm"},
+                           headers={"content-type": "image/png"}, timeout=60).json()["data"][0]["image_embeds"]
+            ours = torch.load(io.BytesIO(row["image_embeds"]), weights_only=True)
+            theirs = torch.load(io.BytesIO(base64.b64decode(v["image_embeds"])), weights_only=True)
+            assert ours.dtype == theirs.dtype == torch.bfloat16 and ours.shape == theirs.shape
+            assert (ours.float() - theirs.float()).abs().max() <= 1e-2 * theirs.float().abs().max()
+            grid = torch.load(io.BytesIO(row["image_grid_thw"]), weights_only=True)
+            assert grid.tolist() == [r["grid_thw"]]
+
+
+def test_a_rerun_encodes_only_the_shards_not_written(inputs, tmp_path):
+    _, paths, by_id = inputs
+    out = tmp_path / "out"
+    opts = JobOptions(shard_size=4)
+    _run(paths, out, opts)
+    shards = sorted(out.glob("part-*.parquet"))
+    before = {f.name: f.stat().st_mtime_ns for f in shards}
+    shards[1].unlink()  # as if killed before this shard was committed
+    (out / ".tmp-part-00001.parquet-999").write_bytes(b"half a file")
+    counts = _run(paths, out, opts)
+    assert counts["shards_written"] == 1 and counts["shards_done_before"] == len(shards) - 1
+    after = {f.name: f.stat().st_mtime_ns for f in sorted(out.glob("part-*.parquet"))}
+    assert [n for n in after if after[n] != before.get(n)] == [shards[1].name]
+    assert not list(out.glob(".tmp-*"))
+    ids = _read(out).column("id").to_pylist()
+    assert sorted(ids) == sorted(by_id) and len(ids) == len(set(ids))
+
+
+def test_a_job_with_other_options_is_refused_in_the_same_directory(inputs, tmp_path):
+    _, paths, _ = inputs
+    out = tmp_path / "out"
+    _run(paths[:1], out, JobOptions(shard_size=4))
+    with pytest.raises(EncoderError, match="holds another job"):
+        _run(paths[:1], out, JobOptions(shard_size=4, outputs=("tokens",)))
+
+
+def test_killed_at_any_moment_then_run_again_every_input_is_written_once(tmp_path):
+    """The CLI, SIGKILLed after its first shards are written, then run again to the end."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, img in enumerate(random_pngs(48, seed=43)):
+        (images / f"{i:03d}.png").write_bytes(img)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", "random:tiny",
+           "--device", "cpu", "--shard-size", "4", "--quiet", "--max-batch-items", "1", "--warmup", "false"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while len(list(out.glob("part-*.parquet"))) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = len(list(out.glob("part-*.parquet")))
+    assert written < 12, "the run finished before it was killed: nothing was tested"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = _read(out).column("id").to_pylist()
+    assert sorted(ids) == [f"{i:03d}.png" for i in range(48)]  # every input, once
+    assert not list(out.glob(".tmp-*"))
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args, message in (([str(tmp_path / "missing")], "no such file or directory"),
+                          ([str(tmp_path), "--outputs", "pooled,logits"], "not among"),
+                          ([str(tmp_path)], "no images or videos")):
+        done = subprocess.run([sys.executable, "-m", "service.cli", "dataset", *args, "-o", str(tmp_path / "o"),
+                               "--model", "random:tiny", "--device", "cpu"], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode != 0 and message in done.stderr, done.stderr[-1500:]
