@@ -261,8 +261,6 @@ class DatasetJob:
                 bar.update(1)
 
     async def _encode(self, entry: Entry, data: bytes) -> dict:
-        from .http.output import llm_features, pooled, torch_base64
-
         o = self.opts
         self._decoded += 1  # decoding in each engine's threads in turn; then the least loaded engine encodes it
         decoder = self.engines[self._decoded % len(self.engines)]
@@ -275,20 +273,7 @@ class DatasetJob:
                                        tokens="tokens" in o.outputs or "vllm" in o.outputs)
         finally:
             self.loads[i] -= item.num_patches
-        r = done.results[0]
-        row = {"id": entry.id, "source": entry.source, "kind": item.kind, "grid_thw": list(r.grid_thw),
-               "num_tokens": r.num_tokens}
-        if "pooled" in o.outputs:
-            row["pooled"] = pooled([r], o.normalize)[0].numpy()
-        if "tokens" in o.outputs:
-            row["tokens"] = r.embeds.float().numpy()
-        if "vllm" in o.outputs:
-            import torch
-
-            kind = item.kind
-            row[f"{kind}_embeds"] = _b64decode(torch_base64(llm_features(r, torch.bfloat16)))
-            row[f"{kind}_grid_thw"] = _b64decode(torch_base64(torch.tensor([r.grid_thw], dtype=torch.int64)))
-        return row
+        return result_row(entry.id, entry.source, item.kind, done.results[0], o)
 
     def _commit(self, k: int, rows: list[dict], errors: list[dict]) -> None:
         """The shard's errors file, then its Parquet file: each written whole under a temporary name, then renamed."""
@@ -303,14 +288,32 @@ class DatasetJob:
         _write_atomically(self.out_dir / f"{name}.parquet", buf.getvalue())
 
 
+def result_row(id_: str, source: str, kind: str, r, opts: JobOptions) -> dict:
+    """An output row: what `opts.outputs` asks for of the result `r`, computed as `/embed` computes it."""
+    from .http.output import llm_features, pooled, torch_base64
+
+    row = {"id": id_, "source": source, "kind": kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens}
+    if "pooled" in opts.outputs:
+        row["pooled"] = pooled([r], opts.normalize)[0].numpy()
+    if "tokens" in opts.outputs:
+        row["tokens"] = r.embeds.float().numpy()
+    if "vllm" in opts.outputs:
+        import torch
+
+        row[f"{kind}_embeds"] = _b64decode(torch_base64(llm_features(r, torch.bfloat16)))
+        row[f"{kind}_grid_thw"] = _b64decode(torch_base64(torch.tensor([r.grid_thw], dtype=torch.int64)))
+    return row
+
+
 def _b64decode(data: bytes) -> bytes:
     import pybase64
 
     return pybase64.b64decode(data)
 
 
-def _table(rows: list[dict], outputs: tuple[str, ...]):
-    """A shard's rows as an Arrow table, the columns' types fixed (an all-error shard still has its schema)."""
+def _table(rows: list[dict], outputs: tuple[str, ...], error_column: bool = False):
+    """A shard's rows as an Arrow table, the columns' types fixed (an all-error shard still has its schema);
+    `error_column`: with each row's error (null where it was encoded), for `RayEncoder`."""
     import pyarrow as pa
 
     fields = [("id", pa.string()), ("source", pa.string()), ("kind", pa.string()), ("grid_thw", pa.list_(pa.int32())),
@@ -321,6 +324,8 @@ def _table(rows: list[dict], outputs: tuple[str, ...]):
         fields.append(("tokens", pa.list_(pa.list_(pa.float32()))))
     if "vllm" in outputs:
         fields += [(f"{k}_{p}", pa.binary()) for k in ("image", "video") for p in ("embeds", "grid_thw")]
+    if error_column:
+        fields.append(("error", pa.string()))
     schema = pa.schema(fields)
     columns = {}
     for name, typ in fields:
@@ -356,3 +361,66 @@ async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOption
     finally:
         for e in engines:
             await e.stop()
+
+
+class RayEncoder:
+    """A callable class for Ray Data's `map_batches`: each actor loads the tower once, on its GPU where Ray gave it
+    one, with the server's limits (`Settings`: the keyword arguments and the QWEN3VL_* variables), and turns a batch
+    of rows holding image or video bytes into the rows `qwen3vl-encoder dataset` writes, plus an `error` column
+    (null where the row was encoded; else why not: a bad input never fails the job). The batch is packed into
+    forwards by the server's patch budget.
+
+        ds = ray.data.read_binary_files("s3://bucket/photos/", include_paths=True)
+        ds = ds.map_batches(RayEncoder, fn_constructor_kwargs={"model": "/models/Qwen3-VL-2B-Instruct"},
+                            batch_size=256, batch_format="pyarrow", num_gpus=1, concurrency=8)
+        ds.write_parquet("s3://bucket/embeddings/")
+
+    `bytes_column` / `id_column`: where the bytes and the ids are (`read_binary_files`: bytes, path; Parquet from
+    `datasets`: a struct column with `bytes`; `read_webdataset(..., decoder=None)`: the image's extension, __key__).
+    """
+
+    def __init__(self, model: str, outputs: tuple[str, ...] = ("pooled",), normalize: bool = False,
+                 bytes_column: str = "bytes", id_column: str = "path", min_pixels: int | None = None,
+                 max_pixels: int | None = None, **settings):
+        from .engine.build import apply_limits, load_encoder
+        from .settings import Settings
+
+        self.settings = Settings(model=model, **settings)
+        self.encoder = load_encoder(self.settings)
+        apply_limits(self.encoder, self.settings)
+        self.opts = JobOptions(outputs=tuple(outputs), normalize=normalize, min_pixels=min_pixels,
+                               max_pixels=max_pixels)
+        self.bytes_column, self.id_column = bytes_column, id_column
+
+    def __call__(self, batch):
+        import torch
+
+        from .model.encoder import pack_by_budget
+
+        table = batch if hasattr(batch, "column_names") else None
+        column = (lambda name: table.column(name).to_pylist()) if table is not None else (
+            lambda name: list(batch[name]))
+        datas, ids = column(self.bytes_column), column(self.id_column)
+        rows: list[dict] = [{} for _ in datas]
+        items, where = [], []
+        for i, (data, id_) in enumerate(zip(datas, ids)):
+            id_ = str(id_)
+            if isinstance(data, dict):
+                data = data.get("bytes")
+            try:
+                if not isinstance(data, (bytes, bytearray)):
+                    raise EncoderError(f"no bytes in {self.bytes_column!r} ({type(data).__name__})")
+                items.append(self.encoder.preprocess(bytes(data), self.opts.min_pixels, self.opts.max_pixels))
+                where.append(i)
+                rows[i] = {"id": id_, "source": id_}
+            except EncoderError as e:
+                rows[i] = {"id": id_, "source": id_, "error": f"{type(e).__name__}: {e}"}
+        o = self.settings
+        with torch.inference_mode():
+            for pack in pack_by_budget([it.num_patches for it in items], o.max_batch_patches, o.max_batch_items):
+                results = self.encoder.encode([items[j] for j in pack], deepstack="vllm" in self.opts.outputs,
+                                              tokens="tokens" in self.opts.outputs or "vllm" in self.opts.outputs)
+                for j, r in zip(pack, results):
+                    i = where[j]
+                    rows[i] = result_row(rows[i]["id"], rows[i]["source"], items[j].kind, r, self.opts)
+        return _table(rows, self.opts.outputs, error_column=True)

@@ -176,3 +176,40 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
                                "--model", "random:tiny", "--device", "cpu"], env=env, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode != 0 and message in done.stderr, done.stderr[-1500:]
+
+
+def test_ray_data_map_batches_gives_the_cli_s_rows(tmp_path):
+    """A local Ray runtime: read_binary_files, then map_batches(RayEncoder) on an actor, then write_parquet; the same
+    pooled vectors and tokens as the CLI's job on the same files, and the broken file as a row with its error."""
+    ray = pytest.importorskip("ray")  # the ray extra: installed in CI with the dev extra
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, img in enumerate(random_pngs(9, seed=44)):
+        (images / f"{i}.png").write_bytes(img)
+    (images / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n but no more")
+    opts = JobOptions(outputs=("pooled", "tokens"), normalize=True, shard_size=4)
+    _run([str(images)], tmp_path / "cli", opts)
+    cli = {r["id"]: r for r in _read(tmp_path / "cli").to_pylist()}
+
+    from service.dataset import RayEncoder
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ds = ray.data.read_binary_files(str(images), include_paths=True)
+        ds = ds.map_batches(RayEncoder, fn_constructor_kwargs={"model": "random:tiny", "device": "cpu",
+                                                               "outputs": ("pooled", "tokens"), "normalize": True},
+                            batch_size=4, batch_format="pyarrow", concurrency=1)
+        ds.write_parquet(str(tmp_path / "ray"))
+    finally:
+        ray.shutdown()
+    rows = pa.concat_tables([pq.read_table(f) for f in sorted((tmp_path / "ray").glob("*.parquet"))]).to_pylist()
+    by_name = {Path(r["id"]).name: r for r in rows}
+    assert sorted(by_name) == sorted([f"{i}.png" for i in range(9)] + ["broken.png"])
+    assert by_name["broken.png"]["error"].startswith("UnsupportedImage"), by_name["broken.png"]["error"]
+    assert "broken.png" not in cli  # the CLI put it in its errors file
+    for name, ours in by_name.items():
+        if name == "broken.png":
+            continue
+        assert ours["error"] is None and ours["grid_thw"] == cli[name]["grid_thw"]
+        np.testing.assert_allclose(ours["pooled"], cli[name]["pooled"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(ours["tokens"]), np.array(cli[name]["tokens"]), rtol=1e-5, atol=1e-6)
