@@ -16,6 +16,7 @@ entries until the whole directory fits (so it may run over by an eighth per proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -202,9 +203,27 @@ class EncoderCache:
 
 
 def make_cache_dir() -> str:
-    """A fresh directory for the cache: in shared memory where there is one."""
+    """A fresh directory for the cache: in shared memory where there is one, named after this process. Directories
+    of processes that no longer exist (a server killed with SIGKILL cannot remove its own) go first."""
+    import shutil
     import tempfile
 
     shm = "/dev/shm"
-    return tempfile.mkdtemp(prefix=f"qwen3vl-embeddings-{int(time.time())}-",
-                            dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+    parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    prefix = "qwen3vl-embeddings-"
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            pid = name[len(prefix):].split("-", 1)[0]
+            if name.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True

@@ -50,9 +50,9 @@ class Service:
         self.ready = False
         self.draining = False  # SIGTERM received: /ready 503, every response closes its connection
         self._encoding = 0  # requests in `encode`
-        self._own_cache_dir = settings.embedding_cache_mib and not settings.embedding_cache_path
-        if self._own_cache_dir:  # one process serves: its own directory (`serve` makes one its front-ends share)
-            settings = settings.model_copy(update={"embedding_cache_path": make_cache_dir()})
+        # one process serves: its own cache directory, made at start-up and removed at shut-down, however the start
+        # went (`serve` makes the one its front-ends share)
+        self._own_cache_dir = bool(settings.embedding_cache_mib and not settings.embedding_cache_path)
         self.settings = settings
         self.cache = EncoderCache(settings.embedding_cache_path, settings.embedding_cache_mib << 20)
         self.engine: Engine = open_engine(settings, encoder, on_batch=metrics.observe_batch,
@@ -66,6 +66,9 @@ class Service:
         """Start the engine: the model in this process is loaded and warmed before this returns; engine processes are
         followed in the background (/health answers at once, /ready is 503 until one is connected)."""
         self.metrics.engines.set(self.engine.capacity[1])
+        if self._own_cache_dir:
+            self.settings = self.settings.model_copy(update={"embedding_cache_path": make_cache_dir()})
+            self.cache = EncoderCache(self.settings.embedding_cache_path, self.settings.embedding_cache_mib << 20)
         await self.engine.start()
 
     def _engine_changed(self, device: str, up: bool) -> None:
@@ -134,7 +137,7 @@ class Service:
     async def stop(self):
         self.ready = False
         self._mark_ready(False)
-        if self._own_cache_dir:
+        if self._own_cache_dir and self.settings.embedding_cache_path:
             shutil.rmtree(self.settings.embedding_cache_path, ignore_errors=True)
         await self.engine.stop()
         if self.settings.engine_socket and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -383,8 +386,8 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         if settings.engine_socket:  # a front-end process: `serve`'s main process signals the drain
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, service.start_draining)
-        await service.start()
         try:
+            await service.start()
             yield
         finally:
             await service.stop()
