@@ -68,6 +68,9 @@ def dataset_main(args) -> int:
     opts = JobOptions(outputs=outputs, normalize=args.normalize, shard_size=args.shard_size,
                       min_pixels=args.min_pixels, max_pixels=args.max_pixels, fps=args.fps,
                       num_frames=args.num_frames, image_column=args.image_column)
+    from .runtime import configure_process
+
+    configure_process("local")
     counts = asyncio.run(run_job(entries, Path(args.output), settings, opts, progress=not args.quiet))
     log.info("%s: %d shards written now (%d were already), %d rows, %d errors (part-*.errors.jsonl), %.1f s",
              args.output, counts["shards_written"], counts["shards_done_before"], counts["rows"], counts["errors"],

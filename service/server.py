@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from .errors import CheckpointError
 from .model.config import model_tower_config
+from .runtime import configure_process
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ def run(args) -> int:
     from .http.app import create_app  # not before run_with_engine_process: it sets up multiprocess metrics first
     from .uvicorn_server import server_class
 
+    configure_process("local")
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.graceful_shutdown_s, access_log=False)

@@ -135,3 +135,39 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 def test_no_test_imports_benchmarks():
     for path in (ROOT / "tests").rglob("*.py"):
         assert not any(i.split(".")[0] == "benchmarks" for i in _all_imports(path)), path
+
+
+PROCESS_WIDE = ("setswitchinterval(", "set_num_threads(", "set_crc32_options(")
+
+
+def test_process_wide_state_is_set_only_where_a_process_starts():
+    """The interpreter's switch interval, PyTorch's thread count and its save options are set by
+    `service.runtime.configure_process` alone, which each kind of process calls at its start."""
+    setters = sorted(f"{path.relative_to(ROOT)}: {call}" for top in ("kernels", "service")
+                     for path in (ROOT / top).rglob("*.py") if path.name != "runtime.py"
+                     for call in PROCESS_WIDE if call in path.read_text())
+    assert not setters, setters
+
+
+@pytest.mark.parametrize("role,threads,interval,crc32", [("engine", 4, 0.0005, True), ("frontend", 1, None, False),
+                                                         ("local", None, 0.0005, False)])
+def test_each_kind_of_process_gets_its_state(role, threads, interval, crc32):
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from service.runtime import configure_process; default = sys.getswitchinterval(); "
+            "n = torch.get_num_threads(); configure_process(%r); "
+            "print(torch.get_num_threads(), n, sys.getswitchinterval(), default, "
+            "torch.serialization.get_crc32_options())" % role)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    got_threads, default_threads, got_interval, default_interval, got_crc32 = out.split()
+    assert int(got_threads) == (threads if threads is not None else int(default_threads))
+    assert float(got_interval) == (interval if interval is not None else float(default_interval))
+    assert got_crc32 == str(crc32)
+
+
+def test_an_unknown_role_is_refused():
+    from service.runtime import configure_process
+
+    with pytest.raises(ValueError, match="unknown process role"):
+        configure_process("gpu")

@@ -27,7 +27,6 @@ import asyncio
 import collections
 import logging
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -113,9 +112,6 @@ class Batcher:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     async def start(self):
-        # The forward thread dispatches hundreds of CUDA ops per pack; with the default 5 ms switch interval it and
-        # the event loop wait that long for the GIL at every hand-off between them.
-        sys.setswitchinterval(0.0005)
         self._wakeup = asyncio.Event()
         self._accepting = True
         self._task = asyncio.create_task(self._batcher(), name="batcher")

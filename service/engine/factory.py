@@ -16,11 +16,6 @@ def open_engine(settings: Settings, encoder: Encoder | None = None, *, on_batch:
     """In a front-end process (`settings.engine_socket`), the pool of engine processes; else the model in this
     process (`encoder`: already loaded, else loaded by `start`)."""
     if settings.engine_socket:
-        import torch
-
-        # a front-end's parallelism is its decoding threads and its siblings: PyTorch's ops on reply tensors run on
-        # the calling thread, not on an OpenMP team per process (one per core, in each of up to 64 front-ends)
-        torch.set_num_threads(1)
         decoder = Decoder(settings.preprocess_workers, video_sandbox(settings))
         sockets = settings.engine_socket.split(",")
         return EnginePool.of(sockets, settings.resolved_devices(), decoder,

@@ -32,6 +32,7 @@ from ..model.encoder import bind_thread
 from .local import LocalEngine
 from .protocol import error_header, raw_bytes, read_message, write_message, write_tensors
 from .shm import attach, page_lock, page_unlock
+from ..runtime import configure_process
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,6 @@ class EngineServer:
 
 
 FAULT_EXIT_CODE = 70  # the exit code after a device fault (the supervisor restarts the process)
-ENGINE_TORCH_THREADS = 4  # PyTorch's intra-op threads in an engine process (`engine_process_main`)
 
 
 def engine_process_main(conn, settings_env: dict[str, str]) -> int:
@@ -193,11 +193,7 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
         return 0
     restarts = message[1]
     settings = Settings()
-    import torch
-
-    # the engine's host work is launches and copies; PyTorch's default of one intra-op thread per core, in each of
-    # a node's engines and front-ends, would oversubscribe the host's cores with spinning OpenMP workers
-    torch.set_num_threads(ENGINE_TORCH_THREADS)
+    configure_process("engine")
     try:
         bind_thread(settings.resolved_device())  # before anything touches CUDA: kernels launch on the current device
         return _run(_serve(conn, settings, restarts))

@@ -29,6 +29,7 @@ from ..engine.factory import open_engine
 from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
 from ..errors import DeadlineExceeded, InvalidInput
 from ..model.encoder import Encoder
+from ..runtime import configure_process
 from ..settings import Settings
 from . import openapi
 from .metrics import Metrics
@@ -410,4 +411,5 @@ def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
 def frontend_app() -> FastAPI:
     """uvicorn factory of the front-end worker processes: settings from the environment the main process set."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[http %(process)d]: %(message)s")
+    configure_process("frontend")
     return create_app(Settings())

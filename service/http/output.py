@@ -116,10 +116,8 @@ def llm_features(r: EncodeResult, dtype: torch.dtype) -> torch.Tensor:
 
 def torch_base64(t: torch.Tensor) -> bytes:
     """base64 of `torch.save(t)`: how vLLM's embedding content parts carry a tensor (read back with
-    `torch.load(..., weights_only=True)`). Saved without the zip records' CRC-32s, which `torch.load` does not need
-    and which take most of the time of saving: a process-wide torch setting, and nothing else in a server process
-    saves with torch."""
-    torch.serialization.set_crc32_options(False)
+    `torch.load(..., weights_only=True)`); the processes that serve set torch to save it without CRC-32s
+    (`service.runtime.configure_process`)."""
     buf = io.BytesIO()
     torch.save(t.contiguous(), buf)
     return pybase64.b64encode(buf.getbuffer())
