@@ -198,6 +198,7 @@ def run_with_engine_process(settings: Settings) -> int:
 
     from .engine.cache import make_cache_dir
     from .engine.supervisor import EngineSupervisor, engine_environment, started_marker
+    from .engine.wiring import Wiring
 
     workdir = tempfile.mkdtemp(prefix="qwen3vl-")
     metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -216,11 +217,11 @@ def run_with_engine_process(settings: Settings) -> int:
         return 2
     sockets = [os.path.join(workdir, f"engine-{i}.sock") for i in range(len(devices))]
     cache_dir = make_cache_dir() if settings.embedding_cache_mib else None  # shared by the front-ends
-    settings = settings.model_copy(update={"engine_socket": ",".join(sockets), "devices": ",".join(devices),
-                                           "embedding_cache_path": cache_dir,
+    settings = settings.model_copy(update={"devices": ",".join(devices),
                                            "http_workers": settings.resolved_http_workers(),
                                            "cuda_graphs": settings.resolved_cuda_graphs()})
-    env = {**settings.as_env(), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    wiring = Wiring(engine_sockets=tuple(sockets), cache_dir=cache_dir)  # the front-ends': every engine
+    env = {**settings.as_env(), **wiring.to_env(), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     os.environ.update(env)  # the spawned front-ends rebuild their Settings from it
 
     # after PROMETHEUS_MULTIPROC_DIR is set: the counter is written where the front-ends' /metrics reads
@@ -250,7 +251,7 @@ def run_with_engine_process(settings: Settings) -> int:
 
     for device, sock, device_env in zip(devices, sockets, device_envs):
         engines.append(EngineSupervisor(
-            {**env, **device_env, "QWEN3VL_ENGINE_SOCKET": sock},
+            {**env, **device_env, **Wiring(engine_sockets=(sock,)).to_env()},
             backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
             window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
             on_restart=restarts.labels(device).inc, on_give_up=gave_up, name=device))

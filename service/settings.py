@@ -184,12 +184,10 @@ class Settings(BaseSettings):
     engine_standby: bool = Field(True, description="keep the next engine process spawned, its modules imported and "
                                  "the GPU untouched, so a restart only loads and warms the model (one idle process's "
                                  "host memory)")
-    engine_socket: str | None = Field(None, description="internal: set by `serve` for its front-end processes")
     preprocess_workers: int = Field(4, ge=1, description="image and video decoding workers")
     embedding_cache_mib: int = Field(512, ge=0, description="results of identical inputs (same bytes and options) kept "
                                      "in shared memory, for every HTTP process, and answered without the engine; 0: "
                                      "none kept (identical inputs in flight in one process still share one encoding)")
-    embedding_cache_path: str | None = Field(None, description="internal: the cache's directory, made by `serve`")
     shared_memory_mib: int = Field(64, ge=0, description="per front-end process, split evenly between its "
                                    "connections to the engines: shared memory in /dev/shm (page-locked by the engines) "
                                    "through which decoded frames reach an engine and its results come back (what does "

@@ -171,3 +171,15 @@ def test_an_unknown_role_is_refused():
 
     with pytest.raises(ValueError, match="unknown process role"):
         configure_process("gpu")
+
+
+def test_the_operator_s_settings_hold_no_process_wiring():
+    """How `serve`'s processes find each other travels in `Wiring`, not in `Settings` (whose every field is an
+    operator's setting, a flag and a variable)."""
+    from service.engine.wiring import Wiring
+    from service.settings import Settings
+
+    assert not [f for f in Settings.model_fields if "socket" in f or f.endswith("_path")]
+    wiring = Wiring(engine_sockets=("/run/q/engine-0.sock", "/run/q/engine-1.sock"), cache_dir="/dev/shm/c")
+    assert Wiring.from_env(wiring.to_env()) == wiring and wiring.frontend and wiring.workdir == "/run/q"
+    assert Wiring.from_env({}) == Wiring() and not Wiring().frontend

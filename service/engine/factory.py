@@ -9,15 +9,16 @@ from .build import video_sandbox
 from .local import LocalEngine
 from .remote import EnginePool
 from .supervisor import started_marker
+from .wiring import Wiring
 
 
-def open_engine(settings: Settings, encoder: Encoder | None = None, *, on_batch: BatchListener | None = None,
-                on_change: ChangeListener | None = None) -> Engine:
-    """In a front-end process (`settings.engine_socket`), the pool of engine processes; else the model in this
-    process (`encoder`: already loaded, else loaded by `start`)."""
-    if settings.engine_socket:
+def open_engine(settings: Settings, wiring: Wiring = Wiring(), encoder: Encoder | None = None, *,
+                on_batch: BatchListener | None = None, on_change: ChangeListener | None = None) -> Engine:
+    """In a front-end process (`wiring.frontend`), the pool of engine processes; else the model in this process
+    (`encoder`: already loaded, else loaded by `start`)."""
+    if wiring.frontend:
         decoder = Decoder(settings.preprocess_workers, video_sandbox(settings))
-        sockets = settings.engine_socket.split(",")
+        sockets = list(wiring.engine_sockets)
         return EnginePool.of(sockets, settings.resolved_devices(), decoder,
                              shared_memory_bytes=(settings.shared_memory_mib << 20) // len(sockets),
                              on_batch=on_batch,

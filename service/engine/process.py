@@ -32,6 +32,7 @@ from ..model.encoder import bind_thread
 from .local import LocalEngine
 from .protocol import error_header, raw_bytes, read_message, write_message, write_tensors
 from .shm import attach, page_lock, page_unlock
+from .wiring import Wiring
 from ..runtime import configure_process
 
 log = logging.getLogger(__name__)
@@ -234,10 +235,11 @@ async def _serve(conn, settings, restarts: int) -> int:
     server = EngineServer(engine, restarts)
     engine.on_batch = server.on_batch
     await engine.start()
-    listener = await server.serve(settings.engine_socket)
+    socket_path = Wiring.from_env().engine_sockets[0]  # the one `serve` gave this engine
+    listener = await server.serve(socket_path)
     model = engine.model
     log.info("engine ready: %s on %s (%s), attention backend %s; socket %s", settings.model, model.device,
-             model.dtype, model.backend, settings.engine_socket)
+             model.dtype, model.backend, socket_path)
     conn.send(("ready", None))
     with contextlib.suppress(EOFError, OSError):
         await loop.run_in_executor(None, conn.recv)  # "stop", or EOF when the parent is gone

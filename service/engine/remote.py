@@ -393,7 +393,7 @@ def _small_jpeg(pre: Preprocessor, data: bytes, min_pixels: int | None, max_pixe
 
 
 class EnginePool:
-    """The `api.Engine` of a front-end process: the engine processes (one per device, `settings.engine_socket`),
+    """The `api.Engine` of a front-end process: the engine processes (one per device, `Wiring.engine_sockets`),
     each connected whenever it listens, again after every restart. Decoding and resizing run here, in threads
     (videos in the sandbox); each request then goes, whole, to the live engine with the fewest patches ahead of it
     (`RemoteEngine.load`). While none is connected the pool is not alive: the API answers 503 (the supervisors in

@@ -27,6 +27,7 @@ from .. import __version__
 from ..engine.api import Engine
 from ..engine.factory import open_engine
 from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
+from ..engine.wiring import Wiring
 from ..errors import DeadlineExceeded, InvalidInput
 from ..model.encoder import Encoder
 from ..runtime import configure_process
@@ -45,18 +46,21 @@ log = logging.getLogger(__name__)
 class Service:
     """What the routes share: the settings, the metrics, the engine and the embedding cache."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None):
-        """`encoder`: an already loaded model to serve in this process (tests)."""
+    def __init__(self, settings: Settings, metrics: Metrics, encoder: Encoder | None = None,
+                 wiring: Wiring = Wiring()):
+        """`encoder`: an already loaded model to serve in this process (tests); `wiring`: a front-end's engine
+        processes and shared cache directory (`serve`), or none (one process serves)."""
         self.metrics = metrics
         self.ready = False
         self.draining = False  # SIGTERM received: /ready 503, every response closes its connection
         self._encoding = 0  # requests in `encode`
         # one process serves: its own cache directory, made at start-up and removed at shut-down, however the start
         # went (`serve` makes the one its front-ends share)
-        self._own_cache_dir = bool(settings.embedding_cache_mib and not settings.embedding_cache_path)
+        self.wiring = wiring
+        self._own_cache_dir = bool(settings.embedding_cache_mib and not wiring.cache_dir)
         self.settings = settings
-        self.cache = EncoderCache(settings.embedding_cache_path, settings.embedding_cache_mib << 20)
-        self.engine: Engine = open_engine(settings, encoder, on_batch=metrics.observe_batch,
+        self.cache = EncoderCache(wiring.cache_dir, settings.embedding_cache_mib << 20)
+        self.engine: Engine = open_engine(settings, wiring, encoder, on_batch=metrics.observe_batch,
                                           on_change=self._engine_changed)
 
     @property
@@ -68,8 +72,7 @@ class Service:
         followed in the background (/health answers at once, /ready is 503 until one is connected)."""
         self.metrics.engines.set(self.engine.capacity[1])
         if self._own_cache_dir:
-            self.settings = self.settings.model_copy(update={"embedding_cache_path": make_cache_dir()})
-            self.cache = EncoderCache(self.settings.embedding_cache_path, self.settings.embedding_cache_mib << 20)
+            self.cache = EncoderCache(make_cache_dir(), self.settings.embedding_cache_mib << 20)
         await self.engine.start()
 
     def _engine_changed(self, device: str, up: bool) -> None:
@@ -82,9 +85,9 @@ class Service:
 
     def _frontends_dir(self) -> str | None:
         """With front-end processes: where each one marks itself ready (beside the engines' sockets)."""
-        if not self.settings.engine_socket:
+        if not self.wiring.frontend:
             return None
-        return os.path.join(os.path.dirname(self.settings.engine_socket.split(",")[0]), "frontends-ready")
+        return os.path.join(self.wiring.workdir, "frontends-ready")
 
     def _mark_ready(self, ready: bool) -> None:
         """This front-end's mark: a file named by its pid, present while it can serve."""
@@ -138,10 +141,10 @@ class Service:
     async def stop(self):
         self.ready = False
         self._mark_ready(False)
-        if self._own_cache_dir and self.settings.embedding_cache_path:
-            shutil.rmtree(self.settings.embedding_cache_path, ignore_errors=True)
+        if self._own_cache_dir and self.cache.path:
+            shutil.rmtree(self.cache.path, ignore_errors=True)
         await self.engine.stop()
-        if self.settings.engine_socket and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        if self.wiring.frontend and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             multiprocess.mark_process_dead(os.getpid())
 
     def serving_engine(self) -> Engine:
@@ -375,17 +378,18 @@ async def prometheus(request: Request):
     return Response(svc.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(settings: Settings, encoder: Encoder | None = None) -> FastAPI:
-    """The app for `settings`; `encoder`: an already loaded model (tests), else loaded at start-up."""
+def create_app(settings: Settings, encoder: Encoder | None = None, wiring: Wiring = Wiring()) -> FastAPI:
+    """The app for `settings`; `encoder`: an already loaded model (tests), else loaded at start-up; `wiring`: a
+    front-end's engine processes (`serve`), none for one process."""
     # python-multipart warns once per malformed header line: a hostile body would write thousands of lines; the
     # request's own 4xx says what was wrong
     logging.getLogger("python_multipart").setLevel(logging.ERROR)
     metrics = Metrics(max_batch_patches=settings.max_batch_patches)
-    service = Service(settings, metrics, encoder)
+    service = Service(settings, metrics, encoder, wiring)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if settings.engine_socket:  # a front-end process: `serve`'s main process signals the drain
+        if wiring.frontend:  # a front-end process: `serve`'s main process signals the drain
             asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, service.start_draining)
         try:
             await service.start()
@@ -412,4 +416,4 @@ def frontend_app() -> FastAPI:
     """uvicorn factory of the front-end worker processes: settings from the environment the main process set."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[http %(process)d]: %(message)s")
     configure_process("frontend")
-    return create_app(Settings())
+    return create_app(Settings(), wiring=Wiring.from_env())
