@@ -57,8 +57,12 @@ def forward_table(model: str, jpeg: bytes) -> dict:
 
 
 def sm_clock() -> str:
-    return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
-                          capture_output=True, text=True).stdout.strip()
+    """The SM clock and power draw now (nvidia-smi; empty without one)."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return ""
 
 
 def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path) -> dict:
