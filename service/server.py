@@ -167,9 +167,15 @@ def run(args) -> int:
         log.error("cannot listen on %s:%s: %s", settings.host, settings.port, e)
         return 1
     from .http.app import create_app  # not before run_with_engine_process: it sets up multiprocess metrics first
+    from .model.encoder import bind_thread
     from .uvicorn_server import server_class
 
     configure_process("local")
+    try:  # a device this process cannot use is one line and exit code 2, not a traceback from the app's start-up
+        bind_thread(settings.resolved_device())
+    except (RuntimeError, ValueError) as e:
+        log.error("cannot use the device: %s", " ".join(str(e).split()))
+        return 2
     app = create_app(settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.graceful_shutdown_s, access_log=False)

@@ -50,6 +50,8 @@ def test_a_single_process_server_that_fails_to_start_leaves_no_directory():
                                     stderr=subprocess.STDOUT, text=True)
             out, _ = proc.communicate(timeout=120)
             assert proc.returncode != 0, out[-1500:]
+            if "cuda:0" in extra:  # one line and exit code 2, as a bad --model is
+                assert proc.returncode == 2 and "CUDA is not available" in out and "Traceback" not in out, out
             left = sorted(p.name for p in _parent().glob(f"qwen3vl-embeddings-{proc.pid}-*"))
             assert not left, (extra, left, out[-1500:])
 
