@@ -12,6 +12,19 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.supervisors.multiprocess import Process
 
 
+def accept_queue(sock) -> int | None:
+    """Connections the kernel has queued on a listening TCP socket and no process has accepted yet (Linux: TCP_INFO
+    of a listening socket holds it in `tcpi_unacked`); None where that cannot be read."""
+    import socket
+    import struct
+
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        return struct.unpack_from("<I", info, 24)[0]
+    except (AttributeError, OSError, struct.error):
+        return None
+
+
 def server_class(drain_s: float = 0.0, on_drain=lambda: None, one_process: bool = True):
     """uvicorn's Server with a shutdown that loses no request. `one_process`: the server of `http_workers=0`, which
     drains on the first SIGTERM itself and exits 0 (a front-end process is drained by the supervisor and keeps
@@ -23,14 +36,25 @@ def server_class(drain_s: float = 0.0, on_drain=lambda: None, one_process: bool 
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            """Stop accepting without resetting a connection the kernel has queued (the loop accepts those first),
-            and close idle connections only once requests already sent on newly accepted ones have arrived and
-            started (uvicorn closes a connection with no request under way at once, and a client whose request was
-            on its way gets no answer)."""
-            await asyncio.sleep(0.02)
+            """Stop accepting without resetting a connection the kernel has queued, and close idle connections only
+            once requests already sent on newly accepted ones have arrived and started (uvicorn closes a connection
+            with no request under way at once, and a client whose request was on its way gets no answer).
+
+            Closing a listening socket resets every connection in its accept queue, each with a request already
+            sent. So the loop goes on accepting until the queue is empty (Linux reports its length: `accept_queue`)
+            and the socket closes in that same turn: only a connection that completes its handshake within those
+            microseconds can still be reset. Where the length cannot be read, the loop gets 20 ms to accept."""
+            sockets = list(sockets or [])
+            deadline = asyncio.get_running_loop().time() + 1.0
+            queued = [accept_queue(sock) for sock in sockets]
+            if None in queued:
+                await asyncio.sleep(0.02)
+            while any(queued) and None not in queued and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.0005)
+                queued = [accept_queue(sock) for sock in sockets]
             for server in self.servers:
                 server.close()
-            for sock in sockets or []:
+            for sock in sockets:
                 sock.close()
             await asyncio.sleep(0.5)
             await super().shutdown()

@@ -19,6 +19,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"encoding/csv"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -127,13 +128,15 @@ func main() {
 	rows := make(chan row, 65536)
 	written := make(chan struct{})
 	go func() {
-		w := bufio.NewWriterSize(f, 1<<20)
-		fmt.Fprintln(w, "due_ns,delay_ns,latency_ns,status,bytes,kind,cache,error")
+		b := bufio.NewWriterSize(f, 1<<20)
+		w := csv.NewWriter(b) // RFC 4180: an error's quotes and commas survive any CSV reader
+		w.Write([]string{"due_ns", "delay_ns", "latency_ns", "status", "bytes", "kind", "cache", "error"})
 		for r := range rows {
-			fmt.Fprintf(w, "%d,%d,%d,%d,%d,%s,%s,%q\n", r.due, r.delay, r.latency, r.status, r.size, r.kind, r.cache,
-				r.err)
+			w.Write([]string{fmt.Sprint(int64(r.due)), fmt.Sprint(int64(r.delay)), fmt.Sprint(int64(r.latency)),
+				fmt.Sprint(r.status), fmt.Sprint(r.size), r.kind, r.cache, r.err})
 		}
 		w.Flush()
+		b.Flush()
 		f.Close()
 		close(written)
 	}()
