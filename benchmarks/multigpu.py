@@ -162,12 +162,15 @@ def profile(server: subprocess.Popen, engine_pids: set[int], seconds: float, out
     return jobs
 
 
-def top_frames(path: Path, n: int = 25) -> list[str]:
-    """The `n` frames where most samples of a py-spy raw profile end, with their shares."""
+def top_frames(path: Path, n: int = 25, within: str = "") -> list[str]:
+    """The `n` frames where most samples of a py-spy raw profile end, with their shares; `within`: only the samples
+    whose stack holds that frame."""
     counts: dict[str, int] = {}
     total = 0
     for line in path.read_text().splitlines():
         stack, _, k = line.rpartition(" ")
+        if within not in stack:
+            continue
         frame = stack.rsplit(";", 1)[-1]
         counts[frame] = counts.get(frame, 0) + int(k)
         total += int(k)
@@ -271,21 +274,6 @@ def profile_start(out: Path, seconds: int = 25) -> None:
         time.sleep(0.02)
 
 
-def engine_startup_top(path: Path, n: int = 30) -> list[str]:
-    """Where the engine processes of a start-up profile (`profile_start`) spent their samples: the frames their
-    samples end in, summed over the engines, with shares of the engines' samples."""
-    counts: dict[str, int] = {}
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, k = line.rpartition(" ")
-        if "engine_process_main" not in stack:
-            continue
-        frame = stack.rsplit(";", 1)[-1]
-        counts[frame] = counts.get(frame, 0) + int(k)
-        total += int(k)
-    return [f"{c / total:.1%} {f}" for f, c in sorted(counts.items(), key=lambda x: -x[1])[:n]]
-
-
 def part_startup(args, gpus: int, work: Path) -> dict:
     out: dict = {}
     for label, devices in (("1gpu", "0"), (f"{gpus}gpu", None)):
@@ -306,8 +294,9 @@ def part_startup(args, gpus: int, work: Path) -> dict:
                                      "exit_code": code, "gpu_memory": memory,
                                      "engine_pids": {e["device"]: e["pid"] for e in info}}
             if spy is not None and (Path(args.out) / f"profile_startup_{label}.txt").exists():
-                out[f"{label}_{run}"]["engine_profile_top"] = engine_startup_top(
-                    Path(args.out) / f"profile_startup_{label}.txt")
+                # the engine processes' samples, summed over the engines
+                out[f"{label}_{run}"]["engine_profile_top"] = top_frames(
+                    Path(args.out) / f"profile_startup_{label}.txt", 30, within="engine_process_main")
             print(label, run, ready_s, flush=True)
         shutil.rmtree(cache, ignore_errors=True)
     return out

@@ -290,7 +290,7 @@ class DatasetJob:
 
 def result_row(id_: str, source: str, kind: str, r, opts: JobOptions) -> dict:
     """An output row: what `opts.outputs` asks for of the result `r`, computed as `/embed` computes it."""
-    from .http.output import llm_features, pooled, torch_base64
+    from .http.output import llm_features, pooled, torch_saved
 
     row = {"id": id_, "source": source, "kind": kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens}
     if "pooled" in opts.outputs:
@@ -300,15 +300,9 @@ def result_row(id_: str, source: str, kind: str, r, opts: JobOptions) -> dict:
     if "vllm" in opts.outputs:
         import torch
 
-        row[f"{kind}_embeds"] = _b64decode(torch_base64(llm_features(r, torch.bfloat16)))
-        row[f"{kind}_grid_thw"] = _b64decode(torch_base64(torch.tensor([r.grid_thw], dtype=torch.int64)))
+        row[f"{kind}_embeds"] = torch_saved(llm_features(r, torch.bfloat16))
+        row[f"{kind}_grid_thw"] = torch_saved(torch.tensor([r.grid_thw], dtype=torch.int64))
     return row
-
-
-def _b64decode(data: bytes) -> bytes:
-    import pybase64
-
-    return pybase64.b64decode(data)
 
 
 def _table(rows: list[dict], outputs: tuple[str, ...], error_column: bool = False):

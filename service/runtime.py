@@ -34,6 +34,6 @@ def configure_process(role: str) -> None:
     if role in ("engine", "local"):
         sys.setswitchinterval(BATCHER_SWITCH_INTERVAL_S)
     if role in ("frontend", "local"):
-        # `torch.save` of vLLM's features (`http.output.torch_base64`) without the zip records' CRC-32s, which
+        # `torch.save` of vLLM's features (`http.output.torch_saved`) without the zip records' CRC-32s, which
         # `torch.load` does not need and which take most of the time of saving; nothing else here saves with torch
         torch.serialization.set_crc32_options(False)

@@ -114,13 +114,18 @@ def llm_features(r: EncodeResult, dtype: torch.dtype) -> torch.Tensor:
     return features.view(torch.bfloat16) if dtype == torch.bfloat16 else features
 
 
-def torch_base64(t: torch.Tensor) -> bytes:
-    """base64 of `torch.save(t)`: how vLLM's embedding content parts carry a tensor (read back with
-    `torch.load(..., weights_only=True)`); the processes that serve set torch to save it without CRC-32s
+def torch_saved(t: torch.Tensor) -> bytes:
+    """`torch.save(t)`'s bytes: how vLLM takes a precomputed tensor (read back with `torch.load(...,
+    weights_only=True)`); the processes that serve set torch to save it without CRC-32s
     (`service.runtime.configure_process`)."""
     buf = io.BytesIO()
     torch.save(t.contiguous(), buf)
-    return pybase64.b64encode(buf.getbuffer())
+    return buf.getvalue()
+
+
+def torch_base64(t: torch.Tensor) -> bytes:
+    """base64 of `torch_saved(t)`: how vLLM's embedding content parts carry a tensor."""
+    return pybase64.b64encode(torch_saved(t))
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
