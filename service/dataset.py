@@ -324,9 +324,7 @@ def _table(rows: list[dict], outputs: tuple[str, ...], error_column: bool = Fals
     columns = {}
     for name, typ in fields:
         values = [row.get(name) for row in rows]
-        if name == "tokens":
-            values = [v.tolist() if v is not None else None for v in values]
-        elif name == "pooled":
+        if name in ("pooled", "tokens"):  # numpy arrays
             values = [v.tolist() if v is not None else None for v in values]
         columns[name] = pa.array(values, type=typ)
     return pa.table(columns, schema=schema)

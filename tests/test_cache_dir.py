@@ -9,17 +9,9 @@ import sys
 from pathlib import Path
 
 from servers import free_port
-from service.engine.cache import make_cache_dir
+from service.engine.cache import cache_parent, make_cache_dir
 
 ROOT = Path(__file__).parents[1]
-
-
-def _parent() -> Path:
-    """Where cache directories go (as `make_cache_dir`, without its sweep of dead processes' directories)."""
-    import tempfile
-
-    shm = "/dev/shm"
-    return Path(shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir())
 
 
 def test_a_dead_process_s_directory_goes_a_live_one_stays():
@@ -52,15 +44,6 @@ def test_a_single_process_server_that_fails_to_start_leaves_no_directory():
             assert proc.returncode != 0, out[-1500:]
             if "cuda:0" in extra:  # one line and exit code 2, as a bad --model is
                 assert proc.returncode == 2 and "CUDA is not available" in out and "Traceback" not in out, out
-            left = sorted(p.name for p in _parent().glob(f"qwen3vl-embeddings-{proc.pid}-*"))
+            left = sorted(p.name for p in Path(cache_parent()).glob(f"qwen3vl-embeddings-{proc.pid}-*"))
             assert not left, (extra, left, out[-1500:])
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -22,7 +22,6 @@ import logging
 import os
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable
 
@@ -202,14 +201,21 @@ class EncoderCache:
             pass
 
 
-def make_cache_dir() -> str:
-    """A fresh directory for the cache: in shared memory where there is one, named after this process. Directories
-    of processes that no longer exist (a server killed with SIGKILL cannot remove its own) go first."""
-    import shutil
+def cache_parent() -> str:
+    """Where cache directories go: shared memory where there is one, else the temporary directory."""
     import tempfile
 
     shm = "/dev/shm"
-    parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+
+
+def make_cache_dir() -> str:
+    """A fresh directory for the cache (`cache_parent`), named after this process. Directories of processes that
+    no longer exist (a server killed with SIGKILL cannot remove its own) go first."""
+    import shutil
+    import tempfile
+
+    parent = cache_parent()
     prefix = "qwen3vl-embeddings-"
     with contextlib.suppress(OSError):
         for name in os.listdir(parent):
