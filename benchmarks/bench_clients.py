@@ -34,7 +34,7 @@ PACKS = (8, 16, 20, 24, 28, 32, 41)
 EAGER_ABOVE = 6400  # the second server's largest graph bucket
 
 
-def forward_table(model: str, jpeg: bytes) -> dict:
+def forward_table(model: str, jpeg: bytes, packs: tuple[int, ...] = PACKS) -> dict:
     import torch
 
     from service.model.graphs import BucketedTower
@@ -45,7 +45,7 @@ def forward_table(model: str, jpeg: bytes) -> dict:
     with torch.inference_mode():
         served.capture()
         one = enc.preprocess(jpeg)
-        for n in PACKS:
+        for n in packs:
             items = [one] * n
             ms = _pack_ms(enc.tower, {"eager": eager, "served": served}, enc.pixels(items), [one.grid_thw] * n, 300.0)
             out[str(n)] = {"tokens": n * one.num_patches, "bucket": served.bucket_for(n * one.num_patches),
@@ -96,7 +96,8 @@ def _row(images_per_s: float, a, b, clock: str, generator: dict) -> dict:
 
 COUNTERS = ("qwen3vl_images_total", "qwen3vl_output_tokens_total", 'qwen3vl_embedding_cache_items_total{result="hit"}',
             'qwen3vl_embedding_cache_items_total{result="miss"}', 'qwen3vl_embedding_cache_items_total{result="shared"}',
-            "qwen3vl_batch_items_sum", "qwen3vl_batch_items_count", "qwen3vl_forward_seconds_sum")
+            "qwen3vl_batch_items_sum", "qwen3vl_batch_items_count", "qwen3vl_batch_patches_sum",
+            "qwen3vl_forward_seconds_sum", "qwen3vl_forward_seconds_count")
 
 
 def counters(url: str) -> dict[str, float]:
@@ -122,15 +123,22 @@ def check(args, photos, bodies: Path, work: Path) -> dict:
     out = {"ready_s": round(ready_s, 1)}
     try:
         for name in ("aiohttp_c64", "compiled_c64"):
-            before = counters(url)
+            before, t0 = counters(url), time.perf_counter()
             if name == "aiohttp_c64":
                 a = load(url, photos, [f"448:{i}" for i in range(len(photos))], [0] * len(photos),
                          [("warm", args.seconds)])["warm"]
-                row = {"requests_in_window": a["requests"], "images_per_s": round(a["images_per_s"], 1)}
+                row = {"requests_in_window": a["requests"], "images_per_s": round(a["images_per_s"], 1),
+                       "images_per_forward": round(a["images_per_forward"], 1),
+                       "gpu_busy_fraction": round(a["gpu_busy_fraction"], 4), "generator": a["generator"]}
             else:
                 row = compiled(url, bodies, 64, 0.0, args.seconds, work)
             after = counters(url)
-            row["server_counts"] = {k: after[k] - before[k] for k in COUNTERS}
+            row["server_counts"] = d = {k: after[k] - before[k] for k in COUNTERS}
+            items = max(d["qwen3vl_batch_items_sum"], 1)
+            row["server_patches_per_image"] = round(d["qwen3vl_batch_patches_sum"] / items, 1)
+            row["server_forward_ms_per_image"] = round(d["qwen3vl_forward_seconds_sum"] / items * 1e3, 4)
+            row["sm_clock_power"] = sm_clock()
+            row["counts_over_s"] = round(time.perf_counter() - t0, 1)
             out[name] = row
             print(name, json.dumps(row), flush=True)
     finally:

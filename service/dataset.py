@@ -177,12 +177,14 @@ def shard_name(k: int) -> str:
 
 
 class DatasetJob:
-    """Encodes `entries` into `out_dir` with `engines` (started `LocalEngine`s); `run()` returns the counts."""
+    """Encodes shards of `entries` into `out_dir` with `engines` (started `LocalEngine`s); `run()` returns the counts.
+    `shards`: the shard numbers to encode, by default every one not written yet; an async iterator of them (a work
+    queue shared by processes) is taken as it comes. `report(n)`: called as inputs finish, instead of a progress bar."""
 
     def __init__(self, entries: list[Entry], out_dir: Path, engines: list, opts: JobOptions, model: str,
-                 progress: bool = True):
+                 progress: bool = True, report=None):
         self.entries, self.out_dir, self.engines, self.opts, self.model = entries, out_dir, engines, opts, model
-        self.progress = progress
+        self.progress, self.report = progress, report
         self.shards = [entries[i:i + opts.shard_size] for i in range(0, len(entries), opts.shard_size)]
         self.loads = [0] * len(engines)  # patches submitted to each engine and not answered
         self._decoded = 0
@@ -194,8 +196,12 @@ class DatasetJob:
                 "shards": len(self.shards), "first_id": self.entries[0].id if self.entries else None,
                 "last_id": self.entries[-1].id if self.entries else None}
 
-    def check_manifest(self) -> None:
-        """Write the job's manifest, or check that the one there is this job's (a rerun continues it)."""
+    def prepare(self) -> list[int]:
+        """Make the output directory, remove a killed run's half-written files, write the manifest or check that the
+        one there is this job's (a rerun continues it); the shards not written yet."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.out_dir.glob(".tmp-*"):
+            stale.unlink(missing_ok=True)
         path = self.out_dir / "manifest.json"
         mine = self.manifest()
         if path.exists():
@@ -205,29 +211,26 @@ class DatasetJob:
                                    f"{mine}); give another output directory")
         else:
             _write_atomically(path, json.dumps(mine, indent=1).encode())
-
-    def pending(self) -> list[int]:
         return [k for k in range(len(self.shards)) if not (self.out_dir / f"{shard_name(k)}.parquet").exists()]
 
-    async def run(self) -> dict:
+    async def run(self, shards=None) -> dict:
         from tqdm import tqdm
 
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.out_dir.glob(".tmp-*"):  # a killed run's half-written files
-            stale.unlink(missing_ok=True)
-        self.check_manifest()
-        todo = self.pending()
-        total = sum(len(self.shards[k]) for k in todo)
+        if shards is None:
+            shards = self.prepare()
+        total = sum(len(self.shards[k]) for k in shards) if isinstance(shards, list) else None
         bar = tqdm(total=total, unit="img", disable=not self.progress, smoothing=0.05)
+        done = self.report or bar.update
         # inputs in flight at once, across shards: enough to fill every engine's packs twice over
         window = asyncio.Semaphore(max(64, 4 * sum(e.settings.max_batch_items for e in self.engines)))
-        counts = {"shards_done_before": len(self.shards) - len(todo), "shards_written": 0, "rows": 0, "errors": 0}
+        counts = {"shards_done_before": len(self.shards) - len(shards) if total is not None else 0, "shards_written": 0,
+                  "rows": 0, "errors": 0}
         start = time.perf_counter()
 
         async def shard(k: int):
             entries = self.shards[k]
             data = await asyncio.to_thread(read_shard, entries)
-            results = await asyncio.gather(*(self._one(e, d, window, bar) for e, d in zip(entries, data)))
+            results = await asyncio.gather(*(self._one(e, d, window, done) for e, d in zip(entries, data)))
             rows = [r for r in results if "error" not in r]
             errors = [r for r in results if "error" in r]
             await asyncio.to_thread(self._commit, k, rows, errors)
@@ -236,20 +239,24 @@ class DatasetJob:
             counts["errors"] += len(errors)
 
         # shards start in order and overlap: the next one's inputs queue while the last items of one finish
-        shards_in_flight = asyncio.Semaphore(4)
-
-        async def bounded(k):
-            async with shards_in_flight:
-                await shard(k)
-
+        running: set[asyncio.Task] = set()
         try:
-            await asyncio.gather(*(bounded(k) for k in todo))
+            async for k in _aiter(shards):
+                while len(running) >= 4:
+                    finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    for t in finished:
+                        t.result()
+                running.add(asyncio.create_task(shard(k)))
+            for t in asyncio.as_completed(running):
+                await t
         finally:
+            for t in running:
+                t.cancel()
             bar.close()
         counts["seconds"] = round(time.perf_counter() - start, 2)
         return counts
 
-    async def _one(self, entry: Entry, data, window: asyncio.Semaphore, bar) -> dict:
+    async def _one(self, entry: Entry, data, window: asyncio.Semaphore, done) -> dict:
         async with window:
             try:
                 if isinstance(data, Exception):
@@ -258,7 +265,7 @@ class DatasetJob:
             except EncoderError as e:
                 return {"id": entry.id, "source": entry.source, "error": type(e).__name__, "message": str(e)}
             finally:
-                bar.update(1)
+                done(1)
 
     async def _encode(self, entry: Entry, data: bytes) -> dict:
         o = self.opts
@@ -324,10 +331,28 @@ def _table(rows: list[dict], outputs: tuple[str, ...], error_column: bool = Fals
     columns = {}
     for name, typ in fields:
         values = [row.get(name) for row in rows]
-        if name in ("pooled", "tokens"):  # numpy arrays
-            values = [v.tolist() if v is not None else None for v in values]
-        columns[name] = pa.array(values, type=typ)
+        columns[name] = _float_lists(values, typ) if name in ("pooled", "tokens") else pa.array(values, type=typ)
     return pa.table(columns, schema=schema)
+
+
+def _float_lists(arrays: list, typ):
+    """float32 numpy arrays (1-D: a list each; 2-D: a list of lists each; None: null) as one Arrow column of type
+    `typ`, built from their buffers rather than from Python floats (a token matrix is 400,000 of them)."""
+    import numpy as np
+    import pyarrow as pa
+
+    present = [a for a in arrays if a is not None]
+    if not present:
+        return pa.nulls(len(arrays), type=typ)
+    mask = pa.array([a is None for a in arrays]) if len(present) < len(arrays) else None
+    flat = pa.array(np.concatenate([a.reshape(-1) for a in present]), type=pa.float32())
+    if present[0].ndim == 2:  # rows of length width: the inner lists, then the outer lists by row count
+        width = present[0].shape[1]
+        inner_count = sum(a.shape[0] for a in present)
+        flat = pa.ListArray.from_arrays(pa.array(np.arange(inner_count + 1, dtype=np.int32) * width), flat)
+    sizes = [0 if a is None else a.shape[0] for a in arrays]
+    offsets = pa.array(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, flat, mask=mask)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -339,20 +364,156 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOptions, progress: bool = True) -> dict:
-    """Start one engine per device of `settings` (`resolved_devices`), run the job, stop them."""
-    from .engine.local import LocalEngine
+async def _aiter(shards):
+    if hasattr(shards, "__aiter__"):
+        async for k in shards:
+            yield k
+    else:
+        for k in shards:
+            yield k
 
+
+async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOptions, progress: bool = True) -> dict:
+    """Encode `entries` on every device of `settings` (`resolved_devices`). One device: its engine here. Several: one
+    process per device, each with its engine and its own decoding threads (a process's interpreter lock would bound
+    the decoding of every GPU otherwise), taking shards from one queue as it has room; this process keeps the
+    manifest and the progress bar."""
     devices = settings.resolved_devices()
-    engines = [LocalEngine(settings.model_copy(update={"device": d, "devices": None})) for d in devices]
     log.info("encoding %d inputs in %d shards on %s", len(entries), -(-len(entries) // opts.shard_size),
              ", ".join(devices))
-    await asyncio.gather(*(e.start() for e in engines))
+    if len(devices) == 1:
+        from .engine.local import LocalEngine
+
+        engine = LocalEngine(settings.model_copy(update={"device": devices[0], "devices": None}))
+        await engine.start()
+        try:
+            return await DatasetJob(entries, out_dir, [engine], opts, settings.model, progress).run()
+        finally:
+            await engine.stop()
+    return await asyncio.to_thread(_run_processes, entries, out_dir, settings, opts, devices, progress)
+
+
+def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: list[str], progress: bool) -> dict:
+    import multiprocessing as mp
+    import queue as queues
+
+    from tqdm import tqdm
+
+    from .engine.supervisor import engine_environment
+
+    job = DatasetJob(entries, out_dir, [], opts, settings.model)
+    todo = job.prepare()
+    start = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    work, reports = ctx.Queue(), ctx.Queue()
+    for k in todo:
+        work.put((k, job.shards[k]))
+    procs = []
+    for i, device in enumerate(devices):
+        env = engine_environment(device)
+        child = settings.model_copy(update={"device": env["QWEN3VL_DEVICE"], "devices": None})
+        procs.append(ctx.Process(target=_device_main, args=(i, env, child, out_dir, opts, work, reports),
+                                 name=f"qwen3vl-dataset-{device}", daemon=True))
+        work.put(None)  # one end marker per process
+    for proc in procs:
+        proc.start()
+    counts = {"shards_done_before": len(job.shards) - len(todo), "shards_written": 0, "rows": 0, "errors": 0}
+    bar = tqdm(total=sum(len(job.shards[k]) for k in todo), unit="img", disable=not progress, smoothing=0.05)
+    finished, failure = set(), None
     try:
-        return await DatasetJob(entries, out_dir, engines, opts, settings.model, progress).run()
+        while len(finished) < len(procs) and failure is None:
+            try:
+                i, kind, value = reports.get(timeout=1.0)
+            except queues.Empty:
+                dead = [i for i, p in enumerate(procs) if i not in finished and not p.is_alive()]
+                if dead:
+                    failure = f"the process for {devices[dead[0]]} exited with code {procs[dead[0]].exitcode}"
+                continue
+            if kind == "done":
+                bar.update(value)
+            elif kind == "counts":
+                finished.add(i)
+                for key in ("shards_written", "rows", "errors"):
+                    counts[key] += value[key]
+            else:
+                failure = f"{devices[i]}: {value}"
     finally:
-        for e in engines:
-            await e.stop()
+        bar.close()
+        for proc in procs:
+            if failure is not None and proc.is_alive():
+                proc.terminate()
+            proc.join()
+    if failure is not None:
+        raise EncoderError(f"{failure}; the shards written are kept: run the same command again to go on")
+    counts["seconds"] = round(time.perf_counter() - start, 2)
+    return counts
+
+
+def _device_main(index: int, env: dict, settings, out_dir: Path, opts: JobOptions, work, reports) -> None:
+    """A device's process: its engine (the device alone visible, `engine_environment`), then shards from `work` until
+    its end marker; reports the inputs done, then its counts (or its error)."""
+    import threading
+
+    os.environ.update(env)
+    parent = os.getppid()
+
+    def watch():  # the parent killed: stop rather than hold the GPU
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    done = [0]
+
+    def report(n: int) -> None:
+        done[0] += n
+
+    async def main():
+        from .engine.local import LocalEngine
+        from .runtime import configure_process
+
+        configure_process("local")
+        engine = LocalEngine(settings)
+        await engine.start()
+        job = DatasetJob([], out_dir, [engine], opts, settings.model, progress=False, report=report)
+        job.shards = {}
+
+        async def shards():
+            while True:
+                item = await asyncio.to_thread(work.get)
+                if item is None:
+                    return
+                k, entries = item
+                job.shards[k] = entries
+                yield k
+
+        async def flush():
+            while True:
+                await asyncio.sleep(0.25)
+                n, done[0] = done[0], 0
+                if n:
+                    reports.put((index, "done", n))
+
+        flusher = asyncio.create_task(flush())
+        try:
+            counts = await job.run(shards())
+        finally:
+            flusher.cancel()
+            await engine.stop()
+        if done[0]:
+            reports.put((index, "done", done[0]))
+        reports.put((index, "counts", counts))
+
+    try:
+        asyncio.run(main())
+    except Exception as e:  # noqa: BLE001 -- told to the parent in one line, which stops the job
+        reports.put((index, "error", f"{type(e).__name__}: {e}"))
+        reports.close()
+        reports.join_thread()
+        raise SystemExit(1)
+    reports.close()
+    reports.join_thread()
 
 
 class RayEncoder:

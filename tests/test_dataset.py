@@ -115,6 +115,50 @@ def test_every_kind_of_input_gives_what_embed_gives_for_the_same_bytes(inputs, t
             assert grid.tolist() == [r["grid_thw"]]
 
 
+def test_one_process_per_device_writes_what_one_process_writes(inputs, tmp_path):
+    """Two devices (two CPU engines: the GPU layout, a process per device taking shards from one queue): the same
+    rows as one engine in this process, every input once."""
+    _, paths, by_id = inputs
+    opts = JobOptions(outputs=("pooled", "tokens"), shard_size=2)
+    one = _run(paths, tmp_path / "one", opts)
+    two = _run(paths, tmp_path / "two", opts, devices="cpu,cpu", warmup=False)
+    assert two["rows"] == one["rows"] == len(by_id) and two["errors"] == one["errors"] == 1
+    assert two["shards_written"] == one["shards_written"] == 8
+    a = {r["id"]: r for r in _read(tmp_path / "one").to_pylist()}
+    b = {r["id"]: r for r in _read(tmp_path / "two").to_pylist()}
+    assert sorted(a) == sorted(b) == sorted(by_id) and len(_read(tmp_path / "two")) == len(by_id)
+    for id_ in a:
+        np.testing.assert_allclose(b[id_]["pooled"], a[id_]["pooled"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(b[id_]["tokens"]), np.array(a[id_]["tokens"]), rtol=1e-5, atol=1e-6)
+    assert _errors(tmp_path / "two") == _errors(tmp_path / "one")
+
+
+def test_the_device_processes_stop_when_the_job_is_killed(tmp_path):
+    """SIGKILL to the job's process alone: its device processes notice and exit (they would hold the GPUs)."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, img in enumerate(random_pngs(64, seed=44)):
+        (images / f"{i:03d}.png").write_bytes(img)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", "random:tiny",
+           "--devices", "cpu,cpu", "--shard-size", "2", "--quiet", "--max-batch-items", "1", "--warmup", "false"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not list(out.glob("part-*.parquet")):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.01)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) >= 2, children  # the device processes (and spawn's resource tracker)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while any(Path(f"/proc/{c}").exists() and "Z" not in Path(f"/proc/{c}/stat").read_text().split()[2]
+              for c in children):
+        assert time.time() < deadline, "a device process outlived the job"
+        time.sleep(0.1)
+
+
 def test_a_rerun_encodes_only_the_shards_not_written(inputs, tmp_path):
     _, paths, by_id = inputs
     out = tmp_path / "out"

@@ -1,0 +1,157 @@
+"""`qwen3vl-encoder dataset` against the forward, on one GPU and on every GPU of the node, in bf16 and FP8.
+
+Inputs: 448 px JPEGs on local disk, each file's bytes its own (scikit-image's photos, a JPEG comment apart), pooled
+vectors out, shards of 1,000. Per precision:
+- the forward's best over packs of those images (as a CUDA graph of the pack's signature, eagerly, on the served
+  path), in this process, before the jobs: the reference;
+- the job on `--devices 0` and on every GPU. Its rate is counted from the output directory alone: the inputs of the
+  shards committed between 10% and 90% of the shards (engine start-up and the last shards' tail outside the window),
+  and the CPU of the job's whole process tree (/proc) over the same window: CPU cores per image/s, and per GPU.
+Then the resume test: the job on every GPU, SIGKILLed with its process group (what a scheduler's preemption sends)
+half-way, run again to the end: every input in the output exactly once.
+
+Usage: python -m benchmarks.bench_dataset [--images-per-gpu N] [--quant bf16,fp8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.bench_service import photo_jpegs, unique
+from benchmarks.common import environment, write_results
+
+SHARD = 1000
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of `root` and every live descendant, from /proc."""
+    parents, cpu = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        parents[int(d)] = int(fields[1])
+        cpu[int(d)] = (int(fields[11]) + int(fields[12])) / TICK
+    mine, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in mine]
+        mine.update(kids)
+        frontier += kids
+    return sum(cpu.get(p, 0.0) for p in mine)
+
+
+def job(images: Path, out: Path, devices: str, kill_at: float | None = None) -> dict:
+    """One run of the CLI; its rate and CPU between 10% and 90% of its shards; `kill_at`: SIGKILL to its process
+    group once that fraction of the shards is committed."""
+    shards = -(-len(list(images.iterdir())) // SHARD)
+    cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", MODEL,
+           "--devices", devices, "--shard-size", str(SHARD), "--quiet"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lo, hi = max(1, round(0.1 * shards)), round(0.9 * shards)
+    marks: dict[str, tuple[float, int, float]] = {}
+    while proc.poll() is None:
+        n = len(list(out.glob("part-*.parquet"))) if out.exists() else 0
+        if kill_at is not None and n >= kill_at * shards:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"killed_after_shards": n, "of_shards": shards}
+        for name, at in (("lo", lo), ("hi", hi)):
+            if name not in marks and n >= at:
+                marks[name] = (time.perf_counter(), n, tree_cpu_s(proc.pid))
+        time.sleep(0.02)
+    err = proc.stderr.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {err[-2000:]}")
+    (ta, na, ca), (tb, nb, cb) = marks["lo"], marks["hi"]
+    rate = (nb - na) * SHARD / (tb - ta)
+    row = {"devices": devices, "inputs": shards * SHARD, "wall_s": round(time.perf_counter() - t0, 1),
+           "window_shards": nb - na, "images_per_s": round(rate, 1),
+           "cpu_cores": round((cb - ca) / (tb - ta), 2), "cpu_ms_per_image": round((cb - ca) / ((nb - na) * SHARD) * 1e3, 3)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def forward_best(jpeg: bytes) -> dict:
+    from benchmarks.bench_clients import forward_table
+
+    table = forward_table(MODEL, jpeg, packs=(16, 32, 41))
+    best = min(min(v["graph_ms_per_image"], v["eager_ms_per_image"], v["served_ms_per_image"]) for v in table.values())
+    return {"by_pack": table, "images_per_s": round(1e3 / best, 1)}
+
+
+def main():
+    global MODEL
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen3-vl-2b")
+    ap.add_argument("--images-per-gpu", type=int, default=20000)
+    ap.add_argument("--quant", default="bf16,fp8")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    MODEL = args.model
+    import torch
+
+    gpus = torch.cuda.device_count()
+    work = Path(tempfile.mkdtemp(prefix="qwen3vl-dataset-"))
+    photos = photo_jpegs([(448, 448)] * 64)
+    sets = {}
+    for n in sorted({args.images_per_gpu, args.images_per_gpu * gpus}):
+        d = work / f"images-{n}"
+        d.mkdir()
+        for i in range(n):
+            (d / f"{i:07d}.jpg").write_bytes(unique(photos[i % len(photos)], i))
+        sets[n] = d
+    result = {"benchmark": "dataset", "env": environment(), "model": MODEL, "gpus": gpus, "shard_size": SHARD,
+              "inputs": "448 px JPEGs on local disk, each file's bytes its own; outputs: pooled"}
+    summary = {}
+    for quant in args.quant.split(","):
+        os.environ.pop("QWEN3VL_QUANTIZATION", None)
+        if quant != "bf16":
+            os.environ["QWEN3VL_QUANTIZATION"] = quant
+        fwd = forward_best(photos[0])
+        torch.cuda.empty_cache()
+        one = job(sets[args.images_per_gpu], work / f"out-{quant}-1", "0")
+        every = job(sets[args.images_per_gpu * gpus], work / f"out-{quant}-{gpus}", "all")
+        result[quant] = {"forward": fwd, "gpus_1": one, f"gpus_{gpus}": every}
+        key = "" if quant == "bf16" else f"_{quant}"
+        summary[f"ratio_to_forward_1gpu{key}"] = round(one["images_per_s"] / fwd["images_per_s"], 3)
+        summary[f"ratio_to_forward_{gpus}gpu{key}"] = round(every["images_per_s"] / (gpus * fwd["images_per_s"]), 3)
+        summary[f"scaling_{gpus}gpu{key}"] = round(every["images_per_s"] / one["images_per_s"], 3)
+        summary[f"cpu_cores_per_gpu{key}"] = round(every["cpu_cores"] / gpus, 2)
+        print(quant, json.dumps(summary), flush=True)
+    os.environ.pop("QWEN3VL_QUANTIZATION", None)
+    out = work / "out-resume"
+    images = sets[args.images_per_gpu]
+    killed = job(images, out, "all", kill_at=0.5)
+    ids = [f"{i:07d}.jpg" for i in range(args.images_per_gpu)]
+    import pyarrow.parquet as pq
+
+    before = sum(pq.read_metadata(f).num_rows for f in out.glob("part-*.parquet"))
+    job(images, out, "all")
+    got = [i for f in sorted(out.glob("part-*.parquet")) for i in pq.read_table(f, columns=["id"]).column(0).to_pylist()]
+    result["resume"] = {**killed, "rows_before_rerun": before, "rows_after": len(got), "distinct_ids": len(set(got)),
+                        "inputs": len(ids)}
+    summary["resume_exactly_once"] = sorted(got) == ids
+    result["summary"] = summary
+    write_results("dataset", result, args.out)
+    print(json.dumps(summary, indent=1))
+
+
+MODEL = "random:qwen3-vl-2b"
+
+if __name__ == "__main__":
+    main()
