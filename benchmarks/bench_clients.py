@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_service import (PARAMS, _engine_counters, _pack_ms, load, photo_jpegs, served_encoder,
-                                      start_server, stop_server)
+                                      start_server, stop_server, unique)
 from benchmarks.common import environment, write_results
 
 PACKS = (8, 16, 20, 24, 28, 32, 41)
@@ -117,28 +117,86 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
+class Probe:
+    """During a load: every 0.25 s, one more request for a known photo (bytes of its own: no cache hit), its tokens
+    compared with the same photo's encoded when the server was idle (are the replies under load right?); and the
+    GPU's SM clock and power, sampled every 0.2 s."""
+
+    sent = 0  # probes sent by every Probe: each one's bytes its own
+
+    def __init__(self, url: str, photo: bytes):
+        import httpx
+        import threading
+
+        self.url, self.photo, self.client = url, photo, httpx.Client(timeout=60)
+        self.reference = self._tokens(0)
+        self.stop, self.rel_errors, self.samples = threading.Event(), [], []
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._probe, self._gpu)]
+
+    def _tokens(self, n: int):
+        from safetensors.torch import load
+
+        r = self.client.post(f"{self.url}/embed", params={"format": "safetensors", "deepstack": "false"},
+                             content=unique(self.photo, 10**12 + n), headers={"content-type": "image/jpeg"})
+        r.raise_for_status()
+        return load(r.content)["embeds.0"].float()
+
+    def _probe(self):
+        while not self.stop.wait(0.25):
+            Probe.sent += 1
+            got = self._tokens(Probe.sent)
+            self.rel_errors.append(float((got - self.reference).abs().max() / self.reference.abs().max()))
+
+    def _gpu(self):
+        while not self.stop.wait(0.2):
+            line = sm_clock().splitlines()[:1]
+            if line:
+                self.samples.append(line[0])
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def summary(self) -> dict:
+        clocks = [float(s.split(" MHz")[0]) for s in self.samples]
+        power = [float(s.split(",")[1].strip().split(" ")[0]) for s in self.samples]
+        errs = sorted(self.rel_errors)
+        return {"probes": len(errs), "probe_max_rel_error": round(errs[-1], 4) if errs else None,
+                "probes_over_5pct": sum(e > 0.05 for e in errs),
+                "sm_clock_mhz_median": float(np.median(clocks)) if clocks else None,
+                "power_w_median": float(np.median(power)) if power else None}
+
+
 def check(args, photos, bodies: Path, work: Path) -> dict:
-    """The server's own counts around each generator's load: does every request of each cost one image's forward?"""
+    """The server's own counts around each generator's load: does every request of each cost one image's forward,
+    are the replies right under load, and at what clocks and power?"""
     server, url, ready_s = start_server(args.model, 18779, tempfile.mkdtemp(prefix="qwen3vl-cache-"))
     out = {"ready_s": round(ready_s, 1)}
     try:
         for name in ("aiohttp_c64", "compiled_c64"):
             before, t0 = counters(url), time.perf_counter()
-            if name == "aiohttp_c64":
-                a = load(url, photos, [f"448:{i}" for i in range(len(photos))], [0] * len(photos),
-                         [("warm", args.seconds)])["warm"]
-                row = {"requests_in_window": a["requests"], "images_per_s": round(a["images_per_s"], 1),
-                       "images_per_forward": round(a["images_per_forward"], 1),
-                       "gpu_busy_fraction": round(a["gpu_busy_fraction"], 4), "generator": a["generator"]}
-            else:
-                row = compiled(url, bodies, 64, 0.0, args.seconds, work)
+            with Probe(url, photos[1]) as probe:
+                if name.startswith("aiohttp"):
+                    a = load(url, photos, [f"448:{i}" for i in range(len(photos))], [0] * len(photos),
+                             [("warm", args.seconds)])["warm"]
+                    row = {"requests_in_window": a["requests"], "images_per_s": round(a["images_per_s"], 1),
+                           "images_per_forward": round(a["images_per_forward"], 1),
+                           "gpu_busy_fraction": round(a["gpu_busy_fraction"], 4), "generator": a["generator"]}
+                else:
+                    row = compiled(url, bodies, 64, 0.0, args.seconds, work)
+            row["during_load"] = probe.summary()
             after = counters(url)
+            row["counts_over_s"] = round(time.perf_counter() - t0, 1)
             row["server_counts"] = d = {k: after[k] - before[k] for k in COUNTERS}
             items = max(d["qwen3vl_batch_items_sum"], 1)
+            row["server_images_per_s_over_counts"] = round(d["qwen3vl_images_total"] / row["counts_over_s"], 1)
             row["server_patches_per_image"] = round(d["qwen3vl_batch_patches_sum"] / items, 1)
-            row["server_forward_ms_per_image"] = round(d["qwen3vl_forward_seconds_sum"] / items * 1e3, 4)
-            row["sm_clock_power"] = sm_clock()
-            row["counts_over_s"] = round(time.perf_counter() - t0, 1)
             out[name] = row
             print(name, json.dumps(row), flush=True)
     finally:
