@@ -173,14 +173,42 @@ class Probe:
                 "power_w_median": float(np.median(power)) if power else None}
 
 
+def forwards_by_bucket(trace: Path, t0: float, t1: float) -> dict:
+    """The engine's forwards between unix times t0 and t1 (`Settings.forward_trace`), by the graph bucket their
+    patches fall in: count, median items, GPU ms per image (CUDA events), median launch-to-outputs ms."""
+    from service.settings import DEFAULT_GRAPH_BUCKETS
+
+    rows = []
+    for line in trace.read_text().splitlines():
+        t, _device, items, patches, gpu_ms, wall_ms = line.split(",")
+        if t0 <= float(t) <= t1:
+            rows.append((int(items), int(patches), float(gpu_ms), float(wall_ms)))
+    by: dict[str, list] = {}
+    for r in rows:
+        bucket = next((b for b in DEFAULT_GRAPH_BUCKETS if r[1] <= b), None)
+        by.setdefault(str(bucket) if bucket else "eager", []).append(r)
+    out = {k: {"forwards": len(v), "items_median": float(np.median([r[0] for r in v])),
+               "gpu_ms_per_image": round(sum(r[2] for r in v) / sum(r[0] for r in v), 4),
+               "gpu_ms_median": round(float(np.median([r[2] for r in v])), 3),
+               "launch_to_outputs_ms_median": round(float(np.median([r[3] for r in v])), 3)}
+           for k, v in sorted(by.items(), key=lambda kv: (kv[0] == "eager", int(kv[0]) if kv[0] != "eager" else 0))}
+    images = sum(r[0] for r in rows)
+    out["all"] = {"forwards": len(rows), "images": images, "gpu_s": round(sum(r[2] for r in rows) / 1e3, 3),
+                  "gpu_ms_per_image": round(sum(r[2] for r in rows) / max(images, 1), 4)}
+    return out
+
+
 def check(args, photos, bodies: Path, work: Path) -> dict:
     """The server's own counts around each generator's load: does every request of each cost one image's forward,
     are the replies right under load, and at what clocks and power?"""
+    trace = work / "forwards.csv"
+    os.environ["QWEN3VL_FORWARD_TRACE"] = str(trace)
     server, url, ready_s = start_server(args.model, 18779, tempfile.mkdtemp(prefix="qwen3vl-cache-"))
+    os.environ.pop("QWEN3VL_FORWARD_TRACE")
     out = {"ready_s": round(ready_s, 1)}
     try:
         for name in ("aiohttp_c64", "compiled_c64"):
-            before, t0 = counters(url), time.perf_counter()
+            before, t0, wall0 = counters(url), time.perf_counter(), time.time()
             with Probe(url, photos[1]) as probe:
                 if name.startswith("aiohttp"):
                     a = load(url, photos, [f"448:{i}" for i in range(len(photos))], [0] * len(photos),
@@ -197,6 +225,7 @@ def check(args, photos, bodies: Path, work: Path) -> dict:
             items = max(d["qwen3vl_batch_items_sum"], 1)
             row["server_images_per_s_over_counts"] = round(d["qwen3vl_images_total"] / row["counts_over_s"], 1)
             row["server_patches_per_image"] = round(d["qwen3vl_batch_patches_sum"] / items, 1)
+            row["forwards"] = forwards_by_bucket(trace, wall0, time.time())
             out[name] = row
             print(name, json.dumps(row), flush=True)
     finally:

@@ -161,6 +161,29 @@ def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_ti
     assert first_s < 0.3 + 0.15  # dispatched at once: its own forward, nothing waited before it
 
 
+def test_the_forward_trace_has_a_line_per_forward_with_its_pack_and_times(tiny, tmp_path):
+    """`forward_trace`: a CSV line per forward: its items and patches as packed, its device time (the simulated
+    device's) and launch-to-outputs time, appended to what the file held."""
+    items = [tiny.preprocess(i) for i in random_pngs(5, seed=8)]
+    device = SimulatedDevice(tiny, seconds=0.05)
+    trace = tmp_path / "forwards.csv"
+    trace.write_text("earlier line\n")
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0, max_batch_items=2, trace=str(trace))
+        await eng.start()
+        await eng.submit(items, timeout_s=10)
+        await eng.stop()
+
+    asyncio.run(go())
+    lines = trace.read_text().splitlines()
+    assert lines[0] == "earlier line" and len(lines) == 1 + len(device.packs) == 4  # packs of 2, 2, 1
+    rows = [line.split(",") for line in lines[1:]]
+    assert [int(r[2]) for r in rows] == device.packs == [2, 2, 1]
+    assert sum(int(r[3]) for r in rows) == sum(it.num_patches for it in items)
+    assert all(r[1] == "cpu" and float(r[4]) == 50.0 and float(r[5]) >= 45.0 for r in rows), rows
+
+
 def test_clients_take_turns_in_a_pack_so_a_large_request_cannot_hold_a_lone_image_behind_it(tiny):
     """One client's request of 12 images is queued, then another client's single image: with room for 4 items a
     pack, the single image goes in the very next pack (turns between clients), not after the 12; each client's items

@@ -76,8 +76,9 @@ def _asked(result: EncodeResult, deepstack: bool, tokens: bool) -> EncodeResult:
 class Batcher:
     def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
                  max_queue_items: int, on_batch: Callable[[BatchStats], None] | None = None,
-                 on_fault: Callable[[BaseException], None] | None = None):
-        """`on_batch`: called with each forward's stats; `on_fault`: called once on a device fault."""
+                 on_fault: Callable[[BaseException], None] | None = None, trace: str | None = None):
+        """`on_batch`: called with each forward's stats; `on_fault`: called once on a device fault; `trace`: a file
+        that gets a CSV line per forward (`Settings.forward_trace`)."""
         self.encoder = encoder
         self.max_batch_patches = max_batch_patches
         self.max_batch_items = max_batch_items
@@ -108,6 +109,8 @@ class Batcher:
         self._last_done = 0.0
         self.forwards = 0  # forward passes run, for tests and /info
         self.gpu_busy_s = 0.0  # the GPU's time in those forwards (CUDA events), for /info and the benchmarks
+        # appended a line at a time (O_APPEND: the engines of a node may share one file)
+        self._trace = open(trace, "a", buffering=1) if trace else None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -130,6 +133,8 @@ class Batcher:
                 pass
         self._gpu.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
+        if self._trace is not None:
+            self._trace.close()
 
     @property
     def queue_depth(self) -> int:
@@ -361,6 +366,10 @@ class Batcher:
         if busy > 0:
             self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))
         end = time.perf_counter()
+        if self._trace is not None:
+            self._trace.write(f"{time.time():.4f},{self.encoder.device},{len(batch)},"
+                              f"{sum(w.item.num_patches for w in batch)},"
+                              f"{gpu_s * 1e3 if gpu_s is not None else float('nan'):.3f},{(done - start) * 1e3:.3f}\n")
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
