@@ -183,17 +183,24 @@ def _pack_ms(tower, paths: dict, px, grids, rep_ms: float) -> dict[str, float]:
 # -- load ------------------------------------------------------------------------------------------------------------
 
 
-def _client_proc(url, bodies, tags, clients, phases, conn, params, proc, start_at):
-    """Closed-loop clients; `phases` is [(name, seconds)] run back to back from `start_at` (`time.time()`: the same
-    instant in every generator process, so that each phase's window is one window of the whole load; windows of each
-    process's own start, seconds apart, would count the ends where fewer processes still send and each got more),
-    each request's body one of `bodies` made unique (`unique`). Sends back, per phase, the (tag, latency) of every 200 completed inside it, the count of every
-    other status, and this process's CPU seconds and reply bytes (the generator's own load)."""
+def _client_proc(url, bodies, tags, clients, phases, conn, params, proc):
+    """Closed-loop clients; `phases` is [(name, seconds)] run back to back from the start time the parent sends once
+    every generator process is up (`time.time()`: one instant in all of them, so that each phase's window is one
+    window of the whole load. Windows of each process's own start, seconds apart where spawning takes seconds, span
+    more than the phase between them, and each process counts its window's requests at a server that its late or
+    early peers left partly idle: up to twice the server's rate was counted so), each request's body one of `bodies`
+    made unique (`unique`). Sends back, per phase, the (tag, latency) of every 200 completed inside it, the count of
+    every other status, this process's CPU seconds and reply bytes (the generator's own load), and when its first
+    phase began."""
     import aiohttp
+
+    conn.send("ready")
+    start_at = conn.recv()
 
     async def run():
         records = {name: {"ok": [], "errors": {}, "cpu_s": 0.0, "bytes": 0} for name, _ in phases}
         await asyncio.sleep(max(0.0, start_at - time.time()))
+        records["_began"] = time.time()
         bounds, t = [], time.perf_counter()
         for name, seconds in phases:
             bounds.append((name, t, t + seconds))
@@ -253,14 +260,18 @@ def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS, clients
     (the busiest process's fraction of a core) and reply bytes/s."""
     ctx = mp.get_context("spawn")
     pipes, workers = [], []
-    start_at = time.time() + 5.0  # every process spawned and connected by then
     for p in range(procs):
         a, b = ctx.Pipe()
         w = ctx.Process(target=_client_proc, args=(url, bodies[p::procs], tags[p::procs], clients // procs, phases,
-                                                   b, params, p, start_at))
+                                                   b, params, p))
         w.start()
         pipes.append(a)
         workers.append(w)
+    for a in pipes:  # every process spawned and its imports done
+        assert a.recv() == "ready"
+    start_at = time.time() + 0.5
+    for a in pipes:
+        a.send(start_at)
     time.sleep(max(0.0, start_at - time.time()))
     counters, t = {}, time.perf_counter()
     for name, seconds in phases:
@@ -273,6 +284,10 @@ def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS, clients
     outs = [a.recv() for a in pipes]
     for w in workers:
         w.join()
+    began = [o.pop("_began") for o in outs]
+    if max(began) - min(began) > 0.05:
+        raise RuntimeError(f"the generator processes began {max(began) - min(began):.3f} s apart: their windows are "
+                           "not one window")
     size = dict(zip(tags, patches)) if len(set(tags)) == len(tags) else None
     result = {}
     for name, seconds in phases:
