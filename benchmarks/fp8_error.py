@@ -3,7 +3,7 @@
 For each preset, three weight sets: `random` (the presets' std-0.02 initialisation, where blocks barely move the
 residual stream), `unit-gain` (the blocks' linear weights at std 1/sqrt(fan_in): every block moves the stream as
 trained ones do) and `unit-gain+outliers` (the same, with channels at 50-200x planted before the projections,
-`quant_check.plant_outliers`, the float function unchanged). Inputs: photographs (scikit-image's, where installed,
+`tools.synthetic.plant_outliers`, the float function unchanged). Inputs: photographs (scikit-image's, where installed,
 else synthetic ones) and awkward images (tiny, thin, grey), at most `--max-pixels`, and a 4-frame video.
 Per weight set: per-token cosine (mean and worst) of the merged tokens and every DeepStack level together, each
 part on its own, and the residual stream after each block (`service.model.quant_check.compare`).
@@ -30,8 +30,8 @@ from PIL import Image
 from benchmarks.common import environment, write_results
 from kernels.fp8 import fp8_tensor_cores
 from service.model.encoder import Encoder
-from service.model.quant_check import all_tokens, compare, fp8_copy, plant_outliers, unit_gain
-from service.model.video import encode_video
+from service.model.quant_check import all_tokens, compare, fp8_copy
+from tools.synthetic import encode_video, plant_outliers, unit_gain
 
 WEIGHT_SETS = ("random", "unit-gain", "unit-gain+outliers")
 

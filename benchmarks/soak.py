@@ -41,7 +41,7 @@ PARAMS = "format=safetensors&deepstack=false"  # as bench_service's uniform load
 
 def write_bodies(directory: Path, images: int, videos: int) -> None:
     """`images` distinct 448 px JPEGs and `videos` distinct 2 s MP4s (448 x 448, 24 fps) in `directory`."""
-    from service.model.video import encode_video
+    from tools.synthetic import encode_video
 
     photos = photo_jpegs([(448, 448)] * 8)
     for n in range(images):

@@ -136,7 +136,7 @@ def make_video(n_frames: int, width: int, height: int, fmt: str = "mp4", codec: 
                seed: int = 0, faststart: bool = False) -> bytes:
     """A real encoded video: a random background with a moving bright square, so frames differ.
     `faststart` (MP4): the index, with its frame count, before the data."""
-    from service.model.video import encode_video
+    from tools.synthetic import encode_video
 
     rng = np.random.default_rng(seed)
     background = rng.integers(0, 200, (height, width, 3), dtype=np.uint8)

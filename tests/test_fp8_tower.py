@@ -17,7 +17,8 @@ from service.model.config import preset
 from service.model.encoder import Encoder
 from service.model.loader import random_tower
 from service.model.quant import Fp8Linear
-from service.model.quant_check import all_tokens, compare, fp8_copy, plant_outliers, unit_gain
+from service.model.quant_check import all_tokens, compare, fp8_copy
+from tools.synthetic import plant_outliers, unit_gain
 from service.model.tower import TowerOptions, VisionTower
 
 from conftest import gpu, random_pngs, rel_err

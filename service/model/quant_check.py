@@ -73,39 +73,3 @@ def all_tokens(report: dict) -> dict[str, float]:
     tokens = sum(p["tokens"] for p in parts)
     return {"mean_token_cosine": sum(p["mean_token_cosine"] * p["tokens"] for p in parts) / max(tokens, 1),
             "min_token_cosine": min(p["min_token_cosine"] for p in parts)}
-
-
-# -- random weights that behave like trained ones, for presets (no checkpoint can be downloaded here) ---------------
-
-def unit_gain(tower: VisionTower, seed: int = 0) -> None:
-    """Redraw the blocks' linear weights at std 1/sqrt(fan_in), so that every block changes the residual stream as
-    much as trained blocks do (at the presets' std 0.02 the stream is the patch embedding, nearly unchanged, and
-    any quantisation looks free)."""
-    gen = torch.Generator(device=tower.device).manual_seed(seed)
-    with torch.no_grad():
-        for block in tower.blocks:
-            for module in block.modules():
-                if isinstance(module, torch.nn.Linear):
-                    w = module.weight
-                    w.copy_(torch.randn(w.shape, generator=gen, device=w.device) / w.shape[1] ** 0.5)
-
-
-def plant_outliers(tower: VisionTower, channels=(3, 17, 40, 101), factors=(50.0, 100.0, 150.0, 200.0)) -> None:
-    """Outlier channels where trained ViTs have them, without changing the function: each norm before a projection
-    (norm1 before qkv, norm2 before fc1 or gate/up) scales `channels` by `factors`, and the projections after it
-    divide the same input columns by them. The float tower computes what it did; the FP8 one sees activations whose
-    few channels are 50-200x the rest, and weight columns that much smaller."""
-    with torch.no_grad():
-        for block in tower.blocks:
-            hidden = block.norm2.weight.shape[0]
-            mlp_in = [m for m in block.mlp.children() if isinstance(m, torch.nn.Linear) and m.in_features == hidden]
-            for norm, linears in ((block.norm1, [block.attn.qkv]), (block.norm2, mlp_in)):
-                for c, f in zip(channels, factors):
-                    if c >= norm.weight.shape[0]:
-                        continue
-                    norm.weight[c] *= f
-                    if getattr(norm, "bias", None) is not None:
-                        norm.bias[c] *= f
-                    for linear in linears:
-                        linear.weight[:, c] /= f
-

@@ -26,7 +26,6 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -252,29 +251,3 @@ def resize(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     x = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
     y = torch.nn.functional.interpolate(x, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
     return y.permute(0, 2, 3, 1).contiguous().numpy()
-
-
-def encode_video(frames, rate: int, fmt: str = "mp4", codec: str = "libx264", faststart: bool = False) -> bytes:
-    """Encode RGB uint8 frames `[H, W, 3]` (all one size) with PyAV into a video file's bytes (the tests, benchmarks
-    and load test make their clips with it). `faststart` (MP4): the index, with its frame count, before the data,
-    as streaming sites write it."""
-    import tempfile
-
-    import av
-
-    frames = list(frames)
-    height, width = frames[0].shape[:2]
-    tmp = tempfile.NamedTemporaryFile(suffix=f".{fmt}") if faststart else None  # the muxer rewrites the file
-    buf = tmp.name if tmp else io.BytesIO()
-    with av.open(buf, mode="w", format=fmt, options={"movflags": "faststart"} if faststart else {}) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    if tmp:
-        with tmp:
-            return Path(tmp.name).read_bytes()
-    return buf.getvalue()
