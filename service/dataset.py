@@ -19,11 +19,14 @@ Columns: `id` (the file's path relative to its directory, the list's line, `TAR/
 - `pooled`: the mean of the merged tokens (float32; `--normalize`: L2-normalised), as `/embed?pooling=mean`;
 - `tokens`: the merged tokens, `num_tokens` lists of `out_hidden` float32;
 - `vllm`: `image_embeds` and `image_grid_thw` (or `video_...`), each `torch.save` bytes, as `/embed?format=vllm`
-  gives them in base64: what vLLM's `image_embeds` input takes (`torch.load`).
+  gives them in base64: what vLLM's `image_embeds` input takes (`torch.load`);
+- `sglang`: `sglang_feature`, the `feature` of SGLang's `precomputed_embedding` item as `/embed?format=sglang` gives
+  it (`num_tokens` lists of float32: the merged tokens, then each DeepStack level); its `image_grid_thw` is
+  `[grid_thw]`.
 
-The encoding is the server's: one `LocalEngine` per device (`--devices`, default every visible GPU), each with its
-batcher, packing the inputs of every shard in flight into forwards; decoding in threads, videos in the sandbox;
-the same limits (`Settings`) as the server. A corrupt or hostile input fails alone, into the errors file.
+The encoding is the server's: one `LocalEngine` per device (`--devices`, default every visible GPU; with several, a
+process each), each with its batcher, packing the inputs of every shard in flight into forwards; decoding in threads,
+videos in the sandbox; the same limits (`Settings`) as the server. A corrupt or hostile input fails alone, into the errors file.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ log = logging.getLogger(__name__)
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"}
 VIDEO_EXTS = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"}
-OUTPUTS = ("pooled", "tokens", "vllm")
+OUTPUTS = ("pooled", "tokens", "vllm", "sglang")
+LLM_OUTPUTS = ("vllm", "sglang")  # a language model's precomputed features: the tokens and DeepStack
 FORMAT_VERSION = 1
 
 
@@ -276,8 +280,8 @@ class DatasetJob:
         engine = self.engines[i]
         self.loads[i] += item.num_patches
         try:
-            done = await engine.submit([item], timeout_s=3600.0, deepstack="vllm" in o.outputs,
-                                       tokens="tokens" in o.outputs or "vllm" in o.outputs)
+            done = await engine.submit([item], timeout_s=3600.0, deepstack=_wants_llm(o.outputs),
+                                       tokens="tokens" in o.outputs or _wants_llm(o.outputs))
         finally:
             self.loads[i] -= item.num_patches
         return result_row(entry.id, entry.source, item.kind, done.results[0], o)
@@ -304,12 +308,20 @@ def result_row(id_: str, source: str, kind: str, r, opts: JobOptions) -> dict:
         row["pooled"] = pooled([r], opts.normalize)[0].numpy()
     if "tokens" in opts.outputs:
         row["tokens"] = r.embeds.float().numpy()
-    if "vllm" in opts.outputs:
+    if _wants_llm(opts.outputs):
         import torch
 
-        row[f"{kind}_embeds"] = torch_saved(llm_features(r, torch.bfloat16))
-        row[f"{kind}_grid_thw"] = torch_saved(torch.tensor([r.grid_thw], dtype=torch.int64))
+        features = llm_features(r, torch.bfloat16)
+        if "vllm" in opts.outputs:
+            row[f"{kind}_embeds"] = torch_saved(features)
+            row[f"{kind}_grid_thw"] = torch_saved(torch.tensor([r.grid_thw], dtype=torch.int64))
+        if "sglang" in opts.outputs:  # the `feature` of SGLang's precomputed_embedding item, as /embed gives it
+            row["sglang_feature"] = features.float().numpy()
     return row
+
+
+def _wants_llm(outputs) -> bool:
+    return any(o in outputs for o in LLM_OUTPUTS)
 
 
 def _table(rows: list[dict], outputs: tuple[str, ...], error_column: bool = False):
@@ -325,13 +337,16 @@ def _table(rows: list[dict], outputs: tuple[str, ...], error_column: bool = Fals
         fields.append(("tokens", pa.list_(pa.list_(pa.float32()))))
     if "vllm" in outputs:
         fields += [(f"{k}_{p}", pa.binary()) for k in ("image", "video") for p in ("embeds", "grid_thw")]
+    if "sglang" in outputs:
+        fields.append(("sglang_feature", pa.list_(pa.list_(pa.float32()))))
     if error_column:
         fields.append(("error", pa.string()))
     schema = pa.schema(fields)
     columns = {}
     for name, typ in fields:
         values = [row.get(name) for row in rows]
-        columns[name] = _float_lists(values, typ) if name in ("pooled", "tokens") else pa.array(values, type=typ)
+        columns[name] = (_float_lists(values, typ) if name in ("pooled", "tokens", "sglang_feature")
+                         else pa.array(values, type=typ))
     return pa.table(columns, schema=schema)
 
 
@@ -581,8 +596,8 @@ class RayEncoder:
         o = self.settings
         with torch.inference_mode():
             for pack in pack_by_budget([it.num_patches for it in items], o.max_batch_patches, o.max_batch_items):
-                results = self.encoder.encode([items[j] for j in pack], deepstack="vllm" in self.opts.outputs,
-                                              tokens="tokens" in self.opts.outputs or "vllm" in self.opts.outputs)
+                results = self.encoder.encode([items[j] for j in pack], deepstack=_wants_llm(self.opts.outputs),
+                                              tokens="tokens" in self.opts.outputs or _wants_llm(self.opts.outputs))
                 for j, r in zip(pack, results):
                     i = where[j]
                     rows[i] = result_row(rows[i]["id"], rows[i]["source"], items[j].kind, r, self.opts)

@@ -86,7 +86,7 @@ def _run(paths, out, opts, **settings):
 def test_every_kind_of_input_gives_what_embed_gives_for_the_same_bytes(inputs, tmp_path):
     _, paths, by_id = inputs
     out = tmp_path / "out"
-    counts = _run(paths, out, JobOptions(outputs=("pooled", "tokens", "vllm"), normalize=True, shard_size=5))
+    counts = _run(paths, out, JobOptions(outputs=("pooled", "tokens", "vllm", "sglang"), normalize=True, shard_size=5))
     assert counts["rows"] == len(by_id) and counts["errors"] == 1
     table = _read(out)
     assert sorted(table.column("id").to_pylist()) == sorted(by_id)  # each input once, the broken one not at all
@@ -113,6 +113,15 @@ def test_every_kind_of_input_gives_what_embed_gives_for_the_same_bytes(inputs, t
             assert (ours.float() - theirs.float()).abs().max() <= 1e-2 * theirs.float().abs().max()
             grid = torch.load(io.BytesIO(row["image_grid_thw"]), weights_only=True)
             assert grid.tolist() == [r["grid_thw"]]
+            g = httpx.post(f"{url}/embed", content=data, params={"format": "sglang"},
+                           headers={"content-type": "image/png"}, timeout=60).json()["data"][0]["image_data"]
+            theirs = np.array(g["feature"], dtype=np.float32)
+            assert np.array(row["sglang_feature"]).shape == theirs.shape == (ours.shape[0], ours.shape[1])
+            np.testing.assert_array_equal(np.array(row["sglang_feature"], dtype=np.float32),
+                                          ours.float().numpy())  # the vLLM features, as float32
+            np.testing.assert_allclose(np.array(row["sglang_feature"]), theirs,
+                                       atol=1e-2 * float(np.abs(theirs).max()))
+            assert g["image_grid_thw"] == [row["grid_thw"]] and g["format"] == "precomputed_embedding"
 
 
 def test_one_process_per_device_writes_what_one_process_writes(inputs, tmp_path):
