@@ -22,8 +22,7 @@ QUANTIZATIONS = ("none", "fp8")
 ACT_HANDED = ("gelu_pytorch_tanh", "gelu")
 # the blocks' linear layers that run in FP8, by their attribute paths in a block
 # (the attention's output projection stays in bf16: its GEMM is the block's smallest, and in FP8, with its input
-# quantised in a pass of its own, it took longer than in bf16 with the residual in cuBLAS's epilogue: 2B at 32 x 448
-# px on an H200, 0.106 against 0.089 ms, docs/PERFORMANCE.md)
+# quantised in a pass of its own, it is slower than in bf16 with the residual in cuBLAS's epilogue; docs/PERFORMANCE.md)
 FP8_LINEARS = ("attn.qkv", "mlp.linear_fc1", "mlp.linear_fc2", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
