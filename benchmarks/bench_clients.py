@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_service import (PARAMS, _engine_counters, _pack_ms, load, photo_jpegs, served_encoder,
-                                      start_server, stop_server, unique)
+from benchmarks.bench_service import (PARAMS, _pack_ms, compiled, load, photo_jpegs, served_encoder, sm_clock,
+                                      start_server, stop_server, unique, write_bodies)
 from benchmarks.common import environment, write_results
 
 PACKS = (8, 16, 20, 24, 28, 32, 41)
@@ -54,44 +54,6 @@ def forward_table(model: str, jpeg: bytes, packs: tuple[int, ...] = PACKS) -> di
     del enc, eager, served
     torch.cuda.empty_cache()
     return out
-
-
-def sm_clock() -> str:
-    """The SM clock and power draw now (nvidia-smi; empty without one)."""
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
-                              capture_output=True, text=True).stdout.strip()
-    except FileNotFoundError:
-        return ""
-
-
-def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path) -> dict:
-    csv_path = work / f"c{clients}.csv"
-    gen = subprocess.Popen([".bin/openloop", "-url", f"{url}/embed?format=safetensors&deepstack=false", "-bodies",
-                            str(bodies), "-concurrency", str(clients), "-duration", f"{warmup_s + seconds}s",
-                            "-unique", "-out", str(csv_path)], stdout=subprocess.PIPE, text=True)
-    time.sleep(warmup_s)
-    a = _engine_counters(url)
-    time.sleep(seconds)
-    b = _engine_counters(url)
-    clock = sm_clock()
-    summary = json.loads(gen.communicate()[0])
-    with open(csv_path, newline="") as f:
-        done = [(int(r["due_ns"]) + int(r["latency_ns"])) / 1e9 for r in csv.DictReader(f) if r["status"] == "200"]
-    images = sum(warmup_s <= t < warmup_s + seconds for t in done)
-    return _row(images / seconds, a, b, clock, {"achieved_requests_per_s": summary["achieved_per_s"],
-                                                "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"]})
-
-
-def _row(images_per_s: float, a, b, clock: str, generator: dict) -> dict:
-    (t0, f0, busy0), (t1, f1, busy1) = a, b
-    per_s = (f1 - f0) / (t1 - t0)
-    row = {"images_per_s": round(images_per_s, 1), "images_per_forward": round(images_per_s / max(per_s, 1e-9), 1),
-           "gpu_busy_fraction": round((busy1 - busy0) / (t1 - t0), 4),
-           "gpu_busy_ms_per_image": round((busy1 - busy0) / (t1 - t0) / images_per_s * 1e3, 4),
-           "sm_clock_power": clock, "generator": generator}
-    print(json.dumps(row), flush=True)
-    return row
 
 
 COUNTERS = ("qwen3vl_images_total", "qwen3vl_output_tokens_total", 'qwen3vl_embedding_cache_items_total{result="hit"}',
@@ -244,10 +206,7 @@ def main():
     args = ap.parse_args()
     photos = photo_jpegs([(448, 448)] * 64)
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-clients-"))
-    bodies = work / "bodies"
-    bodies.mkdir()
-    for i, b in enumerate(photos):
-        (bodies / f"{i:03d}.jpg").write_bytes(b)
+    bodies = write_bodies(photos, work)
     if args.check:
         write_results("clients_check", {"benchmark": "clients_check", "env": environment(), "model": args.model,
                                         **check(args, photos, bodies, work)}, args.out)

@@ -14,7 +14,10 @@ Phases, in order, against one server:
 - start 1 (empty cache): seconds from launch to /ready (`ready_s_first`);
 - mixed photos (224-1536 px per side, fixed seed): the first 30 s after ready (cold window), then 10 s of warm-up
   and 20 s measured (warm window), latency percentiles per size class;
-- uniform 448 px photos: 10 s warm-up, 20 s measured;
+- uniform 448 px photos: 10 s warm-up, 20 s measured; then the same photos from the compiled closed-loop generator
+  (`tools/openloop`, bytes of their own per request) with 64 and with 256 clients, 10 s warm-up and 20 s measured
+  each. The compiled generator's figures are the headline (`compiled_ratio_c64`, `compiled_ratio_c256`), the aiohttp
+  one's beside them (`aiohttp_ratio`), each with the generator's achieved rate and CPU;
 - the encoder tier: the same photos asking for vLLM's layout (`format=vllm`: bfloat16, the merged tokens and the
   DeepStack levels, 4x the bytes of the tokens alone), read by 8 generator processes; 10 s warm-up, 20 s measured,
   with the generator's CPU per process (`epd_generator_max_cpu_fraction`: well under 1, it is not the limit);
@@ -32,7 +35,8 @@ forward in-process (results in `service_startup.json`).
 Ratios: uniform images/s over the forward's images/s at 32 x 448 px; mixed patches/s over the forward's patches/s
 on the same photos.
 
-Usage: python -m benchmarks.bench_service [--model random:qwen3-vl-2b] [--out DIR]
+Usage: python -m benchmarks.bench_service [--model random:qwen3-vl-2b] [--out DIR] (the compiled generator built:
+CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import csv
 import io
 import json
 import multiprocessing as mp
@@ -50,12 +55,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from benchmarks.common import environment, wait_until_ready, write_results
 
 CLIENTS, PROCS = 64, 4
+OPENLOOP = ".bin/openloop"  # the compiled generator: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
 PARAMS = {"format": "safetensors", "deepstack": "false"}
 # the encoder tier: vLLM's layout (bfloat16, the merged tokens and DeepStack levels), read by more generator
 # processes: each reply is 4x the bytes of the merged tokens alone
@@ -246,6 +253,58 @@ def _client_proc(url, bodies, tags, clients, phases, conn, params, proc):
     conn.send(asyncio.run(run()))
 
 
+def sm_clock() -> str:
+    """The SM clock and power draw now (nvidia-smi; empty without one)."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return ""
+
+
+def write_bodies(photos: list[bytes], work: Path) -> Path:
+    """The photos as files, the compiled generator's bodies."""
+    bodies = work / "bodies"
+    bodies.mkdir(exist_ok=True)
+    for i, b in enumerate(photos):
+        (bodies / f"{i:03d}.jpg").write_bytes(b)
+    return bodies
+
+
+def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path) -> dict:
+    """`clients` closed-loop clients of the compiled generator (`tools/openloop`, each request's bytes its own) for
+    `warmup_s` then `seconds`: images/s completed in the measured window, images per forward and GPU-busy time per
+    image from the engine's counters, the SM clock, and the generator's achieved rate and CPU (is it the limit?)."""
+    if not Path(OPENLOOP).exists():
+        raise SystemExit(f"{OPENLOOP} missing: CGO_ENABLED=0 go build -o {OPENLOOP} tools/openloop/main.go")
+    csv_path = work / f"c{clients}.csv"
+    gen = subprocess.Popen([OPENLOOP, "-url", f"{url}/embed?format=safetensors&deepstack=false", "-bodies",
+                            str(bodies), "-concurrency", str(clients), "-duration", f"{warmup_s + seconds}s",
+                            "-unique", "-out", str(csv_path)], stdout=subprocess.PIPE, text=True)
+    time.sleep(warmup_s)
+    a = _engine_counters(url)
+    time.sleep(seconds)
+    b = _engine_counters(url)
+    clock = sm_clock()
+    summary = json.loads(gen.communicate()[0])
+    with open(csv_path, newline="") as f:
+        done = [(int(r["due_ns"]) + int(r["latency_ns"])) / 1e9 for r in csv.DictReader(f) if r["status"] == "200"]
+    images = sum(warmup_s <= t < warmup_s + seconds for t in done)
+    return _row(images / seconds, a, b, clock, {"achieved_requests_per_s": summary["achieved_per_s"],
+                                                "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"]})
+
+
+def _row(images_per_s: float, a, b, clock: str, generator: dict) -> dict:
+    (t0, f0, busy0), (t1, f1, busy1) = a, b
+    per_s = (f1 - f0) / (t1 - t0)
+    row = {"images_per_s": round(images_per_s, 1), "images_per_forward": round(images_per_s / max(per_s, 1e-9), 1),
+           "gpu_busy_fraction": round((busy1 - busy0) / (t1 - t0), 4),
+           "gpu_busy_ms_per_image": round((busy1 - busy0) / (t1 - t0) / images_per_s * 1e3, 4),
+           "sm_clock_power": clock, "generator": generator}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def _engine_counters(url) -> tuple[float, int, float]:
     import httpx
 
@@ -267,7 +326,10 @@ def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS, clients
         w.start()
         pipes.append(a)
         workers.append(w)
-    for a in pipes:  # every process spawned and its imports done
+    for a, w in zip(pipes, workers):  # every process spawned and its imports done
+        while not a.poll(1.0):
+            if not w.is_alive():
+                raise RuntimeError(f"a load generator process exited with code {w.exitcode} before it was ready")
         assert a.recv() == "ready"
     start_at = time.time() + 0.5
     for a in pipes:
@@ -495,6 +557,32 @@ def plot(d: dict, path) -> None:
     plt.close(fig)
 
 
+def compiled_loads(url: str, photos: list[bytes], warmup_s: float, seconds: float) -> dict:
+    """The compiled generator with 64 and with 256 closed-loop clients, back to back on the server at `url`."""
+    work = Path(tempfile.mkdtemp(prefix="qwen3vl-openloop-"))
+    bodies = write_bodies(photos, work)
+    try:
+        return {f"c{n}": compiled(url, bodies, n, warmup_s, seconds, work) for n in (64, 256)}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def generator_summary(comp: dict, aio: dict, fwd: dict) -> dict:
+    """The uniform load's figures under each generator, over the forward's best on the same images: the compiled
+    generator's (the headline) and the aiohttp one's beside them, each with what the generator itself used."""
+    best = fwd["uniform"]["images_per_s"]
+    warm = aio["warm"]
+    return {"compiled_images_per_s_c64": comp["c64"]["images_per_s"],
+            "compiled_images_per_s_c256": comp["c256"]["images_per_s"],
+            "compiled_ratio_c64": comp["c64"]["images_per_s"] / best,
+            "compiled_ratio_c256": comp["c256"]["images_per_s"] / best,
+            "compiled_generator_cpu_cores": max(c["generator"]["cpu_cores"] for c in comp.values()),
+            "compiled_achieved_requests_per_s": {k: c["generator"]["achieved_requests_per_s"] for k, c in comp.items()},
+            "aiohttp_images_per_s": warm["images_per_s"], "aiohttp_ratio": warm["images_per_s"] / best,
+            "aiohttp_generator_max_cpu_fraction": warm["generator"]["max_cpu_fraction"],
+            "aiohttp_p50_ms": warm["p50_ms"], "aiohttp_p99_ms": warm["p99_ms"]}
+
+
 def uniform_only(args, settings, port: int, uniform: list[bytes]) -> None:
     """The uniform phase alone, server and forward with the environment's settings (the FP8 tower's HTTP ratio)."""
     import torch
@@ -510,16 +598,16 @@ def uniform_only(args, settings, port: int, uniform: list[bytes]) -> None:
         import httpx
 
         info = httpx.get(f"{url}/info").json()
+        comp = compiled_loads(url, uniform, args.warmup_s, args.measure_s)
         res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))], [patches] * len(uniform),
                    [("_warmup", args.warmup_s), ("warm", args.measure_s)])
     finally:
         stop_server(server)
     summary = {"quantization": info.get("quantization"), "forward_images_per_s": fwd["uniform"]["images_per_s"],
-               "http_images_per_s": res["warm"]["images_per_s"],
-               "uniform_ratio_to_forward": res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
-               "p50_ms": res["warm"]["p50_ms"], "p99_ms": res["warm"]["p99_ms"], "ready_s": ready}
+               **generator_summary(comp, res, fwd), "ready_s": ready}
     payload = {"benchmark": "service_uniform", "env": environment(), "model": args.model, "clients": CLIENTS,
-               "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd, "uniform": res}
+               "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd, "compiled": comp,
+               "uniform": res}
     write_results(f"service_{settings.quantization}", payload, args.out)
     print(json.dumps({"benchmark": "service_uniform", **summary}))
 
@@ -587,6 +675,7 @@ def main():
                            [("_warmup", args.warmup_s), ("warm", args.measure_s)])
         if profiler is not None:
             profiler.wait(120)
+        compiled_res = compiled_loads(url, uniform, args.warmup_s, args.measure_s)
         epd_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))],
                        [pre(uniform[0]).num_patches] * len(uniform),
                        [("_warmup", args.warmup_s), ("warm", args.measure_s)], params=EPD_PARAMS, procs=EPD_PROCS)
@@ -610,7 +699,7 @@ def main():
 
     summary = {
         "settings": "defaults",
-        "uniform_ratio_to_forward": uniform_res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
+        **generator_summary(compiled_res, uniform_res, fwd),
         "mixed_ratio_to_forward": mixed_res["warm"]["patches_per_s"] / fwd["mixed"]["patches_per_s"],
         "warm_p99_over_p50": uniform_res["warm"]["p99_ms"] / uniform_res["warm"]["p50_ms"],
         "epd_ratio_to_forward": epd_res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
@@ -632,7 +721,7 @@ def main():
     }
     payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": CLIENTS,
                "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd,
-               "uniform": uniform_res, "mixed": mixed_res, "epd": {"params": EPD_PARAMS, **epd_res},
+               "compiled": compiled_res, "uniform": uniform_res, "mixed": mixed_res, "epd": {"params": EPD_PARAMS, **epd_res},
                "embedding_cache": cache, "single_image": single,
                "single_image_fresh": single_fresh,
                "server": {k: info.get(k) for k in ("http_workers", "cuda_graphs", "attention_backend", "limits")}}
