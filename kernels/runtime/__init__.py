@@ -22,7 +22,7 @@ from .tuner import Tuner
 TUNER = Tuner()
 LAUNCHER = Launcher()
 
-__all__ = ["LAUNCHER", "TUNER", "Launcher", "Replay", "Tuner", "cdiv", "choose", "interpreting", "is_hopper",
+__all__ = ["LAUNCHER", "TUNER", "Launcher", "Replay", "Tuner", "allow_lean_launch", "cdiv", "choose", "interpreting", "is_hopper",
            "launch", "launch_status", "next_power_of_2", "record", "restore_choices", "size_class", "sm_count",
            "tuned_choices"]
 
@@ -52,6 +52,11 @@ def launch(fn, grid: tuple, *args, **kwargs):
 
 def record(run, roles: tuple):
     return LAUNCHER.record(run, roles)
+
+
+def allow_lean_launch(enabled: bool) -> None:
+    """Whether this process's launches may take the lean path (`Launcher.allow`)."""
+    LAUNCHER.allow(enabled)
 
 
 def launch_status() -> dict:

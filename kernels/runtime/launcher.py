@@ -92,6 +92,16 @@ class Launcher:
             self.kernels[key] = kernel
         return kernel
 
+    def allow(self, enabled: bool) -> None:
+        """The operator's choice (`lean_launch`): False sends every launch through Triton's own path from now on;
+        True lets the next compiled launch decide again whether this Triton supports the lean path."""
+        self.kernels.clear()
+        if enabled:
+            self.lean, self.reason = None, ""
+        else:
+            self.lean, self.reason = False, "turned off (lean_launch=false)"
+            log.info("kernel launches take Triton's own path: turned off by the settings (lean_launch=false)")
+
     def _off(self, reason: str) -> None:
         self.lean, self.reason = False, reason
         log.warning("kernel launches take Triton's own path, with more host time per launch: %s", reason)

@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from kernels.attention import configure as configure_attention
-from kernels.runtime import restore_choices, tuned_choices
+from kernels.runtime import allow_lean_launch, restore_choices, tuned_choices
 
 from ..model.encoder import Encoder, bind_thread
 from ..model.loader import set_cublaslt_workspace
@@ -36,6 +36,7 @@ def configure_runtime(settings: Settings) -> None:
     into `cache_dir` (unless TRITON_CACHE_DIR names another place)."""
     set_cublaslt_workspace(settings.cublaslt_workspace_kib)
     configure_attention(tma_descriptors=settings.tma_descriptors, launch_plans=settings.launch_plans)
+    allow_lean_launch(settings.lean_launch)
     if settings.cache_dir and "TRITON_CACHE_DIR" not in os.environ:
         os.environ["TRITON_CACHE_DIR"] = _writable_dir(Path(settings.cache_dir) / "triton")
 

@@ -4,6 +4,8 @@ launches lean, when it steps aside), and launch replays with a fake C launcher."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kernels.runtime import triton_internals
@@ -153,6 +155,37 @@ def test_launch_goes_through_the_jit_with_a_hook_or_unknown_internals(launcher, 
     assert [entry[0] for entry in newer.log] == ["jit"] * 3
     assert unsupported.status()["lean"] is False and "outside" in unsupported.status()["reason"]
     assert caplog.text.count("take Triton's own path") == 2
+
+
+def test_the_lean_path_is_an_operator_choice_that_falls_back_to_the_jit(launcher, monkeypatch):
+    """`lean_launch=false` (`Launcher.allow(False)`): every launch through Triton's own path, the kernels compiled
+    so far forgotten, `status` saying why; allowed again, the next compiled launch goes lean. The service's
+    start-up applies the setting (`configure_runtime`)."""
+    fn = FakeJit()
+    launcher.launch(fn, (1,), "x", 32)
+    launcher.launch(fn, (1,), "x", 32)
+    launcher.allow(False)
+    for _ in range(2):
+        launcher.launch(fn, (1,), "x", 32)
+    assert [entry[0] for entry in fn.log] == ["jit", "lean", "jit", "jit"]
+    assert launcher.status()["lean"] is False and "lean_launch=false" in launcher.status()["reason"]
+    assert not launcher.kernels
+    launcher.allow(True)
+    launcher.launch(fn, (1,), "x", 32)
+    launcher.launch(fn, (1,), "x", 32)
+    assert [entry[0] for entry in fn.log][-2:] == ["jit", "lean"] and launcher.status()["lean"] is True
+
+    import kernels.runtime as runtime
+    from service.engine.build import configure_runtime
+    from service.settings import Settings
+
+    monkeypatch.setattr(runtime, "LAUNCHER", launcher)
+    monkeypatch.setenv("TRITON_CACHE_DIR", os.environ.get("TRITON_CACHE_DIR", "/tmp/triton-cache"))  # left as it is
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", os.environ.get("CUBLASLT_WORKSPACE_SIZE", "0"))
+    configure_runtime(Settings(model="random:tiny", lean_launch=False))
+    assert runtime.launch_status()["lean"] is False and "lean_launch=false" in runtime.launch_status()["reason"]
+    configure_runtime(Settings(model="random:tiny"))
+    assert runtime.launch_status()["lean"] is None  # the next compiled launch decides
 
 
 def test_the_internals_module_knows_its_triton_releases(monkeypatch):
