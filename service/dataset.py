@@ -225,7 +225,7 @@ class DatasetJob:
         total = sum(len(self.shards[k]) for k in shards) if isinstance(shards, list) else None
         bar = tqdm(total=total, unit="img", disable=not self.progress, smoothing=0.05)
         done = self.report or bar.update
-        # inputs in flight at once, across shards: enough to fill every engine's packs twice over
+        # inputs in flight at once, across shards: enough to fill every engine's largest pack four times over
         window = asyncio.Semaphore(max(64, 4 * sum(e.settings.max_batch_items for e in self.engines)))
         counts = {"shards_done_before": len(self.shards) - len(shards) if total is not None else 0, "shards_written": 0,
                   "rows": 0, "errors": 0}
