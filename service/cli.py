@@ -72,7 +72,7 @@ def dataset_main(args) -> int:
 
     configure_process("local")
     counts = asyncio.run(run_job(entries, Path(args.output), settings, opts, progress=not args.quiet))
-    log.info("%s: %d shards written now (%d were already), %d rows, %d errors (part-*.errors.jsonl), %.1f s",
+    log.info("%s: %d shards written now (%d were already), %d rows, %d errors (__job__/errors/), %.1f s",
              args.output, counts["shards_written"], counts["shards_done_before"], counts["rows"], counts["errors"],
              counts["seconds"])
     return 0
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "server setting is a flag and a QWEN3VL_* variable (limits, batching, devices).")
     ds.add_argument("inputs", nargs="+", help="directories, list files (.txt/.lst), WebDataset shards (.tar), Parquet "
                     "files (.parquet), or single files")
-    ds.add_argument("--output", "-o", required=True, help="the output directory (part-NNNNN.parquet, manifest.json)")
+    ds.add_argument("--output", "-o", required=True, help="the output directory (part-NNNNN.parquet; the manifest and the errors in __job__/)")
     ds.add_argument("--outputs", default="pooled", help="comma-separated: pooled, tokens, vllm, sglang (default: pooled)")
     ds.add_argument("--normalize", action="store_true", help="L2-normalise the pooled vectors")
     ds.add_argument("--shard-size", type=int, default=1000, help="inputs per output shard (default: 1000)")

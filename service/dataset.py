@@ -9,9 +9,9 @@ Inputs, any mix of:
 
 The inputs are listed once, in a fixed order (sorted paths; tar members and Parquet rows in file order), and cut into
 shards of `--shard-size` inputs. Each shard becomes `part-NNNNN.parquet` under the output directory, written to a
-temporary name and renamed into place when all of its inputs are done, after its `part-NNNNN.errors.jsonl` (the
+temporary name and renamed into place when all of its inputs are done, after its `__job__/errors/part-NNNNN.jsonl` (the
 inputs that could not be encoded, each with its reason). A run finds the shards already there and encodes only the
-others: kill it at any moment and run it again, and every input is written exactly once. `manifest.json` records the
+others: kill it at any moment and run it again, and every input is written exactly once. `__job__/manifest.json` records the
 job (model, options, inputs, shard size); a second run with other settings into the same directory is refused.
 
 Columns: `id` (the file's path relative to its directory, the list's line, `TAR/MEMBER`, or `PARQUET#ROW`),
@@ -51,6 +51,10 @@ VIDEO_EXTS = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".m4v"}
 OUTPUTS = ("pooled", "tokens", "vllm", "sglang")
 LLM_OUTPUTS = ("vllm", "sglang")  # a language model's precomputed features: the tokens and DeepStack
 FORMAT_VERSION = 1
+# the job's own files, beside the shards in a directory that Parquet readers skip (pyarrow: a leading "_"; Hugging
+# Face `datasets`: a leading "__"): pandas, pyarrow, Ray and `datasets` read the output directory as it is
+JOB_DIR = "__job__"
+MANIFEST, ERRORS = f"{JOB_DIR}/manifest.json", f"{JOB_DIR}/errors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,15 +207,15 @@ class DatasetJob:
     def prepare(self) -> list[int]:
         """Make the output directory, remove a killed run's half-written files, write the manifest or check that the
         one there is this job's (a rerun continues it); the shards not written yet."""
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.out_dir.glob(".tmp-*"):
+        (self.out_dir / ERRORS).mkdir(parents=True, exist_ok=True)
+        for stale in [*self.out_dir.glob(".tmp-*"), *(self.out_dir / JOB_DIR).glob("**/.tmp-*")]:
             stale.unlink(missing_ok=True)
-        path = self.out_dir / "manifest.json"
+        path = self.out_dir / MANIFEST
         mine = self.manifest()
         if path.exists():
             theirs = {k: v for k, v in json.loads(path.read_text()).items() if k in mine}
             if theirs != mine:
-                raise EncoderError(f"{self.out_dir} holds another job (its manifest.json differs: {theirs} vs "
+                raise EncoderError(f"{self.out_dir} holds another job (its {MANIFEST} differs: {theirs} vs "
                                    f"{mine}); give another output directory")
         else:
             _write_atomically(path, json.dumps(mine, indent=1).encode())
@@ -289,7 +293,7 @@ class DatasetJob:
     def _commit(self, k: int, rows: list[dict], errors: list[dict]) -> None:
         """The shard's errors file, then its Parquet file: each written whole under a temporary name, then renamed."""
         name = shard_name(k)
-        _write_atomically(self.out_dir / f"{name}.errors.jsonl",
+        _write_atomically(self.out_dir / ERRORS / f"{name}.jsonl",
                           b"".join(json.dumps(e).encode() + b"\n" for e in errors))
         table = _table(rows, self.opts.outputs)
         import pyarrow.parquet as pq

@@ -37,7 +37,7 @@ def _read(out: Path) -> pa.Table:
 
 
 def _errors(out: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted(out.glob("part-*.errors.jsonl")) for line in f.read_text().splitlines()]
+    return [json.loads(line) for f in sorted((out / "__job__" / "errors").glob("part-*.jsonl")) for line in f.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_every_kind_of_input_gives_what_embed_gives_for_the_same_bytes(inputs, t
     [error] = _errors(out)
     assert error["id"] == "broken.jpg" and error["error"] == "UnsupportedImage", error
     assert len(list(out.glob("part-*.parquet"))) == 3  # 15 inputs in shards of 5
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / "__job__" / "manifest.json").read_text())
     assert manifest["inputs"] == 15 and manifest["shards"] == 3 and manifest["model"] == "random:tiny"
 
     rows = {r["id"]: r for r in table.to_pylist()}
@@ -166,6 +166,26 @@ def test_the_device_processes_stop_when_the_job_is_killed(tmp_path):
               for c in children):
         assert time.time() < deadline, "a device process outlived the job"
         time.sleep(0.1)
+
+
+def test_parquet_readers_read_the_output_directory_as_it_is(inputs, tmp_path):
+    """pandas, pyarrow's datasets, `pq.read_table` and Hugging Face `datasets` given the directory (the job's manifest
+    and errors beside the shards): every row once, the columns typed. (Ray's `read_parquet`: the Ray test.)"""
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    _, paths, by_id = inputs
+    out = tmp_path / "out"
+    _run(paths, out, JobOptions(outputs=("pooled", "tokens"), shard_size=4))
+    frame = pd.read_parquet(out)
+    width = pq.read_table(sorted(out.glob("part-*.parquet"))[0]).column("pooled")[0].as_py()
+    assert sorted(frame["id"]) == sorted(by_id) and len(frame["pooled"].iloc[0]) == len(width)
+    assert sorted(pads.dataset(out, format="parquet").to_table().column("id").to_pylist()) == sorted(by_id)
+    table = pq.read_table(out)
+    assert table.schema.field("tokens").type == pa.list_(pa.list_(pa.float32())) and len(table) == len(by_id)
+    hf = pytest.importorskip("datasets")  # installed in CI with the dev extra
+    loaded = hf.load_dataset("parquet", data_dir=str(out), split="train", cache_dir=str(tmp_path / "hf-cache"))
+    assert sorted(loaded["id"]) == sorted(by_id)
 
 
 def test_a_rerun_encodes_only_the_shards_not_written(inputs, tmp_path):
@@ -253,8 +273,10 @@ def test_ray_data_map_batches_gives_the_cli_s_rows(tmp_path):
                                                                "outputs": ("pooled", "tokens"), "normalize": True},
                             batch_size=4, batch_format="pyarrow", concurrency=1)
         ds.write_parquet(str(tmp_path / "ray"))
+        read_back = ray.data.read_parquet(str(tmp_path / "cli")).take_all()  # the CLI's directory as it is
     finally:
         ray.shutdown()
+    assert sorted(r["id"] for r in read_back) == sorted(cli)
     rows = pa.concat_tables([pq.read_table(f) for f in sorted((tmp_path / "ray").glob("*.parquet"))]).to_pylist()
     by_name = {Path(r["id"]).name: r for r in rows}
     assert sorted(by_name) == sorted([f"{i}.png" for i in range(9)] + ["broken.png"])
