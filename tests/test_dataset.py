@@ -249,6 +249,15 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
                                "--model", "random:tiny", "--device", "cpu"], env=env, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode != 0 and message in done.stderr, done.stderr[-1500:]
+    # a device whose engine cannot start: the job stops with that device's error in one line, exit 2
+    (tmp_path / "a.png").write_bytes(random_pngs(1, seed=45)[0])
+    done = subprocess.run([sys.executable, "-m", "service.cli", "dataset", str(tmp_path / "a.png"), "-o",
+                           str(tmp_path / "o2"), "--model", "random:nope", "--devices", "cpu,cpu", "--quiet"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert done.returncode == 2 and len(errors) == 1 and "cpu: CheckpointError: unknown preset" in errors[0], \
+        done.stderr[-1500:]
+    assert "Traceback" not in done.stderr
 
 
 def test_ray_data_map_batches_gives_the_cli_s_rows(tmp_path):
