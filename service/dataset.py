@@ -577,7 +577,7 @@ class RayEncoder:
     def __call__(self, batch):
         import torch
 
-        from .model.encoder import pack_by_budget
+        from .engine.api import pack_by_budget
 
         table = batch if hasattr(batch, "column_names") else None
         column = (lambda name: table.column(name).to_pylist()) if table is not None else (

@@ -69,6 +69,27 @@ def test_no_upward_import(module):
     assert not upward, f"{module} (rank {_rank(module)}) imports {upward} from a layer above it"
 
 
+# the layered packages, top down: each imports only its own package and the next one down (what crosses from the
+# model to the HTTP layer is re-exported by `service.engine.api`, the kernels' runtime by `service.model`)
+LAYERS = ("service.http", "service.engine", "service.model", "kernels")
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, p in enumerate(LAYERS) if module == p or module.startswith(p + ".")), None)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if _layer(m) is not None))
+def test_a_layer_imports_only_the_next_one_down(module):
+    mine = _layer(module)
+    skipped = [i for i in GRAPH[module] if _layer(i) is not None and _layer(i) > mine + 1]
+    assert not skipped, f"{module} imports {skipped}, below the layer under it ({LAYERS[mine + 1]})"
+
+
+def test_the_layer_rule_sees_a_skipped_layer():
+    assert _layer("service.http.output") == 0 and _layer("kernels.runtime") == 3
+    assert _layer("service.settings") is None  # shared by the layers, outside the stack
+
+
 def test_no_import_circle():
     """Module-level and function-level imports together form no cycle (packages importing their own submodules
     aside: `pkg/__init__` re-exporting `pkg.mod` is not a circle unless `pkg.mod` imports `pkg` back)."""

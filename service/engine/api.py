@@ -3,6 +3,9 @@
 Two engines implement `Engine`: `local.LocalEngine` loads the model in this process (`http_workers=0`), and
 `remote.EnginePool` reaches the engine processes, one per device, from an HTTP front-end process.
 `factory.open_engine` picks by the settings; nothing above the engine package asks which kind it has.
+What of the model crosses to the HTTP layer is re-exported here: `Encoder` (a loaded model, which tests hand a
+server), `EncodeResult` and `Preprocessed` (the values a request's items become), `result_tensors` (the tensors'
+shared output layout), `pack_by_budget` (the server's packing, for the dataset job's Ray actors).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..model.config import TowerConfig
-from ..model.encoder import EncodeResult
+from ..model.encoder import EncodeResult, Encoder, pack_by_budget, result_tensors
 from ..model.preprocess import Preprocessed, Preprocessor
 from ..model.video import is_video
 from .sandbox import DecodeSandbox

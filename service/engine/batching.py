@@ -34,10 +34,9 @@ from typing import Callable
 
 import torch
 
-from kernels.runtime import launch_status
-
 from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
 from ..model.encoder import EncodeResult, Encoder, bind_thread, pack_size
+from ..model.kernel_runtime import launch_status
 from ..model.preprocess import Preprocessed
 from .api import BatchStats, DeviceStats, Encoded, ItemDone, Timing
 

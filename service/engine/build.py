@@ -17,11 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import kernels
-from kernels.attention import configure as configure_attention
-from kernels.runtime import allow_lean_launch, restore_choices, tuned_choices
-
 from ..model.encoder import Encoder, bind_thread
+from ..model.kernel_runtime import (allow_lean_launch, configure_attention, kernels_source_digest, restore_choices,
+                                    tuned_choices)
 from ..model.loader import set_cublaslt_workspace
 from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
@@ -65,10 +63,8 @@ def tuning_cache(settings: Settings, device: torch.device) -> Path | None:
         return None
     import triton
 
-    digest = hashlib.sha256()
-    for path in sorted(Path(kernels.__file__).parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    ident = "|".join([torch.cuda.get_device_name(device), torch.__version__, triton.__version__, digest.hexdigest()])
+    ident = "|".join([torch.cuda.get_device_name(device), torch.__version__, triton.__version__,
+                      kernels_source_digest()])
     return Path(settings.cache_dir) / "tuning" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.pkl"
 
 

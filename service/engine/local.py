@@ -10,9 +10,8 @@ import os
 import time
 from typing import Callable
 
-from kernels.runtime import launch_status
-
 from ..model.encoder import Encoder, bind_thread
+from ..model.kernel_runtime import launch_status
 from ..model.preprocess import Preprocessed
 from ..settings import Settings
 from .api import BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo

@@ -24,12 +24,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 
 from .. import __version__
-from ..engine.api import Engine
+from ..engine.api import Encoder, Engine
 from ..engine.factory import open_engine
 from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
 from ..engine.wiring import Wiring
 from ..errors import DeadlineExceeded, InvalidInput
-from ..model.encoder import Encoder
 from ..runtime import configure_process
 from ..settings import Settings
 from . import openapi

@@ -12,8 +12,7 @@ import pybase64
 import torch
 from fastapi.responses import Response
 
-from ..model.encoder import EncodeResult, result_tensors
-from ..model.preprocess import Preprocessed
+from ..engine.api import EncodeResult, Preprocessed, result_tensors
 from .schemas import EmbedOptions
 
 
