@@ -16,10 +16,8 @@ CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ..model.config import TowerConfig
-from ..model.encoder import EncodeResult, Encoder, pack_by_budget, result_tensors
+from ..model.encoder import EncodeResult, Encoder, pack_by_budget, result_tensors  # noqa: F401 (re-exported)
 from ..model.preprocess import Preprocessed, Preprocessor
 from ..model.video import is_video
 from .sandbox import DecodeSandbox

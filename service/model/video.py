@@ -26,6 +26,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
