@@ -62,6 +62,9 @@ def dataset_main(args) -> int:
         settings = settings_from_args(args)
     except ValidationError as e:
         raise EncoderError(f"invalid settings: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+    from .model.config import model_tower_config
+
+    model_tower_config(settings.model)  # a bad --model is one line and exit code 2 before any engine starts
     entries = list_inputs(args.inputs, args.image_column)
     if not entries:
         raise EncoderError(f"no images or videos in {' '.join(args.inputs)}")

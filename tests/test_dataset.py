@@ -249,15 +249,17 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
                                "--model", "random:tiny", "--device", "cpu"], env=env, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode != 0 and message in done.stderr, done.stderr[-1500:]
-    # a device whose engine cannot start: the job stops with that device's error in one line, exit 2
     (tmp_path / "a.png").write_bytes(random_pngs(1, seed=45)[0])
-    done = subprocess.run([sys.executable, "-m", "service.cli", "dataset", str(tmp_path / "a.png"), "-o",
-                           str(tmp_path / "o2"), "--model", "random:nope", "--devices", "cpu,cpu", "--quiet"],
-                          env=env, capture_output=True, text=True, timeout=120)
-    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
-    assert done.returncode == 2 and len(errors) == 1 and "cpu: CheckpointError: unknown preset" in errors[0], \
-        done.stderr[-1500:]
-    assert "Traceback" not in done.stderr
+    for model, devices, message in (
+            ("random:nope", "cpu,cpu", "unknown preset"),  # told before any engine starts
+            ("random:tiny", "cpu,cuda:7", "cuda:7: RuntimeError"),  # a device whose engine cannot start: the job stops
+    ):
+        done = subprocess.run([sys.executable, "-m", "service.cli", "dataset", str(tmp_path / "a.png"), "-o",
+                               str(tmp_path / "o2"), "--model", model, "--devices", devices, "--quiet"],
+                              env={**env, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=120)
+        errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+        assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr[-1500:]
+        assert "Traceback" not in done.stderr
 
 
 def test_ray_data_map_batches_gives_the_cli_s_rows(tmp_path):
