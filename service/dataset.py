@@ -9,10 +9,11 @@ Inputs, any mix of:
 
 The inputs are listed once, in a fixed order (sorted paths; tar members and Parquet rows in file order), and cut into
 shards of `--shard-size` inputs. Each shard becomes `part-NNNNN.parquet` under the output directory, written to a
-temporary name and renamed into place when all of its inputs are done, after its `__job__/errors/part-NNNNN.jsonl` (the
-inputs that could not be encoded, each with its reason). A run finds the shards already there and encodes only the
-others: kill it at any moment and run it again, and every input is written exactly once. `__job__/manifest.json` records the
-job (model, options, inputs, shard size); a second run with other settings into the same directory is refused.
+temporary name and renamed into place when all of its inputs are done, after its `__job__/errors/part-NNNNN.jsonl`
+(the inputs that could not be encoded, each with its reason). A run finds the shards already there and encodes only
+the others: kill it at any moment and run it again, and every input is written exactly once.
+`__job__/manifest.json` records the job (model, options, inputs, shard size); a second run with other settings into
+the same directory is refused.
 
 Columns: `id` (the file's path relative to its directory, the list's line, `TAR/MEMBER`, or `PARQUET#ROW`),
 `source`, `kind` (image or video), `grid_thw`, `num_tokens`, then what `--outputs` asks for:
@@ -26,7 +27,8 @@ Columns: `id` (the file's path relative to its directory, the list's line, `TAR/
 
 The encoding is the server's: one `LocalEngine` per device (`--devices`, default every visible GPU; with several, a
 process each), each with its batcher, packing the inputs of every shard in flight into forwards; decoding in threads,
-videos in the sandbox; the same limits (`Settings`) as the server. A corrupt or hostile input fails alone, into the errors file.
+videos in the sandbox; the same limits (`Settings`) as the server. A corrupt or hostile input fails alone, into the
+errors file.
 """
 
 from __future__ import annotations
@@ -185,17 +187,16 @@ def shard_name(k: int) -> str:
 
 
 class DatasetJob:
-    """Encodes shards of `entries` into `out_dir` with `engines` (started `LocalEngine`s); `run()` returns the counts.
+    """Encodes shards of `entries` into `out_dir` with `engine` (a started `LocalEngine`; None for `prepare` alone);
+    `run()` returns the counts.
     `shards`: the shard numbers to encode, by default every one not written yet; an async iterator of them (a work
     queue shared by processes) is taken as it comes. `report(n)`: called as inputs finish, instead of a progress bar."""
 
-    def __init__(self, entries: list[Entry], out_dir: Path, engines: list, opts: JobOptions, model: str,
+    def __init__(self, entries: list[Entry], out_dir: Path, engine, opts: JobOptions, model: str,
                  progress: bool = True, report=None):
-        self.entries, self.out_dir, self.engines, self.opts, self.model = entries, out_dir, engines, opts, model
+        self.entries, self.out_dir, self.engine, self.opts, self.model = entries, out_dir, engine, opts, model
         self.progress, self.report = progress, report
         self.shards = [entries[i:i + opts.shard_size] for i in range(0, len(entries), opts.shard_size)]
-        self.loads = [0] * len(engines)  # patches submitted to each engine and not answered
-        self._decoded = 0
 
     def manifest(self) -> dict:
         opts = dataclasses.asdict(self.opts)
@@ -229,8 +230,8 @@ class DatasetJob:
         total = sum(len(self.shards[k]) for k in shards) if isinstance(shards, list) else None
         bar = tqdm(total=total, unit="img", disable=not self.progress, smoothing=0.05)
         done = self.report or bar.update
-        # inputs in flight at once, across shards: enough to fill every engine's largest pack four times over
-        window = asyncio.Semaphore(max(64, 4 * sum(e.settings.max_batch_items for e in self.engines)))
+        # inputs in flight at once, across shards: enough to fill the engine's largest pack four times over
+        window = asyncio.Semaphore(max(64, 4 * self.engine.settings.max_batch_items))
         counts = {"shards_done_before": len(self.shards) - len(shards) if total is not None else 0, "shards_written": 0,
                   "rows": 0, "errors": 0}
         start = time.perf_counter()
@@ -277,17 +278,9 @@ class DatasetJob:
 
     async def _encode(self, entry: Entry, data: bytes) -> dict:
         o = self.opts
-        self._decoded += 1  # decoding in each engine's threads in turn; then the least loaded engine encodes it
-        decoder = self.engines[self._decoded % len(self.engines)]
-        item = await decoder.preprocess(data, o.min_pixels, o.max_pixels, o.fps, o.num_frames)
-        i = min(range(len(self.engines)), key=self.loads.__getitem__)
-        engine = self.engines[i]
-        self.loads[i] += item.num_patches
-        try:
-            done = await engine.submit([item], timeout_s=3600.0, deepstack=_wants_llm(o.outputs),
-                                       tokens="tokens" in o.outputs or _wants_llm(o.outputs))
-        finally:
-            self.loads[i] -= item.num_patches
+        item = await self.engine.preprocess(data, o.min_pixels, o.max_pixels, o.fps, o.num_frames)
+        done = await self.engine.submit([item], timeout_s=3600.0, deepstack=_wants_llm(o.outputs),
+                                        tokens="tokens" in o.outputs or _wants_llm(o.outputs))
         return result_row(entry.id, entry.source, item.kind, done.results[0], o)
 
     def _commit(self, k: int, rows: list[dict], errors: list[dict]) -> None:
@@ -416,7 +409,7 @@ async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOption
         engine = LocalEngine(settings.model_copy(update={"device": devices[0], "devices": None}))
         await engine.start()
         try:
-            return await DatasetJob(entries, out_dir, [engine], opts, settings.model, progress).run()
+            return await DatasetJob(entries, out_dir, engine, opts, settings.model, progress).run()
         finally:
             await engine.stop()
     return await asyncio.to_thread(_run_processes, entries, out_dir, settings, opts, devices, progress)
@@ -430,7 +423,7 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
 
     from .engine.supervisor import engine_environment
 
-    job = DatasetJob(entries, out_dir, [], opts, settings.model)
+    job = DatasetJob(entries, out_dir, None, opts, settings.model)
     todo = job.prepare()
     start = time.perf_counter()
     ctx = mp.get_context("spawn")
@@ -505,7 +498,7 @@ def _device_main(index: int, env: dict, settings, out_dir: Path, opts: JobOption
         configure_process("local")
         engine = LocalEngine(settings)
         await engine.start()
-        job = DatasetJob([], out_dir, [engine], opts, settings.model, progress=False, report=report)
+        job = DatasetJob([], out_dir, engine, opts, settings.model, progress=False, report=report)
         job.shards = {}
 
         async def shards():
