@@ -6,7 +6,7 @@ vectors out, shards of 1,000. Per precision:
   path), in this process, before the jobs: the reference;
 - the job on `--devices 0` and on every GPU. Its rate is counted from the output directory alone: the inputs of the
   shards committed between 10% and 90% of the shards (engine start-up and the last shards' tail outside the window),
-  and the CPU of the job's whole process tree (/proc) over the same window: CPU cores per image/s, and per GPU.
+  and the CPU of the job's whole process tree (psutil) over the same window: CPU cores per image/s, and per GPU.
 Then the resume test: the job on every GPU, SIGKILLed with its process group (what a scheduler's preemption sends)
 half-way, run again to the end: every input in the output exactly once.
 
@@ -29,29 +29,24 @@ from benchmarks.bench_service import photo_jpegs, unique
 from benchmarks.common import environment, write_results
 
 SHARD = 1000
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def tree_cpu_s(root: int) -> float:
-    """CPU seconds (user + system) of `root` and every live descendant, from /proc."""
-    parents, cpu = {}, {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+    """CPU seconds (user + system) of `root` and every live descendant (psutil, as `multigpu.cpu_seconds`)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
         try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        parents[int(d)] = int(fields[1])
-        cpu[int(d)] = (int(fields[11]) + int(fields[12])) / TICK
-    mine, frontier = {root}, [root]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p and c not in mine]
-        mine.update(kids)
-        frontier += kids
-    return sum(cpu.get(p, 0.0) for p in mine)
+        total += t.user + t.system
+    return total
 
 
 def job(images: Path, out: Path, devices: str, kill_at: float | None = None) -> dict:
@@ -81,7 +76,8 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None) -> 
     rate = (nb - na) * SHARD / (tb - ta)
     row = {"devices": devices, "inputs": shards * SHARD, "wall_s": round(time.perf_counter() - t0, 1),
            "window_shards": nb - na, "images_per_s": round(rate, 1),
-           "cpu_cores": round((cb - ca) / (tb - ta), 2), "cpu_ms_per_image": round((cb - ca) / ((nb - na) * SHARD) * 1e3, 3)}
+           "cpu_cores": round((cb - ca) / (tb - ta), 2),
+           "cpu_ms_per_image": round((cb - ca) / ((nb - na) * SHARD) * 1e3, 3)}
     print(json.dumps(row), flush=True)
     return row
 
@@ -153,7 +149,7 @@ def resume(args, sets, work, result, summary):
 
     before = sum(pq.read_metadata(f).num_rows for f in out.glob("part-*.parquet"))
     job(images, out, "all")
-    got = [i for f in sorted(out.glob("part-*.parquet")) for i in pq.read_table(f, columns=["id"]).column(0).to_pylist()]
+    got = pq.read_table(sorted(out.glob("part-*.parquet")), columns=["id"]).column(0).to_pylist()
     result["resume"] = {**killed, "rows_before_rerun": before, "rows_after": len(got), "distinct_ids": len(set(got)),
                         "inputs": len(ids)}
     summary["resume_exactly_once"] = sorted(got) == ids
