@@ -37,7 +37,8 @@ def _read(out: Path) -> pa.Table:
 
 
 def _errors(out: Path) -> list[dict]:
-    return [json.loads(line) for f in sorted((out / "__job__" / "errors").glob("part-*.jsonl")) for line in f.read_text().splitlines()]
+    return [json.loads(line) for f in sorted((out / "__job__" / "errors").glob("part-*.jsonl"))
+            for line in f.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,27 @@ def inputs(tmp_path_factory) -> tuple[Path, list[str], dict[str, bytes]]:
 def _run(paths, out, opts, **settings):
     cfg = Settings(model="random:tiny", device="cpu", **settings)
     return asyncio.run(run_job(list_inputs(paths, opts.image_column), out, cfg, opts, progress=False))
+
+
+CLI_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _cli_job_with_shards_written(tmp_path, images: int, seed: int, args: list[str], shards: int):
+    """`qwen3vl-encoder dataset` on `images` random PNGs (one image a forward, so that it is slow enough to kill),
+    running once `shards` of its shards are written: (its process, the output directory, its command)."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i, img in enumerate(random_pngs(images, seed=seed)):
+        (folder / f"{i:03d}.png").write_bytes(img)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "service.cli", "dataset", str(folder), "-o", str(out), "--model", "random:tiny",
+           *args, "--quiet", "--max-batch-items", "1", "--warmup", "false"]
+    proc = subprocess.Popen(cmd, env=CLI_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while len(list(out.glob("part-*.parquet"))) < shards:
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.01)
+    return proc, out, cmd
 
 
 def test_every_kind_of_input_gives_what_embed_gives_for_the_same_bytes(inputs, tmp_path):
@@ -144,19 +166,7 @@ def test_one_process_per_device_writes_what_one_process_writes(inputs, tmp_path)
 
 def test_the_device_processes_stop_when_the_job_is_killed(tmp_path):
     """SIGKILL to the job's process alone: its device processes notice and exit (they would hold the GPUs)."""
-    images = tmp_path / "images"
-    images.mkdir()
-    for i, img in enumerate(random_pngs(64, seed=44)):
-        (images / f"{i:03d}.png").write_bytes(img)
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", "random:tiny",
-           "--devices", "cpu,cpu", "--shard-size", "2", "--quiet", "--max-batch-items", "1", "--warmup", "false"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not list(out.glob("part-*.parquet")):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.01)
+    proc, out, _ = _cli_job_with_shards_written(tmp_path, 64, 44, ["--devices", "cpu,cpu", "--shard-size", "2"], 1)
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(children) >= 2, children  # the device processes (and spawn's resource tracker)
     proc.send_signal(signal.SIGKILL)
@@ -216,24 +226,12 @@ def test_a_job_with_other_options_is_refused_in_the_same_directory(inputs, tmp_p
 
 def test_killed_at_any_moment_then_run_again_every_input_is_written_once(tmp_path):
     """The CLI, SIGKILLed after its first shards are written, then run again to the end."""
-    images = tmp_path / "images"
-    images.mkdir()
-    for i, img in enumerate(random_pngs(48, seed=43)):
-        (images / f"{i:03d}.png").write_bytes(img)
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", "random:tiny",
-           "--device", "cpu", "--shard-size", "4", "--quiet", "--max-batch-items", "1", "--warmup", "false"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while len(list(out.glob("part-*.parquet"))) < 2:
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.01)
+    proc, out, cmd = _cli_job_with_shards_written(tmp_path, 48, 43, ["--device", "cpu", "--shard-size", "4"], 2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     written = len(list(out.glob("part-*.parquet")))
     assert written < 12, "the run finished before it was killed: nothing was tested"
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=CLI_ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     ids = _read(out).column("id").to_pylist()
     assert sorted(ids) == [f"{i:03d}.png" for i in range(48)]  # every input, once
@@ -241,7 +239,7 @@ def test_killed_at_any_moment_then_run_again_every_input_is_written_once(tmp_pat
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = CLI_ENV
     for args, message in (([str(tmp_path / "missing")], "no such file or directory"),
                           ([str(tmp_path), "--outputs", "pooled,logits"], "not among"),
                           ([str(tmp_path)], "no images or videos")):
