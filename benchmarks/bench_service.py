@@ -721,7 +721,8 @@ def main():
     }
     payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": CLIENTS,
                "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd,
-               "compiled": compiled_res, "uniform": uniform_res, "mixed": mixed_res, "epd": {"params": EPD_PARAMS, **epd_res},
+               "compiled": compiled_res, "uniform": uniform_res, "mixed": mixed_res,
+               "epd": {"params": EPD_PARAMS, **epd_res},
                "embedding_cache": cache, "single_image": single,
                "single_image_fresh": single_fresh,
                "server": {k: info.get(k) for k in ("http_workers", "cuda_graphs", "attention_backend", "limits")}}

@@ -167,8 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "server setting is a flag and a QWEN3VL_* variable (limits, batching, devices).")
     ds.add_argument("inputs", nargs="+", help="directories, list files (.txt/.lst), WebDataset shards (.tar), Parquet "
                     "files (.parquet), or single files")
-    ds.add_argument("--output", "-o", required=True, help="the output directory (part-NNNNN.parquet; the manifest and the errors in __job__/)")
-    ds.add_argument("--outputs", default="pooled", help="comma-separated: pooled, tokens, vllm, sglang (default: pooled)")
+    ds.add_argument("--output", "-o", required=True,
+                    help="the output directory (part-NNNNN.parquet; the manifest and the errors in __job__/)")
+    ds.add_argument("--outputs", default="pooled",
+                    help="comma-separated: pooled, tokens, vllm, sglang (default: pooled)")
     ds.add_argument("--normalize", action="store_true", help="L2-normalise the pooled vectors")
     ds.add_argument("--shard-size", type=int, default=1000, help="inputs per output shard (default: 1000)")
     ds.add_argument("--image-column", default="image", help="Parquet inputs: the column of image bytes")

@@ -112,8 +112,8 @@ class Settings(BaseSettings):
                                                  "(a fraction of the full path's host time per call)")
     lean_launch: bool = Field(True, description="launch compiled Triton kernels through this project's launcher (the "
                               "JIT's binder and a cache of compiled kernels, a fraction of Triton's host time per "
-                              "launch); it turns itself off, with a warning and the reason, where this Triton's internals "
-                              "are not the ones it reads. false: every launch through Triton's own path")
+                              "launch); it turns itself off, with a warning and the reason, where this Triton's "
+                              "internals are not the ones it reads. false: every launch through Triton's own path")
     cublaslt_workspace_kib: int | None = Field(
         0, ge=0, description="cuBLASLt workspace of the model's process in KiB (PyTorch's CUBLASLT_WORKSPACE_SIZE; "
                              "None: PyTorch's default). 0: the GEMMs need no memset before each call")

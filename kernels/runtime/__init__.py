@@ -22,9 +22,9 @@ from .tuner import Tuner
 TUNER = Tuner()
 LAUNCHER = Launcher()
 
-__all__ = ["LAUNCHER", "TUNER", "Launcher", "Replay", "Tuner", "allow_lean_launch", "cdiv", "choose", "interpreting", "is_hopper",
-           "launch", "launch_status", "next_power_of_2", "record", "restore_choices", "size_class", "sm_count",
-           "tuned_choices"]
+__all__ = ["LAUNCHER", "TUNER", "Launcher", "Replay", "Tuner", "allow_lean_launch", "cdiv", "choose", "interpreting",
+           "is_hopper", "launch", "launch_status", "next_power_of_2", "record", "restore_choices", "size_class",
+           "sm_count", "tuned_choices"]
 
 
 def choose(key: tuple, candidates, launch):
