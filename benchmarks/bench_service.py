@@ -2,8 +2,12 @@
 
 The same images go through two paths:
 1. Forward: the served model path in this process over pixels already on the GPU (what `bench_tower` times as
-   "ours"), packs of the server's patch budget, each pack timed as a CUDA graph and eagerly and counted at the
-   faster: the ceiling the service can reach.
+   "ours"), packs of the server's patch budget, each pack timed as a CUDA graph, eagerly and on the served path,
+   and counted at the fastest: the ceiling the service can reach (`forward_best_images_per_s`). Those are bursts
+   of 300 ms with the GPU idle between them, at the clock it reaches before its power cap pulls it down; the
+   uniform packs are then also run back to back for 15 s after 8 s of the same, on the served path and on the
+   faster of the other two, with the SM clock and power sampled (`forward_sustained_images_per_s`): the forward
+   at the clock a server under load runs at. Ratios are given against both.
 2. Service: `qwen3vl-encoder serve` with nothing but the model, host and port set (every other setting its
    default), and a fresh cache directory. 64 concurrent clients in 4 load-generator processes each POST one JPEG
    per request to /embed (format=safetensors, deepstack=false). Every request's bytes are its own (a JPEG comment
@@ -19,8 +23,9 @@ Phases, in order, against one server:
   each. The compiled generator's figures are the headline (`compiled_ratio_c64`, `compiled_ratio_c256`), the aiohttp
   one's beside them (`aiohttp_ratio`), each with the generator's achieved rate and CPU;
 - the encoder tier: the same photos asking for vLLM's layout (`format=vllm`: bfloat16, the merged tokens and the
-  DeepStack levels, 4x the bytes of the tokens alone), read by 8 generator processes; 10 s warm-up, 20 s measured,
-  with the generator's CPU per process (`epd_generator_max_cpu_fraction`: well under 1, it is not the limit);
+  DeepStack levels, 4x the bytes of the tokens alone): from the compiled generator, 64 clients
+  (`epd_compiled_ratio_to_forward`), then from 8 aiohttp processes (`epd_ratio_to_forward`, with the generator's
+  CPU per process: well under 1, it is not the limit); 10 s warm-up, 20 s measured each;
 - the embedding cache: one client (curl), the same 448 px JPEG again and again, pooled vector only
   (`cache_hit_p50_ms`), and the same image in new bytes each time (`cache_miss_p50_ms`);
 - one client, curl, a 448 px JPEG: /v1/embeddings and /embed?embeddings=false&pooling=mean, p50 of 40 requests
@@ -147,6 +152,22 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
                 total[k] += ms[k]
         return total
 
+    def sustain(items, packs, total):
+        """The served path and the fastest of eager and graph (by the bursts' totals) over the same packs back to
+        back, as the server's GPU works under load (`sustained`)."""
+        inputs = [(enc.pixels([items[i] for i in p]), [items[i].grid_thw for i in p]) for p in packs]
+        fastest = min(("graph", "eager"), key=total.get)
+        if fastest == "graph":
+            from benchmarks.graphed import GraphedTower
+
+            path = GraphedTower(enc.tower, max_graphs=len({tuple(map(tuple, g)) for _, g in inputs}),
+                                capture_after=1)
+        else:
+            path = eager
+        runs = {"served": served, fastest: path}
+        return {name: sustained([lambda px=px, g=g, f=f: f(px, g) for px, g in inputs], len(items))
+                for name, f in runs.items()}
+
     with torch.inference_mode():
         for name, images in sets.items():
             items = [enc.preprocess(b) for b in images]
@@ -158,6 +179,10 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
                          **{f"{k}_images_per_s": len(items) * 1000 / total[k] for k in ("graph", "eager", "served")},
                          "packs": len(packs), "images": len(items), "patches": patches,
                          "pack_ms": total["best"] / len(packs)}
+            if name == "uniform":
+                runs = sustain(items, packs, total)
+                out[name]["sustained"] = runs
+                out[name]["sustained_images_per_s"] = max(r["images_per_s"] for r in runs.values())
             print(f"forward {name}: {out[name]}", flush=True)
             torch.cuda.empty_cache()
         one = enc.preprocess(sets["uniform"][0])
@@ -171,6 +196,51 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
         out["single_image_forward_ms"] = padding["1x448"]["graph_ms"]
         out["single_image_served_ms"] = padding["1x448"]["served_ms"]
     return out
+
+
+def sustained(calls: list, images: int, warmup_s: float = 8.0, seconds: float = 15.0) -> dict:
+    """images/s of `calls` (one forward per pack, `images` images together) run back to back for `seconds`, after
+    `warmup_s` of the same, with the SM clock and power sampled every 2 s meanwhile (their medians). The bursts of
+    `_pack_ms` (300 ms each, the GPU idle between them) run at the clock the GPU reaches before its power cap
+    pulls it down; a server under load runs at the capped clock, and this is the forward at that clock."""
+    import statistics
+    import threading
+
+    import torch
+
+    def cycle() -> None:
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+
+    end = time.perf_counter() + warmup_s
+    while time.perf_counter() < end:
+        cycle()
+    samples: list[str] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(2.0):
+            samples.append(sm_clock())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    cycles, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        cycle()
+        cycles += 1
+    elapsed = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+
+    def median(unit: str) -> float | None:
+        values = [float(part.split()[0]) for s in samples for part in s.split(",") if part.strip().endswith(unit)]
+        return statistics.median(values) if values else None
+
+    row = {"images_per_s": round(cycles * images / elapsed, 1), "seconds": round(elapsed, 2),
+           "sm_clock_mhz": median("MHz"), "power_w": median("W")}
+    print(f"sustained forward: {row}", flush=True)
+    return row
 
 
 def _pack_ms(tower, paths: dict, px, grids, rep_ms: float) -> dict[str, float]:
@@ -271,14 +341,16 @@ def write_bodies(photos: list[bytes], work: Path) -> Path:
     return bodies
 
 
-def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path) -> dict:
+def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path,
+             params: dict = PARAMS) -> dict:
     """`clients` closed-loop clients of the compiled generator (`tools/openloop`, each request's bytes its own) for
     `warmup_s` then `seconds`: images/s completed in the measured window, images per forward and GPU-busy time per
     image from the engine's counters, the SM clock, and the generator's achieved rate and CPU (is it the limit?)."""
     if not Path(OPENLOOP).exists():
         raise SystemExit(f"{OPENLOOP} missing: CGO_ENABLED=0 go build -o {OPENLOOP} tools/openloop/main.go")
     csv_path = work / f"c{clients}.csv"
-    gen = subprocess.Popen([OPENLOOP, "-url", f"{url}/embed?format=safetensors&deepstack=false", "-bodies",
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    gen = subprocess.Popen([OPENLOOP, "-url", f"{url}/embed?{query}", "-bodies",
                             str(bodies), "-concurrency", str(clients), "-duration", f"{warmup_s + seconds}s",
                             "-unique", "-out", str(csv_path)], stdout=subprocess.PIPE, text=True)
     time.sleep(warmup_s)
@@ -288,10 +360,12 @@ def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: flo
     clock = sm_clock()
     summary = json.loads(gen.communicate()[0])
     with open(csv_path, newline="") as f:
-        done = [(int(r["due_ns"]) + int(r["latency_ns"])) / 1e9 for r in csv.DictReader(f) if r["status"] == "200"]
-    images = sum(warmup_s <= t < warmup_s + seconds for t in done)
-    return _row(images / seconds, a, b, clock, {"achieved_requests_per_s": summary["achieved_per_s"],
-                                                "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"]})
+        done = [((int(r["due_ns"]) + int(r["latency_ns"])) / 1e9, int(r["bytes"])) for r in csv.DictReader(f)
+                if r["status"] == "200"]
+    inside = [size for t, size in done if warmup_s <= t < warmup_s + seconds]
+    return _row(len(inside) / seconds, a, b, clock, {"achieved_requests_per_s": summary["achieved_per_s"],
+                                                     "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"],
+                                                     "reply_bytes_per_s": sum(inside) / seconds})
 
 
 def _row(images_per_s: float, a, b, clock: str, generator: dict) -> dict:
@@ -557,12 +631,16 @@ def plot(d: dict, path) -> None:
     plt.close(fig)
 
 
-def compiled_loads(url: str, photos: list[bytes], warmup_s: float, seconds: float) -> dict:
-    """The compiled generator with 64 and with 256 closed-loop clients, back to back on the server at `url`."""
+def compiled_loads(url: str, photos: list[bytes], warmup_s: float, seconds: float, epd: bool = False) -> dict:
+    """The compiled generator with 64 and with 256 closed-loop clients, back to back on the server at `url`; with
+    `epd`, then 64 clients asking for vLLM's layout (`epd_c64`)."""
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-openloop-"))
     bodies = write_bodies(photos, work)
     try:
-        return {f"c{n}": compiled(url, bodies, n, warmup_s, seconds, work) for n in (64, 256)}
+        out = {f"c{n}": compiled(url, bodies, n, warmup_s, seconds, work) for n in (64, 256)}
+        if epd:
+            out["epd_c64"] = compiled(url, bodies, CLIENTS, warmup_s, seconds, work, params=EPD_PARAMS)
+        return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -571,8 +649,15 @@ def generator_summary(comp: dict, aio: dict, fwd: dict) -> dict:
     """The uniform load's figures under each generator, over the forward's best on the same images: the compiled
     generator's (the headline) and the aiohttp one's beside them, each with what the generator itself used."""
     best = fwd["uniform"]["images_per_s"]
+    held = fwd["uniform"].get("sustained_images_per_s")
     warm = aio["warm"]
-    return {"compiled_images_per_s_c64": comp["c64"]["images_per_s"],
+    sustained = {} if not held else {
+        "forward_sustained_images_per_s": held,
+        "compiled_ratio_c64_sustained": comp["c64"]["images_per_s"] / held,
+        "compiled_ratio_c256_sustained": comp["c256"]["images_per_s"] / held,
+        "aiohttp_ratio_sustained": warm["images_per_s"] / held}
+    return {"forward_best_images_per_s": best, **sustained,
+            "compiled_images_per_s_c64": comp["c64"]["images_per_s"],
             "compiled_images_per_s_c256": comp["c256"]["images_per_s"],
             "compiled_ratio_c64": comp["c64"]["images_per_s"] / best,
             "compiled_ratio_c256": comp["c256"]["images_per_s"] / best,
@@ -675,7 +760,7 @@ def main():
                            [("_warmup", args.warmup_s), ("warm", args.measure_s)])
         if profiler is not None:
             profiler.wait(120)
-        compiled_res = compiled_loads(url, uniform, args.warmup_s, args.measure_s)
+        compiled_res = compiled_loads(url, uniform, args.warmup_s, args.measure_s, epd=True)
         epd_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))],
                        [pre(uniform[0]).num_patches] * len(uniform),
                        [("_warmup", args.warmup_s), ("warm", args.measure_s)], params=EPD_PARAMS, procs=EPD_PROCS)
@@ -702,6 +787,9 @@ def main():
         **generator_summary(compiled_res, uniform_res, fwd),
         "mixed_ratio_to_forward": mixed_res["warm"]["patches_per_s"] / fwd["mixed"]["patches_per_s"],
         "warm_p99_over_p50": uniform_res["warm"]["p99_ms"] / uniform_res["warm"]["p50_ms"],
+        "epd_compiled_ratio_to_forward": compiled_res["epd_c64"]["images_per_s"] / fwd["uniform"]["images_per_s"],
+        "epd_compiled_images_per_s": compiled_res["epd_c64"]["images_per_s"],
+        "epd_compiled_reply_mb_per_s": compiled_res["epd_c64"]["generator"]["reply_bytes_per_s"] / 1e6,
         "epd_ratio_to_forward": epd_res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
         "epd_images_per_s": epd_res["warm"]["images_per_s"],
         "epd_reply_mb_per_s": epd_res["warm"]["generator"]["reply_bytes_per_s"] / 1e6,

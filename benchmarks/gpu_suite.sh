@@ -52,6 +52,10 @@ for step in "${@:-all}"; do
     # the FP8 server's uniform load against the FP8 forward (service_fp8.json)
     service-fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 \
                    | tee "$OUT/bench_service_fp8.log" ;;
+    kernels) python -m benchmarks.bench_kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" ;;
+    # issue 57's open loop: 90% of the closed-loop capacity, images only, 2 minutes (openloop_p99.json)
+    openloop-p99) python -m benchmarks.soak --minutes 2 --fraction 0.9 --video-every 0 --name openloop_p99 \
+                    --out "$OUT" > "$OUT/openloop_p99.log" 2>&1 ;;
     # 20 minutes and more: start it with benchmarks/device_run.sh (a session of its own) and collect soak.json with
     # its `wait`. Carry the generator, built here: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
     soak) python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 ;;

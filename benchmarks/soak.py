@@ -197,6 +197,7 @@ def main():
     ap.add_argument("--sample-s", type=float, default=10)
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default="soak", help="the result's name: NAME.json and NAME.png")
     ap.add_argument("--plot", metavar="JSON", help="only draw the plot (PNG beside it) of a result file")
     args = ap.parse_args()
     if args.plot:
@@ -237,6 +238,7 @@ def main():
         "requests": len(rows), "errors": len(errors), "cache_hits": sum(r["cache"] == "hit" for r in rows),
         "error_kinds": sorted({f"{r['status']} {r['error']}"[:120] for r in errors})[:20],
         "p50_ms": float(np.percentile(ok, 50)), "p99_ms": float(np.percentile(ok, 99)),
+        "p99_over_p50": float(np.percentile(ok, 99) / np.percentile(ok, 50)),
         "video_every": args.video_every, "ready_s": ready_s,
         "generator": {"cpu_s": gen["generator_cpu_s"], "wall_s": gen["wall_s"],
                       "cpu_cores": gen["generator_cpu_s"] / gen["wall_s"],
@@ -246,7 +248,7 @@ def main():
         "minutes": minute_rows(rows, sampler.samples, args.minutes),
         "samples": sampler.samples,
     }
-    path = write_results("soak", payload, args.out)
+    path = write_results(args.name, payload, args.out)
     plot(payload, path.with_suffix(".png"))
     print(json.dumps({k: payload[k] for k in ("offered_per_s", "achieved_per_s", "errors", "p50_ms", "p99_ms")}))
 
