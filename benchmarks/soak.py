@@ -249,7 +249,10 @@ def main():
         "samples": sampler.samples,
     }
     path = write_results(args.name, payload, args.out)
-    plot(payload, path.with_suffix(".png"))
+    try:
+        plot(payload, path.with_suffix(".png"))
+    except ImportError:  # matplotlib is optional: --plot draws it later from the JSON
+        pass
     print(json.dumps({k: payload[k] for k in ("offered_per_s", "achieved_per_s", "errors", "p50_ms", "p99_ms")}))
 
 

@@ -195,11 +195,13 @@ class Settings(BaseSettings):
     embedding_cache_mib: int = Field(512, ge=0, description="results of identical inputs (same bytes and options) kept "
                                      "in shared memory, for every HTTP process, and answered without the engine; 0: "
                                      "none kept (identical inputs in flight in one process still share one encoding)")
-    shared_memory_mib: int = Field(64, ge=0, description="per front-end process, split evenly between its "
+    shared_memory_mib: int = Field(256, ge=0, description="per front-end process, split evenly between its "
                                    "connections to the engines: shared memory in /dev/shm (page-locked by the engines) "
-                                   "through which decoded frames reach an engine and its results come back (what does "
-                                   "not fit goes over the socket, as all does with 0). Containers need room for it: 16 "
-                                   "front-ends take 1 GiB (compose: shm_size)")
+                                   "through which decoded frames reach an engine and its results come back; a request "
+                                   "holds its frames' and its results' room from its submission to its reply (a 448 "
+                                   "px image asking for vLLM's layout: 3.8 MB), so this bounds the requests of a "
+                                   "front-end in flight before the rest go over the socket, as all do with 0. "
+                                   "Containers need room for it: 16 front-ends take 4 GiB (compose: shm_size)")
 
     @field_validator("device")
     @classmethod
