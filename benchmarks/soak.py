@@ -9,7 +9,8 @@
    every server process and the GPU's memory in use.
 5. `soak.json`: per minute, p50 / p99 latency, status counts, memory; overall, the offered and achieved rates
    (achieved: requests sent over the time it took to send them; the run is void below 0.98 of offered), the
-   errors, and the generator's own CPU. And `soak.png`.
+   errors, the generator's own CPU, and the 20 slowest forwards for their size from the engine's forward trace
+   (`slowest_forwards`: when a stall was, and whether inside a forward or between two). And `soak.png`.
 
 The load comes from `tools/openloop` (Go, standard library only): a Python generator cannot sustain these rates
 with megabyte replies. Build it with `CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go`.
@@ -158,6 +159,26 @@ def minute_rows(rows: list[dict], samples: list[dict], minutes: int) -> list[dic
     return out
 
 
+def slowest_forwards(trace: Path, start: float, n: int = 20) -> list[dict]:
+    """The `n` forwards of the soak (from unix time `start`) whose launch-to-outputs time was longest against their
+    patches' median cost: when each ran (seconds into the soak), its items, patches and times. A stall inside a
+    forward (a compilation, a new block of pinned or device memory) shows here; a stall between forwards shows as
+    the gap before the next one (`gap_before_s`)."""
+    if not trace.exists():
+        return []
+    with open(trace, newline="") as f:
+        rows = [(float(r[0]), int(r[2]), int(r[3]), float(r[4]), float(r[5])) for r in csv.reader(f)]
+    rows = [r for r in rows if r[0] >= start]
+    if not rows:
+        return []
+    per_patch = float(np.median([r[4] / max(r[2], 1) for r in rows]))
+    gaps = [0.0] + [b[0] - a[0] for a, b in zip(rows, rows[1:])]
+    order = sorted(range(len(rows)), key=lambda i: rows[i][4] - per_patch * rows[i][2], reverse=True)[:n]
+    return [{"t_s": round(rows[i][0] - start, 3), "items": rows[i][1], "patches": rows[i][2], "gpu_ms": rows[i][3],
+             "launch_to_outputs_ms": rows[i][4], "expected_ms": round(per_patch * rows[i][2], 3),
+             "gap_before_s": round(gaps[i], 3)} for i in sorted(order)]
+
+
 def plot(d: dict, path) -> None:
     import matplotlib
 
@@ -208,6 +229,8 @@ def main():
     bodies = work / "bodies"
     bodies.mkdir()
     write_bodies(bodies, args.images, args.videos)
+    trace = work / "forwards.csv"  # the engine's line per forward (`Settings.forward_trace`): what a stall was
+    os.environ["QWEN3VL_FORWARD_TRACE"] = str(trace)
     server, url, ready_s = start_server(args.model, args.port, str(work / "cache"))
     endpoint = f"{url}/embed?{PARAMS}"
     try:
@@ -219,6 +242,7 @@ def main():
         rate = args.fraction * capacity
         print(f"capacity {capacity:.1f} req/s ({args.clients} clients, closed loop); soak at {rate:.1f} req/s "
               f"for {args.minutes} min", flush=True)
+        soak_start = time.time()
         sampler = Sampler(server.pid, time.perf_counter(), args.sample_s)
         sampler.start()
         gen = openloop(args.openloop, endpoint, bodies, work / "soak.csv", args.minutes * 60, rate=rate,
@@ -246,6 +270,7 @@ def main():
                       "send_delay_max_ms": max(r["delay_ms"] for r in rows)},
         "capacity": {"clients": args.clients, "seconds": args.capacity_s, "generator": cap},
         "minutes": minute_rows(rows, sampler.samples, args.minutes),
+        "slowest_forwards": slowest_forwards(trace, soak_start),
         "samples": sampler.samples,
     }
     path = write_results(args.name, payload, args.out)

@@ -1,4 +1,5 @@
-"""Process-wide state, set once where each kind of process starts (`configure_process`), never by the layers' code.
+"""Process-wide state, set once where each kind of process starts (`configure_process`) and once it is ready to serve
+(`settle_process`), never by the layers' code.
 
 - `engine`: an engine process (`service.engine.process`), the model and its batcher behind the front-ends;
 - `frontend`: an HTTP front-end process (`service.http.app.frontend_app`);
@@ -8,6 +9,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 ROLES = ("engine", "frontend", "local")
@@ -37,3 +39,13 @@ def configure_process(role: str) -> None:
         # `torch.save` of vLLM's features (`http.output.torch_saved`) without the zip records' CRC-32s, which
         # `torch.load` does not need and which take most of the time of saving; nothing else here saves with torch
         torch.serialization.set_crc32_options(False)
+
+
+def settle_process() -> None:
+    """Once a serving process has loaded what it serves with (the model, its kernels and graphs, the web stack):
+    collect start-up's garbage, then move everything left out of the garbage collector's generations (`gc.freeze`).
+    A full collection while serving then walks only what serving made. Otherwise each one walks the ~200,000
+    objects start-up left, 100-170 ms with the 2B tower loaded (measured on the CPU machine), a pause of the
+    engine's event loop and forward thread in the middle of traffic."""
+    gc.collect()
+    gc.freeze()

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from .errors import CheckpointError
 from .model.config import model_tower_config
-from .runtime import configure_process
+from .runtime import configure_process, settle_process
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ def run(args) -> int:
         log.error("cannot use the device: %s", " ".join(str(e).split()))
         return 2
     app = create_app(settings)
+    app.state.service.on_ready = settle_process
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=settings.graceful_shutdown_s, access_log=False)
     limit_connections(config, settings)

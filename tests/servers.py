@@ -37,10 +37,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(encoder=None, **settings):
+def serve(encoder=None, on_ready=None, **settings):
     port = free_port()
     cfg = Settings(**{"model": "random:tiny", "device": "cpu", "port": port, "host": "127.0.0.1", **settings})
     app = create_app(cfg, encoder=encoder)
+    app.state.service.on_ready = on_ready
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -4,6 +4,7 @@ and neither the kernels nor the engine process's modules reach up into a layer a
 from __future__ import annotations
 
 import ast
+import time
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,7 @@ def test_no_test_imports_benchmarks():
         assert not any(i.split(".")[0] == "benchmarks" for i in _all_imports(path)), path
 
 
-PROCESS_WIDE = ("setswitchinterval(", "set_num_threads(", "set_crc32_options(")
+PROCESS_WIDE = ("setswitchinterval(", "set_num_threads(", "set_crc32_options(", "gc.freeze(")
 
 
 def test_process_wide_state_is_set_only_where_a_process_starts():
@@ -185,6 +186,53 @@ def test_each_kind_of_process_gets_its_state(role, threads, interval, crc32):
     assert int(got_threads) == (threads if threads is not None else int(default_threads))
     assert float(got_interval) == (interval if interval is not None else float(default_interval))
     assert got_crc32 == str(crc32)
+
+
+def test_settle_process_collects_start_up_s_garbage_and_freezes_the_rest():
+    """What a process holds when it starts serving leaves the collector's generations (a full collection then walks
+    only what serving made); start-up's garbage cycles are collected first, not frozen for good."""
+    import subprocess
+    import sys
+
+    code = ("import gc, weakref; from service.runtime import settle_process\n"
+            "class Node: pass\n"
+            "kept = [Node() for _ in range(20000)]\n"
+            "a, b = Node(), Node(); a.other, b.other = b, a; gone = weakref.ref(a); del a, b\n"
+            "before = gc.get_freeze_count(); settle_process()\n"
+            "print(before, gc.get_freeze_count(), gone() is None, len(gc.get_objects()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    before, frozen, collected, tracked = out.split()
+    assert int(before) == 0 and int(frozen) >= 20000 and collected == "True"
+    assert int(tracked) < 100  # the collector's generations are all but empty
+
+
+def test_the_servers_settle_once_ready():
+    """`on_ready` (`runtime.settle_process` in `serve` and in each front-end) runs once, when start-up is done: after
+    /ready turns 200, not before."""
+    import httpx
+
+    from tests.servers import serve
+
+    calls = []
+    with serve(on_ready=lambda: calls.append(time.monotonic())) as (url, app):
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert app.state.service.ready and len(calls) == 1
+        httpx.post(f"{url}/embed", content=_png(), headers={"content-type": "image/png"}, params={"embeddings": "false",
+                                                                                                  "pooling": "mean"})
+        assert len(calls) == 1
+
+
+def _png() -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
 
 
 def test_an_unknown_role_is_refused():

@@ -34,7 +34,7 @@ from .local import LocalEngine
 from .protocol import error_header, raw_bytes, read_message, write_message, write_tensors
 from .shm import attach, page_lock, page_unlock
 from .wiring import Wiring
-from ..runtime import configure_process
+from ..runtime import configure_process, settle_process
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,7 @@ async def _serve(conn, settings, restarts: int) -> int:
     server = EngineServer(engine, restarts)
     engine.on_batch = server.on_batch
     await engine.start()
+    settle_process()  # before the front-ends can reach it
     socket_path = Wiring.from_env().engine_sockets[0]  # the one `serve` gave this engine
     listener = await server.serve(socket_path)
     model = engine.model

@@ -15,7 +15,7 @@ import shutil
 import signal
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi_offline import FastAPIOffline
@@ -29,7 +29,7 @@ from ..engine.factory import open_engine
 from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
 from ..engine.wiring import Wiring
 from ..errors import DeadlineExceeded, InvalidInput
-from ..runtime import configure_process
+from ..runtime import configure_process, settle_process
 from ..settings import Settings
 from . import openapi
 from .metrics import Metrics
@@ -51,6 +51,8 @@ class Service:
         processes and shared cache directory (`serve`), or none (one process serves)."""
         self.metrics = metrics
         self.ready = False
+        # called once, when start-up is done (`serve` and the front-ends: `runtime.settle_process`)
+        self.on_ready: Callable[[], None] | None = None
         self.draining = False  # SIGTERM received: /ready 503, every response closes its connection
         self._encoding = 0  # requests in `encode`
         # one process serves: its own cache directory, made at start-up and removed at shut-down, however the start
@@ -136,6 +138,9 @@ class Service:
         self._mark_ready(True)
         log.info("ready: %s (%s%s), attention backend %s", settings.model, enc.dtype,
                  ", FP8 blocks" if enc.quantization == "fp8" else "", enc.backend)
+        if self.on_ready is not None:  # the first time only (an engine's restart sets it ready again)
+            on_ready, self.on_ready = self.on_ready, None
+            on_ready()
 
     async def stop(self):
         self.ready = False
@@ -415,4 +420,6 @@ def frontend_app() -> FastAPI:
     """uvicorn factory of the front-end worker processes: settings from the environment the main process set."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[http %(process)d]: %(message)s")
     configure_process("frontend")
-    return create_app(Settings(), wiring=Wiring.from_env())
+    app = create_app(Settings(), wiring=Wiring.from_env())
+    app.state.service.on_ready = settle_process
+    return app
