@@ -44,8 +44,8 @@ def configure_process(role: str) -> None:
 def settle_process() -> None:
     """Once a serving process has loaded what it serves with (the model, its kernels and graphs, the web stack):
     collect start-up's garbage, then move everything left out of the garbage collector's generations (`gc.freeze`).
-    A full collection while serving then walks only what serving made. Otherwise each one walks the ~200,000
-    objects start-up left, 100-170 ms with the 2B tower loaded (measured on the CPU machine), a pause of the
-    engine's event loop and forward thread in the middle of traffic."""
+    A full collection while serving then walks only what serving made. Otherwise each one walks the hundreds of
+    thousands of objects start-up left (the model, torch, Triton), a pause of a tenth of a second or more of the
+    engine's event loop and forward thread in the middle of traffic (docs/PERFORMANCE.md, "Soak")."""
     gc.collect()
     gc.freeze()

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 # how long an idle engine keeps its loop turning after an `expect` when no submit follows
 EXPECT_S = 0.01
 # results larger than this are copied into a front-end's arena by a worker thread (numpy's copy lets go of the
-# interpreter lock), not on the event loop: 16 images in vLLM's layout are 51 MB, ~10 ms of copying during which the
-# loop would neither read submissions nor launch the next pack (the GPU idled 18% of the time so). Smaller ones (a
+# interpreter lock), not on the event loop: 16 images in vLLM's layout are 51 MB, milliseconds of copying during
+# which the loop would neither read submissions nor launch the next pack, and the GPU would idle. Smaller ones (a
 # 448 px image's merged tokens: 0.8 MB) are copied inline, where the hand-off would cost a lone request more.
 INLINE_RESULT_BYTES = 1 << 20
 RESULT_COPIERS = 2
