@@ -21,6 +21,8 @@ product's error is up to 1.6x cuBLASLt's, 0.26% of its norm, beside the 3-4% of 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .act_quant import ACTIVATIONS, apply_activation
@@ -113,9 +115,36 @@ if triton is not None:
 
 
 # (block_m, block_n, block_k, warps, stages, persistent): 128-byte K rows (block_k 128 in e4m3) fill the swizzle
-FP8_TILES = [(128, 256, 128, 8, 3, False), (128, 128, 128, 4, 4, False), (128, 128, 128, 8, 4, False),
-             (256, 128, 128, 8, 3, False), (128, 256, 128, 8, 4, False), (64, 256, 128, 4, 4, False),
-             (128, 256, 64, 8, 4, False), (128, 256, 128, 8, 3, True), (128, 128, 128, 8, 4, True)]
+class Fp8Tile(NamedTuple):
+    """One launch configuration of the FP8 GEMM: its output tile, its K step, warps, pipeline stages, and whether
+    its programs are persistent (one per SM, walking the tiles) rather than one per tile."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    persistent: bool = False
+
+
+class Rope(NamedTuple):
+    """The QKV projection's epilogue: the weight is a fused QKV `[3 * hidden, K]` of `heads` heads, and Q and K are
+    rotated by the float32 tables `cos`, `sin` `(M, head_dim / 2)`."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    heads: int
+
+
+class Activation(NamedTuple):
+    """The MLP's first GEMM's epilogue: activation `name` of the float32 product, divided by each column's norm
+    (`inv_norms`, `fp8.act_norms` of the layer), quantised to e4m3 rows at `fp8.act_row_scales(.., bound)`."""
+    name: str
+    inv_norms: torch.Tensor
+    bound: float
+
+
+FP8_TILES = [Fp8Tile(128, 256, 128, 8, 3), Fp8Tile(128, 128, 128, 4, 4), Fp8Tile(128, 128, 128, 8, 4),
+             Fp8Tile(256, 128, 128, 8, 3), Fp8Tile(128, 256, 128, 8, 4), Fp8Tile(64, 256, 128, 4, 4),
+             Fp8Tile(128, 256, 64, 8, 4), Fp8Tile(128, 256, 128, 8, 3, True), Fp8Tile(128, 128, 128, 8, 4, True)]
 # the candidate that runs cuBLASLt's scaled_mm and then the epilogue's work as separate passes
 UNFUSED = "unfused"
 
@@ -133,35 +162,35 @@ def fp8_gemm_supported(x: Quantized, wq: torch.Tensor) -> bool:
     return is_hopper(xq.device) if xq.is_cuda else interpreting()
 
 
-def _rope_tiles(hidden: int, head_dim: int) -> list[tuple]:
+def _rope_tiles(hidden: int, head_dim: int) -> list[Fp8Tile]:
     """The tiles that cover whole heads and never straddle Q, K and V (and so divide N); none for a head dim that is
     not a power of two (the epilogue splits a tile into heads and halves by reshapes)."""
     if head_dim < 16 or head_dim & (head_dim - 1):
         return []
-    return [c for c in FP8_TILES if c[1] % head_dim == 0 and hidden % c[1] == 0]
+    return [c for c in FP8_TILES if c.block_n % head_dim == 0 and hidden % c.block_n == 0]
 
 
 def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
              out_dtype: torch.dtype = torch.bfloat16, residual: torch.Tensor | None = None,
-             rope: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-             act: tuple[str, torch.Tensor, float] | None = None, out: torch.Tensor | None = None,
-             tile: "tuple | str | None" = None, use_triton: bool | None = None) -> "torch.Tensor | Quantized":
+             rope: Rope | None = None, act: Activation | None = None, out: torch.Tensor | None = None,
+             tile: "Fp8Tile | str | None" = None, use_triton: bool | None = None) -> "torch.Tensor | Quantized":
     """`x @ W^T (+ bias)` from e4m3 codes and row scales, dequantised in the epilogue, `[M, N]` in `out_dtype`.
 
     `residual` (`[M, N]`, rows contiguous): the product is added into it in place and it is returned (its dtype is
-    the output's). `rope = (cos, sin, heads)`: W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads,
-    head_dim)` with Q and K rotated by the float32 `(M, head_dim / 2)` tables, into `out` if given. `act = (name,
-    1 / norms, bound)` (`fp8.act_norms` of this layer): the activation of the float32 product (unfused: of the
-    product in `out_dtype`, in that dtype) divided by each column's norm, as `Quantized` e4m3 rows at
-    `fp8.act_row_scales`, for the next FP8 GEMM, whose weight carries the norms (`fp8.fold_norms`): no pass between
-    the two. `tile` pins one of `FP8_TILES` or `UNFUSED` (tests, benchmarks); otherwise the fastest for the shape
-    class is chosen on first use.
+    the output's). `rope` (`Rope`): W is a fused QKV weight `[3 * hidden, K]`; the result `(M, 3, heads, head_dim)`
+    with Q and K rotated, into `out` if given. `act` (`Activation`): the activation of the float32 product (unfused:
+    of the product in `out_dtype`, in that dtype) divided by each column's norm, as `Quantized` e4m3 rows for the
+    next FP8 GEMM, whose weight carries the norms (`fp8.fold_norms`): no pass between the two. At most one of
+    `residual`, `rope` and `act`. `tile` pins an `Fp8Tile` (one of `FP8_TILES`) or `UNFUSED` (tests, benchmarks);
+    otherwise the fastest for the shape class is chosen on first use.
     `use_triton` (None: on a GPU; the CPU tests force it under the interpreter): where the kernel cannot or may not
     run (`fp8_gemm_supported`), cuBLASLt (or the reference off Hopper) and the passes."""
     if (residual is not None) + (rope is not None) + (act is not None) > 1:
         raise ValueError("fp8_gemm: a residual, RoPE or an activation, not two")
-    if act is not None and act[0] not in ACTIVATIONS:
-        raise ValueError(f"activation {act[0]!r}: one of {', '.join(ACTIVATIONS)}")
+    rope = None if rope is None else Rope(*rope)
+    act = None if act is None else Activation(*act)
+    if act is not None and act.name not in ACTIVATIONS:
+        raise ValueError(f"activation {act.name!r}: one of {', '.join(ACTIVATIONS)}")
     xq, x_scale = x
     m, k = xq.shape
     n = wq.shape[0]
@@ -171,7 +200,7 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
         out_dtype = residual.dtype
     head_dim = hidden = 0
     if rope is not None:
-        cos, sin, heads = rope
+        cos, sin, heads = rope.cos, rope.sin, rope.heads
         hidden = n // 3
         head_dim = hidden // heads
         if n != 3 * heads * head_dim or cos.shape != (m, head_dim // 2) or sin.shape != cos.shape:
@@ -196,26 +225,25 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
         """Candidate `c` into `into` (the residual itself in that mode, else the output); returns it."""
         if c == UNFUSED:
             if act is not None:  # the activation in the output's dtype, as the unfused layer computes it
-                name, inv_norms, bound = act
-                y = apply_activation(scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype), name)
-                act_scale.copy_(act_row_scales(x_scale, k, bound))
-                return into.copy_(quantize_with(y.float() * inv_norms, act_scale))
+                y = apply_activation(scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype), act.name)
+                act_scale.copy_(act_row_scales(x_scale, k, act.bound))
+                return into.copy_(quantize_with(y.float() * act.inv_norms, act_scale))
             if residual is not None:
                 return into.add_(scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype))
             y = scaled_linear(xq, x_scale, wq, w_scale, bias, out_dtype=out_dtype, out=into)
             return y if rope is None else qkv_rope_(y.view(m, 3, heads, head_dim), cos, sin).view(m, n)
-        bm, bn, bk, warps, stages, persistent = c
+        bm, bn, bk, warps, stages, persistent = c  # an Fp8Tile (or the plain tuple a tuning cache restored)
         a_desc = TensorDescriptor(xq, [m, k], [xq.stride(0), 1], [bm, bk])
         b_desc = TensorDescriptor(wq, [n, k], [wq.stride(0), 1], [bn, bk])
         tiles = cdiv(m, bm) * cdiv(n, bn)
         unread = x_scale  # the pointer arguments of the modes not taken
         args = (a_desc, b_desc, x_scale, w_scale, unread if bias is None else bias, into,
                 into if residual is not None else unread, unread if rope is None else cos,
-                unread if rope is None else sin, unread if act is None else act[1],
+                unread if rope is None else sin, unread if act is None else act.inv_norms,
                 unread if act is None else act_scale, m, n, into.stride(0), into.stride(0),
-                0 if rope is None else cos.stride(0), 2 * hidden, float(k) ** 0.5, 0.0 if act is None else act[2])
+                0 if rope is None else cos.stride(0), 2 * hidden, float(k) ** 0.5, 0.0 if act is None else act.bound)
         meta = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, ROPE=rope is not None,
-                    ACT_FN=-1 if act is None else ACTIVATIONS[act[0]], FAST_TANH=not interpreting(),
+                    ACT_FN=-1 if act is None else ACTIVATIONS[act.name], FAST_TANH=not interpreting(),
                     HEAD_DIM=max(head_dim, 1), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                     GROUP_M=8, K_TILES=cdiv(k, bk), num_warps=warps, num_stages=stages)
         if persistent:
@@ -230,9 +258,9 @@ def fp8_gemm(x: Quantized, wq: torch.Tensor, w_scale: torch.Tensor, bias: torch.
     if not use_triton or not fp8_gemm_supported(x, wq) or (tile is None and not candidates):
         tile = UNFUSED
     elif tile is None and interpreting():
-        tile = (32, head_dim or 32, 32, 4, 2, False)  # small tiles: the interpreter's cost grows with the tile
+        tile = Fp8Tile(32, head_dim or 32, 32, 4, 2)  # small tiles: the interpreter's cost grows with the tile
     elif tile is None:
-        mode = "rope" if rope is not None else "residual" if residual is not None else act[0] if act else "plain"
+        mode = "rope" if rope is not None else "residual" if residual is not None else act.name if act else "plain"
         scratch = []  # timed into scratch (made on the first timing only): the residual must not take their sums
 
         def timed(c):

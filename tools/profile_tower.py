@@ -28,7 +28,7 @@ from benchmarks.common import ClockLog, bench, environment, write_results
 from kernels.act_quant import act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.fp8 import act_norms, fp8_gemm_shape, quantize_weight, scaled_linear
-from kernels.fp8_gemm import FP8_TILES, UNFUSED, _rope_tiles, fp8_gemm
+from kernels.fp8_gemm import FP8_TILES, UNFUSED, Rope, _rope_tiles, fp8_gemm
 from kernels.qkv_rope import gemm_candidates, qkv_rope_, qkv_rope_linear
 from service.model.config import preset
 from benchmarks.graphed import GraphedTower
@@ -239,7 +239,7 @@ def fused_fp8(cfg, name, xq, wq, ws, bias, x, w) -> dict:
     sin = torch.rand_like(cos)
     acc = torch.randn(tokens, wq.shape[0], device="cuda", dtype=x.dtype)
     if name == "qkv":
-        call = lambda tile: fp8_gemm(xq, wq, ws, bias, rope=(cos, sin, heads), tile=tile)  # noqa: E731
+        call = lambda tile: fp8_gemm(xq, wq, ws, bias, rope=Rope(cos, sin, heads), tile=tile)  # noqa: E731
         tiles = _rope_tiles(cfg.hidden_size, cfg.head_dim)
         bf16 = lambda: qkv_rope_linear(x, w, bias, cos, sin, heads)  # noqa: E731
     elif name in ("proj", "fc2"):

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from kernels.act_quant import act_quantize
 from kernels.fp8 import Quantized, act_norms, fold_norms, fp8_gemm_shape, quantize_rows, quantize_weight
-from kernels.fp8_gemm import fp8_gemm
+from kernels.fp8_gemm import Activation, Rope, fp8_gemm
 
 QUANTIZATIONS = ("none", "fp8")
 # the activations an FP8 fc1 hands its FP8 fc2 in e4m3 from its epilogue (`fp8.act_norms` bounds their values); the
@@ -50,11 +50,11 @@ class Fp8Linear(nn.Module):
         return cls(q, scale, None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: "torch.Tensor | Quantized", residual: torch.Tensor | None = None, add_bias: bool = True,
-                rope: tuple[torch.Tensor, torch.Tensor, int] | None = None, out: torch.Tensor | None = None,
+                rope: Rope | None = None, out: torch.Tensor | None = None,
                 act: str | None = None, use_triton: bool | None = None) -> "torch.Tensor | Quantized":
         """`x @ W.T + bias` (x in the activations' dtype, or quantised already) through `kernels.fp8_gemm`: with
         `residual`, added into it in place (then without the bias unless `add_bias`, as the tower's residual GEMMs
-        leave it to the norm that follows); with `rope = (cos, sin, heads)` (the QKV projection), `(T, 3, heads,
+        leave it to the norm that follows); with `rope` (`Rope(cos, sin, heads)`: the QKV projection), `(T, 3, heads,
         head_dim)` with Q and K rotated, into `out` if given; with `act` (a layer `quantize_blocks` prepared), the
         activation as `Quantized` rows for the next layer, from the GEMM's epilogue. `use_triton`: the fused kernel
         (None: on a GPU)."""
@@ -70,7 +70,8 @@ class Fp8Linear(nn.Module):
         if act is not None and self.act_inv_norm is None:
             raise ValueError(f"{act}: this layer hands no activation on (quantize_blocks did not prepare it)")
         y = fp8_gemm(x, self.qweight, self.scale, bias, out_dtype=out_dtype, residual=residual, rope=rope, out=out,
-                     act=None if act is None else (act, self.act_inv_norm, self.act_bound), use_triton=use_triton)
+                     act=None if act is None else Activation(act, self.act_inv_norm, self.act_bound),
+                     use_triton=use_triton)
         if act is not None:
             return y if lead is None else Quantized(y.codes.view(*lead, -1), y.scale.view(lead))
         return y if lead is None or residual is not None or rope is not None else y.view(*lead, -1)

@@ -35,6 +35,7 @@ from kernels import resolve_backend, varlen_attention, vision_rope_cos_sin, visi
 from kernels.act_quant import ACTIVATIONS as QUANTIZED_ACTIVATIONS, act_quantize
 from kernels.add_layernorm import add_layernorm, layernorm_offset
 from kernels.fp8 import GEMM_MULTIPLE, Quantized
+from kernels.fp8_gemm import Rope
 from kernels.pos_embed import pos_embed_add_
 from kernels.qkv_rope import fused_qkv_rope_supported, linear_then_rope, qkv_rope_linear
 
@@ -288,7 +289,7 @@ class Attention(nn.Module):
         """x `[T, hidden]` -> qkv `[T, 3, H, D]`, Q and K rotated, into `out` if given. `backend` is the tower's (it
         decides the fused projection)."""
         if not isinstance(self.qkv, nn.Linear):  # FP8 (`quant.Fp8Linear`; x: `Quantized` rows from the norm's pass)
-            return self.qkv(x, rope=(cos, sin, self.num_heads), out=out,
+            return self.qkv(x, rope=Rope(cos, sin, self.num_heads), out=out,
                             use_triton=_fused(backend) if options.fused_qkv_rope else False)
         if (backend == "triton" and options.fused_qkv_rope
                 and fused_qkv_rope_supported(x, self.qkv.weight, self.num_heads)):

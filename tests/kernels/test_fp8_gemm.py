@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.fp8 import Quantized, quantize_rows
+from kernels.fp8_gemm import Activation, Rope
 from kernels.rope import vision_rope_cos_sin, vision_rope_inv_freq
 
 from conftest import as_hardware_would, gpu, interpreted, rel_err
@@ -94,7 +95,7 @@ def test_qkv_rope_interpreted(m, k, heads, head_dim, persistent, into):
     cos, sin = vision_rope_cos_sin(torch.randint(0, 50, (m, 2)), vision_rope_inv_freq(head_dim))
     exact = rotated(exact_product(x, w) + b.double(), cos, sin, heads)
     buf = torch.full((m, 3, heads, head_dim), float("nan"), dtype=torch.float16) if into else None
-    out = fp8_gemm(x, *w, b, out_dtype=torch.float16, rope=(cos, sin, heads), out=buf,
+    out = fp8_gemm(x, *w, b, out_dtype=torch.float16, rope=Rope(cos, sin, heads), out=buf,
                    tile=(32, head_dim, 32, 4, 2, persistent))
     assert out.shape == (m, 3, heads, head_dim) and out.dtype == torch.float16
     assert buf is None or out.data_ptr() == buf.data_ptr()
@@ -111,12 +112,12 @@ def test_unfused_and_fallbacks():
     exact = rotated(exact_product(x, w) + b.double(), cos, sin, 2)
     assert fp8_gemm_supported(x, w[0])  # the interpreter could, but head dim 72 has no tile
     for kw in ({}, {"use_triton": True}, {"tile": UNFUSED}):
-        out = fp8_gemm(x, *w, b, out_dtype=torch.float32, rope=(cos, sin, 2), **kw)
+        out = fp8_gemm(x, *w, b, out_dtype=torch.float32, rope=Rope(cos, sin, 2), **kw)
         assert rel_err(out, exact) <= 1e-6
     with pytest.raises(ValueError, match="block_n"):
-        fp8_gemm(x, *w, b, out_dtype=torch.float32, rope=(cos, sin, 2), tile=(32, 64, 32, 4, 2, False))
+        fp8_gemm(x, *w, b, out_dtype=torch.float32, rope=Rope(cos, sin, 2), tile=(32, 64, 32, 4, 2, False))
     with pytest.raises(ValueError, match="not two"):
-        fp8_gemm(x, *w, residual=torch.zeros(9, 3 * 144), rope=(cos, sin, 2))
+        fp8_gemm(x, *w, residual=torch.zeros(9, 3 * 144), rope=Rope(cos, sin, 2))
 
 
 def test_choosing_a_tile_never_adds_into_the_residual(monkeypatch):
@@ -183,7 +184,7 @@ def test_activation_epilogue_interpreted(m, k, n, act, dtype):
 
     x, w, b, inv_norms, bound = act_operands(m, k, n, dtype)
     for tile in [(32, 32, 32, 4, 2, False), (16, 64, 32, 4, 3, True), UNFUSED]:
-        got = fp8_gemm(x, *w, b, out_dtype=dtype, act=(act, inv_norms, bound), tile=tile)
+        got = fp8_gemm(x, *w, b, out_dtype=dtype, act=Activation(act, inv_norms, bound), tile=tile)
         assert isinstance(got, Quantized) and got.codes.shape == (m, n)
         plain = fp8_gemm(x, *w, b, out_dtype=dtype, tile=tile)
         # the kernel's activation reads the product before its rounding to dtype (GELU' <= 1.13)
@@ -235,11 +236,11 @@ def test_qkv_rope_every_tile_on_the_gpu(m, hidden, heads):
     pos = torch.randint(0, 64, (m, 2), device="cuda")
     cos, sin = vision_rope_cos_sin(pos, vision_rope_inv_freq(head_dim, device="cuda"))
     exact = rotated(exact_product(x, w) + b.double(), cos, sin, heads)
-    unfused = rel_err(fp8_gemm(x, *w, b, rope=(cos, sin, heads), tile=UNFUSED), exact)
+    unfused = rel_err(fp8_gemm(x, *w, b, rope=Rope(cos, sin, heads), tile=UNFUSED), exact)
     assert _rope_tiles(hidden, head_dim)
     for tile in [*_rope_tiles(hidden, head_dim), None]:
         out = torch.empty(m, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-        got = fp8_gemm(x, *w, b, rope=(cos, sin, heads), out=out, tile=tile)
+        got = fp8_gemm(x, *w, b, rope=Rope(cos, sin, heads), out=out, tile=tile)
         assert got.data_ptr() == out.data_ptr()
         assert rel_err(got, exact) <= max(2 * unfused, 1.5 * rounding(exact, torch.bfloat16)), tile
 
@@ -256,7 +257,7 @@ def test_activation_epilogue_every_tile_on_the_gpu(m, k, n):
 
     x, w, b, inv_norms, bound = act_operands(m, k, n, torch.bfloat16, device="cuda")
     for tile in [*FP8_TILES, UNFUSED]:
-        got = fp8_gemm(x, *w, b, act=("gelu_pytorch_tanh", inv_norms, bound), tile=tile)
+        got = fp8_gemm(x, *w, b, act=Activation("gelu_pytorch_tanh", inv_norms, bound), tile=tile)
         plain = fp8_gemm(x, *w, b, tile=tile)
         assert_act_codes(got, plain, "gelu_pytorch_tanh", inv_norms, x.scale, k, bound,
                          h_err=2**-12 + 1.13 * 2**-9 if tile != UNFUSED else 0.0)
