@@ -110,3 +110,71 @@ def test_idle_keep_alive_connections_close_and_a_connection_cap_refuses_cleanly(
             s.close()
     time.sleep(1.5)
     assert httpx.get(f"http://127.0.0.1:{limited}/health").status_code == 200
+
+
+# A server of the same protocol and limits as `serve`'s, on uvloop (what `uvicorn[standard]` runs), whose /block
+# stalls its event loop for argv[2] seconds, as a collection or a burst of work does.
+_STALLING_SERVER = """
+import sys, time, uvicorn
+from service.server import limit_connections
+from service.settings import Settings
+
+async def app(scope, receive, send):
+    if scope["path"] == "/block":
+        time.sleep(float(sys.argv[2]))
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+config = uvicorn.Config(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", lifespan="off",
+                        log_level="warning")
+limit_connections(config, Settings(keep_alive_s=0.5))
+uvicorn.Server(config).run()
+"""
+
+
+def _response(s: socket.socket) -> bytes:
+    """One response of `_STALLING_SERVER` (its body is 2 bytes), or what came before the connection closed."""
+    out = b""
+    with contextlib.suppress(ConnectionResetError, socket.timeout):
+        while not (b"\r\n\r\n" in out and out.endswith(b"ok")):
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def test_a_request_that_arrives_as_its_connection_idles_out_is_answered():
+    """A client reuses its keep-alive connection just as the server's idle timeout for it comes due, while the
+    server's event loop is stalled: the request's bytes wait in the socket past the timer's due time. Closing the
+    connection then would reset it under a request already sent (the client sees 'connection reset', and a POST is
+    not retried: the soaks' two dropped requests looked so); the server answers it, and the connection idles out
+    later."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _STALLING_SERVER, str(port), "0.6"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                a = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        with a:
+            a.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _response(a).startswith(b"HTTP/1.1 200")
+            idle_since = time.monotonic()  # the idle timeout comes due 0.5 s from here
+            time.sleep(0.3)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as b:
+                b.sendall(b"GET /block HTTP/1.1\r\nHost: x\r\n\r\n")  # the loop stalls until ~0.9 s
+                time.sleep(max(0.0, idle_since + 0.45 - time.monotonic()))
+                a.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")  # read only after the timeout came due
+                assert _response(b).startswith(b"HTTP/1.1 200")
+            assert _response(a).startswith(b"HTTP/1.1 200")
+            a.settimeout(3)
+            assert a.recv(1) == b""  # and idle again, it is closed
+    finally:
+        proc.terminate()
+        proc.wait(30)
