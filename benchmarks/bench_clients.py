@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.bench_service import (PARAMS, _pack_ms, compiled, load, photo_jpegs, served_encoder, sm_clock,
                                       start_server, stop_server, unique, write_bodies)
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, read_forward_trace, write_results
 
 PACKS = (8, 16, 20, 24, 28, 32, 41)
 EAGER_ABOVE = 6400  # the second server's largest graph bucket
@@ -138,11 +138,7 @@ def forwards_by_bucket(trace: Path, t0: float, t1: float) -> dict:
     patches fall in: count, median items, GPU ms per image (CUDA events), median launch-to-outputs ms."""
     from service.settings import DEFAULT_GRAPH_BUCKETS
 
-    rows = []
-    for line in trace.read_text().splitlines():
-        t, _device, items, patches, gpu_ms, wall_ms = line.split(",")
-        if t0 <= float(t) <= t1:
-            rows.append((int(items), int(patches), float(gpu_ms), float(wall_ms)))
+    rows = [r[1:] for r in read_forward_trace(trace, t0, t1)]
     by: dict[str, list] = {}
     for r in rows:
         bucket = next((b for b in DEFAULT_GRAPH_BUCKETS if r[1] <= b), None)

@@ -134,7 +134,7 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
     import torch
 
     from service.model.encoder import pack_by_budget
-    from service.model.graphs import BucketedTower
+    from service.model.graphs import BucketedTower, signature
 
     settings, enc = served_encoder(model)
     eager = BucketedTower(enc.tower)  # no buckets: the engine's eager path
@@ -160,8 +160,7 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
         if fastest == "graph":
             from benchmarks.graphed import GraphedTower
 
-            path = GraphedTower(enc.tower, max_graphs=len({tuple(map(tuple, g)) for _, g in inputs}),
-                                capture_after=1)
+            path = GraphedTower(enc.tower, max_graphs=len({signature(g) for _, g in inputs}), capture_after=1)
         else:
             path = eager
         runs = {"served": served, fastest: path}
@@ -200,13 +199,12 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
 
 def sustained(calls: list, images: int, warmup_s: float = 8.0, seconds: float = 15.0) -> dict:
     """images/s of `calls` (one forward per pack, `images` images together) run back to back for `seconds`, after
-    `warmup_s` of the same, with the SM clock and power sampled every 2 s meanwhile (their medians). The bursts of
+    `warmup_s` of the same, with the SM clock and power sampled meanwhile (`ClockLog`'s medians). The bursts of
     `_pack_ms` (300 ms each, the GPU idle between them) run at the clock the GPU reaches before its power cap
     pulls it down; a server under load runs at the capped clock, and this is the forward at that clock."""
-    import statistics
-    import threading
-
     import torch
+
+    from benchmarks.common import ClockLog
 
     def cycle() -> None:
         for call in calls:
@@ -216,29 +214,15 @@ def sustained(calls: list, images: int, warmup_s: float = 8.0, seconds: float = 
     end = time.perf_counter() + warmup_s
     while time.perf_counter() < end:
         cycle()
-    samples: list[str] = []
-    stop = threading.Event()
-
-    def sample():
-        while not stop.wait(2.0):
-            samples.append(sm_clock())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    cycles, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        cycle()
-        cycles += 1
-    elapsed = time.perf_counter() - t0
-    stop.set()
-    sampler.join()
-
-    def median(unit: str) -> float | None:
-        values = [float(part.split()[0]) for s in samples for part in s.split(",") if part.strip().endswith(unit)]
-        return statistics.median(values) if values else None
-
+    with ClockLog(interval_ms=500) as clocks:
+        cycles, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            cycle()
+            cycles += 1
+        elapsed = time.perf_counter() - t0
+    gpu = clocks.summary()
     row = {"images_per_s": round(cycles * images / elapsed, 1), "seconds": round(elapsed, 2),
-           "sm_clock_mhz": median("MHz"), "power_w": median("W")}
+           "sm_clock_mhz": gpu.get("sm_mhz_median"), "power_w": gpu.get("power_w_median")}
     print(f"sustained forward: {row}", flush=True)
     return row
 

@@ -214,6 +214,19 @@ def event_loop() -> str:
     return f"uvloop {uvloop.__version__}"
 
 
+def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float("inf")) -> list[tuple]:
+    """The engine's forwards between unix times t0 and t1 from its trace (`Settings.forward_trace`), in order:
+    (unix time, items, patches, GPU ms, launch-to-outputs ms); none where the file is missing."""
+    if not trace.exists():
+        return []
+    rows = []
+    for line in trace.read_text().splitlines():
+        t, _device, items, patches, gpu_ms, wall_ms = line.split(",")
+        if t0 <= float(t) <= t1:
+            rows.append((float(t), int(items), int(patches), float(gpu_ms), float(wall_ms)))
+    return rows
+
+
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:
     out = Path(out_dir or os.environ.get("OUT") or RESULTS)
     out.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_service import photo_jpegs, start_server, stop_server, unique
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, read_forward_trace, write_results
 
 PARAMS = "format=safetensors&deepstack=false"  # as bench_service's uniform load
 
@@ -164,11 +164,7 @@ def slowest_forwards(trace: Path, start: float, n: int = 20) -> list[dict]:
     patches' median cost: when each ran (seconds into the soak), its items, patches and times. A stall inside a
     forward (a compilation, a new block of pinned or device memory) shows here; a stall between forwards shows as
     the gap before the next one (`gap_before_s`)."""
-    if not trace.exists():
-        return []
-    with open(trace, newline="") as f:
-        rows = [(float(r[0]), int(r[2]), int(r[3]), float(r[4]), float(r[5])) for r in csv.reader(f)]
-    rows = [r for r in rows if r[0] >= start]
+    rows = read_forward_trace(trace, start)
     if not rows:
         return []
     per_patch = float(np.median([r[4] / max(r[2], 1) for r in rows]))
