@@ -211,6 +211,7 @@ def test_the_servers_settle_once_ready():
     /ready turns 200, not before."""
     import httpx
 
+    from conftest import random_pngs
     from tests.servers import serve
 
     calls = []
@@ -219,20 +220,9 @@ def test_the_servers_settle_once_ready():
         while httpx.get(f"{url}/ready").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert app.state.service.ready and len(calls) == 1
-        httpx.post(f"{url}/embed", content=_png(), headers={"content-type": "image/png"}, params={"embeddings": "false",
-                                                                                                  "pooling": "mean"})
+        httpx.post(f"{url}/embed", content=random_pngs(1)[0], headers={"content-type": "image/png"},
+                   params={"embeddings": "false", "pooling": "mean"})
         assert len(calls) == 1
-
-
-def _png() -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def test_an_unknown_role_is_refused():
