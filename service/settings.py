@@ -138,7 +138,11 @@ class Settings(BaseSettings):
                                     "or nothing, holds no connection longer)")
     body_timeout_s: float = Field(60.0, gt=0, description="from a request's headers to its body's last byte (then "
                                   "408 and closed: a stalled upload frees its memory)")
-    keep_alive_s: float = Field(5.0, gt=0, description="how long an idle keep-alive connection stays open")
+    keep_alive_s: float = Field(120.0, gt=0, description="how long an idle keep-alive connection stays open: longer "
+                                "than clients' and load balancers' own idle timeouts (Go 90 s, AWS ALB 60 s, aiohttp "
+                                "15 s), so that the client closes an idle connection, not the server (a server that "
+                                "closes one just as its client reuses it resets a request already sent, and clients "
+                                "do not retry a POST)")
     drain_s: float = Field(5.0, ge=0, description="on SIGTERM: seconds the server keeps serving with /ready 503 and "
                            "'Connection: close' on every response, so that clients leave their keep-alive connections "
                            "before it stops accepting (a second SIGTERM skips the rest)")

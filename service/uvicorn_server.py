@@ -147,6 +147,7 @@ class ConnectionLimits:
 
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+LINGER_S = 2.0  # how long a refused connection's incoming bytes are read and dropped before it closes
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -205,13 +206,29 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if retry_after:
             head.append(b"retry-after: 1\r\n")
         self.transport.write(b"".join(head) + b"\r\n" + body)
-        self.transport.close()
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+        self._linger()
+
+    def _linger(self):
+        """Close a refused connection without resetting it under its refusal (nginx's lingering close). Its client
+        may still be sending the request: a socket closed with bytes unread, or receiving bytes once closed, sends
+        a reset, and a reset can discard the reply before the client has read it (it then sees 'connection reset'
+        where a 503 or 431 was written). So the write side is shut after the reply (FIN), what still arrives is
+        dropped (`data_received`), and the socket closes at the client's own close or after `LINGER_S`. Beyond
+        `max_connections` + max(64, `max_connections`) connections a refused one closes at once: lingering must not
+        cost descriptors without bound."""
+        limit = self.limits.max_connections + max(64, self.limits.max_connections)
+        if len(self.connections) > limit or not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.flow.resume_reading()
+        self.transport.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     def data_received(self, data):
-        if self._refused is not None:
+        if self._refused is not None:  # lingering: dropped
             return
         super().data_received(data)
         if self._refused is None and self._in_headers and not self.transport.is_closing():
@@ -223,8 +240,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self):
         super().on_message_begin()
-        self._in_headers, self._header_count = True, 0
-        self._arm(self.limits.header_timeout_s)
+        if self._refused is None:  # (a request pipelined behind a refused one is dropped with it)
+            self._in_headers, self._header_count = True, 0
+            self._arm(self.limits.header_timeout_s)
 
     def on_header(self, name, value):
         if self._refused is None:

@@ -6,6 +6,7 @@ alive, are served throughout."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -114,12 +115,15 @@ def test_idle_keep_alive_connections_close_and_a_connection_cap_refuses_cleanly(
 
 # A server of the same protocol and limits as `serve`'s, on uvloop (what `uvicorn[standard]` runs), whose /block
 # stalls its event loop for argv[2] seconds, as a collection or a burst of work does.
+# argv[3], if given: the Settings' fields as JSON (keep_alive_s 0.5 otherwise).
 _STALLING_SERVER = """
-import sys, time, uvicorn
+import json, sys, time, uvicorn
 from service.server import limit_connections
 from service.settings import Settings
 
 async def app(scope, receive, send):
+    while (await receive()).get("more_body"):
+        pass
     if scope["path"] == "/block":
         time.sleep(float(sys.argv[2]))
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
@@ -127,9 +131,33 @@ async def app(scope, receive, send):
 
 config = uvicorn.Config(app, host="127.0.0.1", port=int(sys.argv[1]), loop="uvloop", lifespan="off",
                         log_level="warning")
-limit_connections(config, Settings(keep_alive_s=0.5))
+limit_connections(config, Settings(**json.loads(sys.argv[3] if len(sys.argv) > 3 else '{"keep_alive_s": 0.5}')))
 uvicorn.Server(config).run()
 """
+
+
+@contextlib.contextmanager
+def _stalling_server(stall_s: float, settings: dict | None = None):
+    """`_STALLING_SERVER` on a free port, once it accepts; yields the port."""
+    port = free_port()
+    argv = [sys.executable, "-c", _STALLING_SERVER, str(port), str(stall_s)]
+    if settings is not None:
+        argv.append(json.dumps(settings))
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def _response(s: socket.socket) -> bytes:
@@ -150,31 +178,46 @@ def test_a_request_that_arrives_as_its_connection_idles_out_is_answered():
     connection then would reset it under a request already sent (the client sees 'connection reset', and a POST is
     not retried: the soaks' two dropped requests looked so); the server answers it, and the connection idles out
     later."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _STALLING_SERVER, str(port), "0.6"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(__file__)))
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                a = socket.create_connection(("127.0.0.1", port), timeout=5)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.05)
-        with a:
-            a.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert _response(a).startswith(b"HTTP/1.1 200")
-            idle_since = time.monotonic()  # the idle timeout comes due 0.5 s from here
-            time.sleep(0.3)
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as b:
-                b.sendall(b"GET /block HTTP/1.1\r\nHost: x\r\n\r\n")  # the loop stalls until ~0.9 s
-                time.sleep(max(0.0, idle_since + 0.45 - time.monotonic()))
-                a.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")  # read only after the timeout came due
-                assert _response(b).startswith(b"HTTP/1.1 200")
-            assert _response(a).startswith(b"HTTP/1.1 200")
-            a.settimeout(3)
-            assert a.recv(1) == b""  # and idle again, it is closed
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    with _stalling_server(0.6) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as a:
+        a.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(a).startswith(b"HTTP/1.1 200")
+        idle_since = time.monotonic()  # the idle timeout comes due 0.5 s from here
+        time.sleep(0.3)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as b:
+            b.sendall(b"GET /block HTTP/1.1\r\nHost: x\r\n\r\n")  # the loop stalls until ~0.9 s
+            time.sleep(max(0.0, idle_since + 0.45 - time.monotonic()))
+            a.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")  # read only after the timeout came due
+            assert _response(b).startswith(b"HTTP/1.1 200")
+        assert _response(a).startswith(b"HTTP/1.1 200")
+        a.settimeout(3)
+        assert a.recv(1) == b""  # and idle again, it is closed
+
+
+def test_a_refusal_reaches_a_client_still_sending_its_request():
+    """A connection over the cap is refused (503) as its client sends a 2 MB upload: the client reads the 503.
+    Closed at once, the server's socket would reset under the bytes still arriving, and the reset discards the reply
+    (every one of 40 such clients saw 'connection reset' before the lingering close)."""
+    body = b"x" * 2_000_000
+    request = b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    with _stalling_server(0, {"max_connections": 1}) as port, socket.create_connection(("127.0.0.1", port)):
+        replies = []
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                try:
+                    s.sendall(request)
+                    replies.append(_reply(s)[:12])
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    replies.append(repr(e))
+    assert replies == [b"HTTP/1.1 503"] * 20, replies
+
+
+def test_an_idle_connection_outlives_common_clients_idle_timeouts():
+    """At the defaults, a keep-alive connection idle for longer than uvicorn's 5 s is still served: the client's
+    idle timeout (Go's 90 s, a load balancer's 60 s) should close it first, since a server closing an idle
+    connection as its client reuses it resets a request already sent."""
+    with _stalling_server(0, {}) as port, socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _response(s).startswith(b"HTTP/1.1 200")
+        time.sleep(6)
+        s.sendall(b"POST /fast HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        assert _response(s).startswith(b"HTTP/1.1 200")
