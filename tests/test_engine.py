@@ -392,3 +392,37 @@ def test_engine_overload_and_deadline(tiny):
         await eng.stop()
 
     asyncio.run(go())
+
+
+def test_the_warm_up_compiles_what_videos_and_odd_sized_packs_meet(tiny):
+    """Triton compiles a kernel anew per specialisation of its integer arguments (1, divisible by 16, neither): a
+    first video or a first pack of equal odd-length segments compiled for seconds while every request waited (the
+    soak's stalls). On a GPU the warm-up runs, per length class, a lone image and a full pack of one size for a
+    patch count divisible by 16 and one that is not, a two-frame video alone, two in a row, and among images; each
+    pack is one the tower encodes."""
+    from service.engine.build import _warm_packs
+    from service.settings import Settings
+
+    packs = []
+
+    class OnCuda:  # the warm-up's view of a CUDA encoder; its packs run on the CPU tower
+        device = torch.device("cuda", 0)
+        preprocessor = tiny.preprocessor
+        preprocess = staticmethod(tiny.preprocess)
+
+        @staticmethod
+        def encode(items):
+            packs.append([(it.kind, it.grid_thw) for it in items])
+            assert len(tiny.encode(items)) == len(items)
+
+    _warm_packs(OnCuda(), Settings(max_batch_patches=4096, max_batch_items=16))
+    lone = {p[0] for p in packs if len(p) == 1}
+    uniform = {p[0] for p in packs if len(p) > 1 and len(set(p)) == 1 and p[0][0] == "image"}
+    for counts in (lone, uniform):
+        sizes = {t * h * w for kind, (t, h, w) in counts if kind == "image"}
+        assert any(n % 16 == 0 for n in sizes) and any(n % 16 for n in sizes), sizes
+    videos = [p for p in packs if any(kind == "video" and grid[0] == 2 for kind, grid in p)]
+    assert any(len(p) == 1 for p in videos)  # alone
+    assert any(len(p) == 2 and p[0] == p[1] for p in videos)  # two in a row: one patchify run of two
+    assert any(any(kind == "image" for kind, _ in p) for p in videos)  # among images
+    assert max(sum(t * h * w for _, (t, h, w) in p) for p in packs) <= 4096

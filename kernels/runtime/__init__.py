@@ -23,8 +23,8 @@ TUNER = Tuner()
 LAUNCHER = Launcher()
 
 __all__ = ["LAUNCHER", "TUNER", "Launcher", "Replay", "Tuner", "allow_lean_launch", "cdiv", "choose", "interpreting",
-           "is_hopper", "launch", "launch_status", "next_power_of_2", "record", "restore_choices", "size_class",
-           "sm_count", "tuned_choices"]
+           "is_hopper", "launch", "launch_status", "next_power_of_2", "record", "restore_choices", "serving",
+           "size_class", "sm_count", "tuned_choices"]
 
 
 def choose(key: tuple, candidates, launch):
@@ -52,6 +52,12 @@ def launch(fn, grid: tuple, *args, **kwargs):
 
 def record(run, roles: tuple):
     return LAUNCHER.record(run, roles)
+
+
+def serving(on: bool = True) -> None:
+    """Whether warm-up is over: from then on, a kernel compiled on its first launch is logged as a warning (every
+    request waits for it)."""
+    LAUNCHER.serving = on
 
 
 def allow_lean_launch(enabled: bool) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -41,10 +42,13 @@ class Launcher:
         self.stream = stream
         self._supported = supported
         self._recording = threading.local()
+        self.serving = False  # set once warm-up is done: a compile after it is logged (`_first_launch`)
+        self.compiles_while_serving = 0
 
     def status(self) -> dict:
         """Whether launches take the lean path (None: no kernel compiled yet), why not, and Triton's version."""
-        return {"lean": self.lean, "reason": self.reason, "triton": internals.version()}
+        return {"lean": self.lean, "reason": self.reason, "triton": internals.version(),
+                "compiles_while_serving": self.compiles_while_serving}
 
     def launch(self, fn, grid: tuple, *args, **kwargs):
         """`fn[grid](*args, **kwargs)`; returns the compiled kernel."""
@@ -77,9 +81,15 @@ class Launcher:
         return kernel, bound, device
 
     def _first_launch(self, fn, grid, args, kwargs, key):
+        start = time.perf_counter()
         kernel = fn[grid](*args, **kwargs)
         if hasattr(kernel, "result"):  # compiled asynchronously
             kernel = kernel.result()
+        if self.serving and key is not None:
+            # every request waits while the engine compiles: a shape (or specialisation) the warm-up missed
+            self.compiles_while_serving += 1
+            log.warning("kernel %s compiled while serving, in %.0f ms (a specialisation the warm-up did not cover: "
+                        "%.200s)", getattr(fn, "__name__", fn), 1e3 * (time.perf_counter() - start), key[2])
         if self.lean is None and key is not None:
             if not self._supported():
                 self._off(f"Triton {internals.version()} is outside the releases whose internals the lean path "

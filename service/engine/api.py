@@ -88,6 +88,8 @@ class DeviceStats:
     gpu_reserved_bytes: int = 0
     # whether kernel launches take the lean path (`kernels.runtime`; None: no Triton kernel launched, e.g. on the CPU)
     lean_launch: bool | None = None
+    # kernels compiled after warm-up, each while every request waited (a specialisation the warm-up missed)
+    compiles_while_serving: int = 0
 
 
 TOTALS = ("queue_depth", "queued_patches", "in_flight", "forwards", "gpu_busy_s", "restarts")

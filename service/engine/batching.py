@@ -154,7 +154,8 @@ class Batcher:
         device = self.encoder.device
         stats = DeviceStats(str(device), pid=os.getpid(), queue_depth=self.queue_depth,
                             queued_patches=self.queued_patches, in_flight=self.in_flight, forwards=self.forwards,
-                            gpu_busy_s=self.gpu_busy_s, lean_launch=launch_status()["lean"])
+                            gpu_busy_s=self.gpu_busy_s, lean_launch=(launch := launch_status())["lean"],
+                            compiles_while_serving=launch["compiles_while_serving"])
         if device.type == "cuda":
             stats.gpu_allocated_bytes = torch.cuda.memory_allocated(device)
             stats.gpu_reserved_bytes = torch.cuda.memory_reserved(device)

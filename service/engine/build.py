@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from ..model.encoder import Encoder, bind_thread
-from ..model.kernel_runtime import (allow_lean_launch, configure_attention, kernels_source_digest, restore_choices,
-                                    tuned_choices)
+from ..model.kernel_runtime import (allow_lean_launch, configure_attention, kernels_serving, kernels_source_digest,
+                                    restore_choices, tuned_choices)
 from ..model.loader import set_cublaslt_workspace
 from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
@@ -157,11 +157,10 @@ def video_sandbox(settings: Settings) -> DecodeSandbox | None:
 
 
 def warmup(enc: Encoder, settings: Settings):
-    """Run representative packs once so kernels compile and tune before traffic. The kernels' tuning keys are
-    coarse classes (`kernels.attention.tiles.seq_bucket` and `load_class`, the QKV projection's token classes), so
-    per attention length class (<=256, <=1024, <=4096, longer) one image alone and one pack as full as the batch
-    limits allow cover them; each also runs as a pack of unequal sizes, whose kernels are compiled apart from those
-    of equal ones (the Gluon kernel specialises on a pack of one length)."""
+    """Run representative packs once so kernels compile and tune before traffic (`_warm_packs` says which). The
+    kernels' tuning keys are coarse classes (`kernels.attention.tiles.seq_bucket` and `load_class`, the QKV
+    projection's token classes), so a few sizes cover them; a kernel compiled after this is logged and counted
+    (`qwen3vl_kernel_compiles_while_serving`)."""
     bind_thread(enc.device)  # run in a worker thread: its kernels launch on the model's device
     cache = tuning_cache(settings, enc.device)
     with tuning_lock(cache) as release:
@@ -171,18 +170,26 @@ def warmup(enc: Encoder, settings: Settings):
         save_tuning(cache)
     if not (enc.device.type == "cuda" and enc.forward.buckets):
         log.info("warm-up done (multiples of %d px)", enc.preprocessor.config.factor)
-        return
-    start = time.perf_counter()
-    enc.capture_graphs()  # after the kernels are compiled and tuned: a capture must not tune
-    log.info("warm-up done (multiples of %d px); CUDA graphs captured in %.1f s", enc.preprocessor.config.factor,
-             time.perf_counter() - start)
+    else:
+        start = time.perf_counter()
+        enc.capture_graphs()  # after the kernels are compiled and tuned: a capture must not tune
+        log.info("warm-up done (multiples of %d px); CUDA graphs captured in %.1f s", enc.preprocessor.config.factor,
+                 time.perf_counter() - start)
+    kernels_serving()  # a kernel compiled from now on is logged
 
 
 def _warm_packs(enc: Encoder, settings: Settings) -> None:
+    """Compile what serving can meet. Triton compiles a kernel anew for each specialisation of its integer
+    arguments (equal to 1, divisible by 16, neither), and a pack's row counts, segment lengths and frame counts are
+    such arguments: a first video, or a first pack of equal segments of an odd length, compiled for seconds while
+    every request waited (the soak's stalls). So each length class runs with a side whose patch count is divisible
+    by 16 and one whose count is not, alone, as a full pack of one size and mixed; and a two-frame video (four
+    frames) alone, two in a row and among images."""
     from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
     rng = np.random.default_rng(0)
-    patch = enc.preprocessor.config.patch_size
+    pre = enc.preprocessor
+    patch, temporal = pre.config.patch_size, pre.config.temporal_patch_size
     cuda = enc.device.type == "cuda"
 
     def image(side: int):
@@ -190,12 +197,27 @@ def _warm_packs(enc: Encoder, settings: Settings) -> None:
         img = Image.fromarray(rng.integers(0, 256, (px, px, 3), dtype=np.uint8))
         return enc.preprocess(img, min_pixels=px * px, max_pixels=px * px)
 
+    def video(side: int):
+        px = side * patch
+        frames = rng.integers(0, 256, (2 * temporal, px, px, 3), dtype=np.uint8)
+        return pre.item(frames, (2, side, side), {"kind": "video"})
+
     for side in [16, 32, 64, 96] if cuda else [8]:
         if side * side > settings.max_batch_patches:
             break
         item, smaller = image(side), image(side - 2)
-        full = max(1, min(settings.max_batch_patches // (side * side), settings.max_batch_items))
-        packs = [[item], [item] * full, [item, smaller], [item, smaller] * (full // 2)] if cuda else [[item]]
-        for pack in packs:
-            if pack:
+        if not cuda:
+            enc.encode([item])
+            continue
+
+        def full(n: int) -> int:
+            return max(1, min(settings.max_batch_patches // n, settings.max_batch_items))
+
+        packs = [[item], [smaller], [item] * full(side * side), [smaller] * full((side - 2) ** 2), [item, smaller],
+                 [item, smaller] * (full(side * side) // 2)]
+        if 2 * 2 * (side - 2) ** 2 + side * side <= settings.max_batch_patches:
+            clip = video(side - 2)
+            packs += [[clip], [clip, clip], [item, clip], [clip, item, clip]]
+        for pack in packs:  # those the batcher can form: within the patch budget, or one item alone
+            if len(pack) == 1 or 1 < len(pack) and sum(it.num_patches for it in pack) <= settings.max_batch_patches:
                 enc.encode(pack)

@@ -67,6 +67,9 @@ class Metrics:
                                    ["device"], registry=r, multiprocess_mode="livemostrecent")
         self.gpu_reserved = Gauge(f"{PREFIX}_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
                                   ["device"], registry=r, multiprocess_mode="livemostrecent")
+        self.compiles_while_serving = Gauge(f"{PREFIX}_kernel_compiles_while_serving", "kernels the engine compiled "
+                                            "after its warm-up, each while every request waited", ["device"],
+                                            registry=r, multiprocess_mode="livemostrecent")
         self._max_batch_patches = max_batch_patches
 
     def sample_engine(self, stats) -> None:
@@ -75,6 +78,7 @@ class Metrics:
         self.queued_patches.labels(stats.device).set(stats.queued_patches)
         self.gpu_allocated.labels(stats.device).set(stats.gpu_allocated_bytes)
         self.gpu_reserved.labels(stats.device).set(stats.gpu_reserved_bytes)
+        self.compiles_while_serving.labels(stats.device).set(stats.compiles_while_serving)
 
     def observe_batch(self, device: str, stats) -> None:
         """One forward's `BatchStats`, on the engine of `device`."""

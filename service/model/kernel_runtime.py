@@ -9,9 +9,10 @@ from pathlib import Path
 import kernels
 from kernels.attention import configure as configure_attention
 from kernels.runtime import allow_lean_launch, launch_status, restore_choices, tuned_choices
+from kernels.runtime import serving as kernels_serving
 
-__all__ = ["allow_lean_launch", "configure_attention", "kernels_source_digest", "launch_status", "restore_choices",
-           "tuned_choices"]
+__all__ = ["allow_lean_launch", "configure_attention", "kernels_serving", "kernels_source_digest", "launch_status",
+           "restore_choices", "tuned_choices"]
 
 
 def kernels_source_digest() -> str:

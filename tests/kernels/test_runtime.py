@@ -126,6 +126,20 @@ def test_launch_compiles_once_per_specialisation_then_launches_lean(launcher):
     assert launcher.status()["lean"] is True
 
 
+def test_a_compile_after_warm_up_is_logged_and_counted(launcher, caplog):
+    """Every request waits while a kernel compiles: after warm-up (`serving`), a first launch of a new specialisation
+    is a warning naming the kernel, and `status` counts it; launches already compiled are silent."""
+    fn = FakeJit()
+    launcher.launch(fn, (4,), "x", 32, BLOCK=128)  # during warm-up: silent
+    launcher.serving = True
+    with caplog.at_level("WARNING", logger="kernels.runtime.launcher"):
+        launcher.launch(fn, (4,), "y", 48, BLOCK=128)  # compiled already
+        assert not caplog.records
+        launcher.launch(fn, (4,), "z", 7, BLOCK=128)  # n not divisible by 16: a new specialisation
+    assert len(caplog.records) == 1 and "compiled while serving" in caplog.records[0].getMessage()
+    assert launcher.status()["compiles_while_serving"] == 1
+
+
 def test_launch_goes_through_the_jit_with_a_hook_or_unknown_internals(launcher, monkeypatch, caplog):
     """A launch hook (a profiler's) sends launches through the JIT, which calls it; a Triton whose JIT keeps its
     binders elsewhere, or one outside the releases the internals module was written for, turns the lean path off
