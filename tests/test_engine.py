@@ -426,3 +426,34 @@ def test_the_warm_up_compiles_what_videos_and_odd_sized_packs_meet(tiny):
     assert any(len(p) == 2 and p[0] == p[1] for p in videos)  # two in a row: one patchify run of two
     assert any(any(kind == "image" for kind, _ in p) for p in videos)  # among images
     assert max(sum(t * h * w for _, (t, h, w) in p) for p in packs) <= 4096
+
+
+def test_a_client_flooding_the_queue_is_refused_while_another_still_gets_in(tiny):
+    """Past `max_queue_items`, a client is admitted only within an equal share of the queue: one client's flood
+    fills it, then that client gets 429s while another client's request is queued and served (up to twice the
+    bound in all); a single client alone still has the whole queue."""
+    device = SimulatedDevice(tiny, seconds=0.2)
+    items = [tiny.preprocess(i) for i in random_pngs(4, seed=9)]
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0, max_batch_items=2, max_queue_items=8)
+        await eng.start()
+        busy = asyncio.create_task(eng.submit(items[:2], timeout_s=10, client="flood"))  # holds the device
+        await asyncio.sleep(0.02)
+        flood = [asyncio.create_task(eng.submit(items, timeout_s=10, client="flood")) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="this client's"):  # the queue is full, with this client's items
+            await eng.submit(items[:1], timeout_s=10, client="flood")
+        other = asyncio.create_task(eng.submit(items[:1], timeout_s=10, client="other"))  # within its share
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded):  # three clients: a share is 8 // 3 = 2 items
+            await eng.submit(items[:3], timeout_s=10, client="third")
+        third = asyncio.create_task(eng.submit(items[:2], timeout_s=10, client="third"))
+        done = await asyncio.gather(busy, *flood, third)
+        other = await other
+        await eng.stop()
+        return other, done
+
+    other, done = asyncio.run(go())
+    assert rel_err(other.results[0].embeds, tiny.encode(items[:1])[0].embeds) <= 1e-5
+    assert sum(len(d.results) for d in done) == 12

@@ -10,7 +10,7 @@ import httpx
 from PIL import Image
 
 from servers import serve
-from service.settings import CPU_MAX_PIXELS
+from service.settings import CPU_MAX_PIXELS, CPU_MAX_REQUEST_PATCHES
 
 
 def _large_gif() -> bytes:
@@ -47,3 +47,35 @@ def test_the_cpu_default_is_a_megapixel():
                        headers={"content-type": "image/gif"}, timeout=60)
         assert r.status_code == 200, r.text
         assert _pixels(info, r.json()["data"][0]["grid_thw"]) <= CPU_MAX_PIXELS
+
+
+def test_a_request_is_charged_its_patches_against_a_budget():
+    """One request's inputs, after resizing, may come to at most `max_request_patches`: more is a 413 that names the
+    total, the largest input and the limit, before any forward; within it, the request is served; /info states it,
+    and the CPU's default bounds 16 images at the CPU's megapixel."""
+    side = 64  # px: 16 patches of 16 px each (random:tiny)
+    images = []
+    for i in range(4):
+        buf = io.BytesIO()
+        Image.new("RGB", (side, side), (i, 2 * i, 3 * i)).save(buf, "PNG")
+        images.append(buf.getvalue())
+    files = [("file", (f"{i}.png", data, "image/png")) for i, data in enumerate(images)]
+    with serve(max_request_patches=40) as (url, _):
+        info = httpx.get(f"{url}/info").json()
+        assert info["limits"]["max_request_patches"] == 40
+        patch = info["preprocessing"]["patch_size"]
+        per_image = (side // patch) ** 2
+        assert 2 * per_image <= 40 < 4 * per_image
+        r = httpx.post(f"{url}/embed", files=files, params={"min_pixels": side * side, "max_pixels": side * side},
+                       timeout=60)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert error["type"] == "request_too_large" and f"{4 * per_image} patches" in error["message"]
+        assert "40" in error["message"] and "max_request_patches" in error["message"]
+        r = httpx.post(f"{url}/embed", files=files[:2], params={"min_pixels": side * side, "max_pixels": side * side},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    with serve() as (url, _):
+        info = httpx.get(f"{url}/info").json()
+        patch = info["preprocessing"]["patch_size"]
+        assert info["limits"]["max_request_patches"] == CPU_MAX_REQUEST_PATCHES == 16 * CPU_MAX_PIXELS // patch**2

@@ -3,7 +3,8 @@ one GPU worker thread; knows nothing of HTTP.
 
 - `submit(items)` queues a request's items and awaits their results. Items of many requests are
   packed into one forward by a patch budget (`max_batch_patches`) and an item cap. The queue is bounded in
-  items: past it, `Overloaded` (the API answers 429).
+  items: past `max_queue_items`, only a client within its equal share of the queue gets in (up to twice the
+  bound), the others get `Overloaded` (the API answers 429), so one client's flood does not lock the rest out.
 - When a pack is formed: an idle GPU gets one at once (after `max_wait_ms`, 0 by default: waiting on an idle
   GPU only adds latency). While a forward runs, the next pack fills until just before the GPU is expected to
   free up (its launch time ahead), so it holds everything that arrived in the meantime; with two forwards in
@@ -88,6 +89,7 @@ class Batcher:
         self.faulted: BaseException | None = None
         self._queue: collections.deque[_Work] = collections.deque()
         self._queued_patch_count = 0  # patches of the items in _queue
+        self._client_items: collections.Counter[str] = collections.Counter()  # items in _queue, by client
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward", initializer=bind_thread,
@@ -177,9 +179,7 @@ class Batcher:
             raise EngineUnavailable(f"the engine hit a device fault and is restarting ({self.faulted})")
         if not self._accepting:
             raise ShuttingDown("the service is shutting down")
-        if len(self._queue) + len(items) > self.max_queue_items:
-            raise Overloaded(f"queue full: {len(self._queue)} images queued, limit {self.max_queue_items}",
-                             retry_after=max(1.0, self.max_wait * 4))
+        self._admit(len(items), client)
         loop = asyncio.get_running_loop()
         gone = False
 
@@ -189,6 +189,7 @@ class Batcher:
         works = [_Work(it, loop.create_future(), is_abandoned, deepstack, tokens, client) for it in items]
         self._queue.extend(works)
         self._queued_patch_count += sum(it.num_patches for it in items)
+        self._client_items[client] += len(items)
         self._wakeup.set()
         try:
             results = await asyncio.wait_for(asyncio.gather(*(w.future for w in works)), timeout_s)
@@ -211,6 +212,7 @@ class Batcher:
             for w in self._queue:
                 if w.future.done() or w.abandoned():
                     self._queued_patch_count -= w.item.num_patches
+                    self._client_items[w.client] -= 1
                     w.future.cancel()
                 else:
                     kept.append(w)
@@ -221,7 +223,24 @@ class Batcher:
             count = pack_size((w.item.num_patches for w in self._queue), self.max_batch_patches, self.max_batch_items)
             batch = [self._queue.popleft() for _ in range(count)]
         self._queued_patch_count -= sum(w.item.num_patches for w in batch)
+        self._client_items.subtract(w.client for w in batch)
+        self._client_items = +self._client_items  # clients with nothing queued leave the count
         return batch
+
+    def _admit(self, n: int, client: str) -> None:
+        """Whether `n` more items of `client` may queue (else `Overloaded`, a 429 with Retry-After). Up to
+        `max_queue_items` queued, anyone may. Past it, only a client whose items, these included, stay within an equal
+        share of `max_queue_items` among the clients queued (it among them), up to twice `max_queue_items` in all:
+        one client's flood fills the queue, then is refused while another's request still gets in."""
+        queued = len(self._queue)
+        if queued + n <= self.max_queue_items:
+            return
+        mine = self._client_items.get(client, 0)
+        share = self.max_queue_items // (len(self._client_items) + (mine == 0))
+        if queued + n <= 2 * self.max_queue_items and mine + n <= share:
+            return
+        raise Overloaded(f"queue full: {queued} images queued ({mine} of them this client's), limit "
+                         f"{self.max_queue_items}", retry_after=max(1.0, self.max_wait * 4))
 
     def _take_turns(self) -> list[_Work]:
         """The next pack when several clients wait: in turns, one item per client per turn, clients in the order of
@@ -402,6 +421,7 @@ class Batcher:
                 w.future.set_exception(err)
         self._queue.clear()
         self._queued_patch_count = 0
+        self._client_items.clear()
         if first and self.on_fault is not None:
             self.on_fault(e)
 

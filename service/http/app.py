@@ -235,6 +235,13 @@ class Service:
         alone = self._alone() and len(inputs) == 1
         items = await asyncio.gather(*(self._preprocess(eng, i, data, opts, alone) for i, data in zip(indices, inputs)))
         preprocessed = time.perf_counter()
+        budget = self.settings.resolved_max_request_patches(eng.model.device.type)
+        if (patches := sum(it.num_patches for it in items)) > budget:
+            largest = max(range(len(items)), key=lambda k: items[k].num_patches)
+            raise HTTPError(413, "request_too_large",
+                            f"the request's inputs come to {patches} patches after resizing (the largest, input "
+                            f"{indices[largest]}: {items[largest].num_patches}); the limit per request is {budget} "
+                            "(max_request_patches): send fewer or smaller inputs, or a lower max_pixels")
         disconnected = asyncio.Event()
         watcher = asyncio.create_task(_watch_disconnect(request, disconnected))
         try:
@@ -289,6 +296,8 @@ class Service:
             "max_body_bytes", "max_inputs_per_request", "request_timeout_s", "max_image_pixels", "min_pixels_limit",
             "max_batch_patches", "max_batch_items", "max_wait_ms", "max_queue_items", "max_video_frames")}
         body["limits"]["max_pixels_limit"] = enc.preprocessor.config.max_pixels if enc else None
+        body["limits"]["max_request_patches"] = (settings.resolved_max_request_patches(enc.device.type) if enc else
+                                                 settings.max_request_patches)
         stats = await eng.stats()
         up, configured = eng.capacity
         body["engine"] = {"state": eng.state, "engines_up": up, "engines_configured": configured, "started": eng.started,
