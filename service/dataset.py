@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .errors import EncoderError
+from .errors import EncoderError, InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +272,15 @@ class DatasetJob:
                     raise EncoderError(f"cannot read: {data}")
                 return await self._encode(entry, data)
             except EncoderError as e:
-                return {"id": entry.id, "source": entry.source, "error": type(e).__name__, "message": str(e)}
+                message = e.message if isinstance(e, InvalidInput) else str(e)  # (not "input 0: ...")
+                return {"id": entry.id, "source": entry.source, "error": type(e).__name__, "message": message}
             finally:
                 done(1)
 
     async def _encode(self, entry: Entry, data: bytes) -> dict:
         o = self.opts
-        item = await self.engine.preprocess(data, o.min_pixels, o.max_pixels, o.fps, o.num_frames)
-        done = await self.engine.submit([item], timeout_s=3600.0, deepstack=_wants_llm(o.outputs),
+        (item,) = await self.engine.preprocess([data], o.min_pixels, o.max_pixels, o.fps, o.num_frames)
+        done = await self.engine.submit([item], time.monotonic() + 3600.0, deepstack=_wants_llm(o.outputs),
                                         tokens="tokens" in o.outputs or _wants_llm(o.outputs))
         return result_row(entry.id, entry.source, item.kind, done.results[0], o)
 

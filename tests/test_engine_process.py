@@ -334,13 +334,16 @@ def test_wire_format_round_trip():
 
 
 def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool():
-    """`EnginePool.preprocess`: the only input of the only request, a JPEG of up to INLINE_MAX_PIXELS before and after
-    resizing, is decoded on the loop's thread, the engine told to expect it first; a larger JPEG (or one resized
-    larger), another format, or an input with company goes to the pool's threads. The result is the same either way."""
+    """`EnginePool.preprocess` (`latency.LatencyPolicy`, 1.): the only input of a request alone in its process, a
+    JPEG of up to INLINE_MAX_PIXELS before and after resizing, is decoded on the loop's thread, the engine told to
+    expect it first; a larger JPEG (or one resized larger), another format, an input with company in its request, or
+    a request beside another in progress goes to the pool's threads. The result is the same either way; an
+    unusable input is named by its position."""
     from types import SimpleNamespace
 
     from service.engine.api import Decoder
-    from service.engine.remote import INLINE_MAX_PIXELS, EnginePool
+    from service.engine.latency import INLINE_MAX_PIXELS
+    from service.engine.remote import EnginePool
     from service.errors import UnsupportedImage
     from service.model.preprocess import Preprocessor, PreprocessConfig
 
@@ -363,21 +366,27 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
     png = encode_bytes(Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)), "PNG")
 
     async def go():
-        items = [await pool.preprocess(data, alone=alone) for data, alone in
-                 ((small, True), (small, False), (large, True), (png, True))]
-        await pool.preprocess(small, min_pixels=INLINE_MAX_PIXELS * 2, alone=True)  # resized beyond the bound
-        with pytest.raises(UnsupportedImage):  # a JPEG signature on garbage: the pool's decoder names it
-            await pool.preprocess(b"\xff\xd8 not a JPEG", alone=True)
-        return items
+        (lone,) = await pool.preprocess([small])
+        with pool.latency.busy():  # another request's submission in progress
+            (beside,) = await pool.preprocess([small])
+        pair = await pool.preprocess([small, small])
+        await pool.preprocess([large])
+        await pool.preprocess([png])
+        await pool.preprocess([small], min_pixels=INLINE_MAX_PIXELS * 2)  # resized beyond the bound
+        with pytest.raises(UnsupportedImage) as bad:  # a JPEG signature on garbage: the pool's decoder names it
+            await pool.preprocess([png, b"\xff\xd8 not a JPEG"])
+        assert bad.value.index == 1
+        return [lone, beside, *pair]
 
     try:
         items = asyncio.run(go())
     finally:
         pool._decode.close()
-    assert threads == [True, False, False, False, False, False]
+    assert threads == [True] + [False] * 8
     assert expected == [0]
-    np.testing.assert_array_equal(items[0].frames, items[1].frames)
-    assert items[0].grid_thw == items[1].grid_thw
+    for item in items[1:]:
+        np.testing.assert_array_equal(items[0].frames, item.frames)
+        assert items[0].grid_thw == item.grid_thw
 
 
 def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_cancels_it(tmp_path, monkeypatch):
@@ -432,21 +441,21 @@ def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_c
             polls += 1
             return True
 
-        polled = (await eng.submit([item], timeout_s=5, poll=alone)).results
+        polled = (await eng.submit([item], time.monotonic() + 5, poll=alone)).results
         busy_turns, turns = turns, 0
         ticker.cancel()
-        done = await eng.submit([item], timeout_s=5)
+        done = await eng.submit([item], time.monotonic() + 5)
         slept, timing = done.results, done.timing
         stops = iter([True, True, False])
-        stopped = (await eng.submit([item], timeout_s=5, poll=lambda: next(stops))).results
+        stopped = (await eng.submit([item], time.monotonic() + 5, poll=lambda: next(stops))).results
 
         hold.update({4, 5})  # ids after the hello (0) and the three answered
         gone = asyncio.Event()
         asyncio.get_running_loop().call_later(0.05, gone.set)
         with pytest.raises(asyncio.CancelledError):
-            await eng.submit([item], timeout_s=5, abandoned=gone, poll=alone)
+            await eng.submit([item], time.monotonic() + 5, abandoned=gone, poll=alone)
         with pytest.raises(DeadlineExceeded):
-            await eng.submit([item], timeout_s=0.05, abandoned=asyncio.Event())
+            await eng.submit([item], time.monotonic() + 0.05, abandoned=asyncio.Event())
         await asyncio.sleep(0.05)  # the cancels reach the engine
         await eng.stop()
         server.close()
@@ -475,7 +484,7 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
     pre = Preprocessor(PreprocessConfig())
     item = pre(encode_bytes(Image.fromarray(np.zeros((64, 64, 3), np.uint8)), "PNG"))
 
-    async def submit(items, **kwargs):
+    async def submit(items, deadline, **kwargs):
         return Encoded([EncodeResult(torch.zeros(0, 4), torch.zeros(0, 4, 4), it.grid_thw, torch.ones(4), 4)
                         for it in items], Timing())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 
 import torch
 
@@ -115,7 +116,7 @@ def test_frames_and_results_through_the_arena_or_the_message(tiny, arena_bytes, 
         put = arena.put if arena is not None else None
         if arena is not None:
             arena.put = lambda data: sent.append(put(data)) or sent[-1]
-        tasks = [asyncio.create_task(remote.submit([it], timeout_s=30, deepstack=ds, tokens=tok))
+        tasks = [asyncio.create_task(remote.submit([it], time.monotonic() + 30, deepstack=ds, tokens=tok))
                  for it, (ds, tok) in zip(items, asks)]
         await asyncio.wait(tasks)
         results = [t.result() for t in tasks]
@@ -166,7 +167,7 @@ def test_a_region_given_up_on_is_held_until_the_engine_has_answered(tiny):
         await remote.connect()
         link = remote._link
         gone = asyncio.Event()
-        task = asyncio.create_task(remote.submit([items[0]], timeout_s=30, abandoned=gone))
+        task = asyncio.create_task(remote.submit([items[0]], time.monotonic() + 30, abandoned=gone))
         await asyncio.sleep(0.05)  # sent, and waiting in the engine's batch window
         gone.set()
         with pytest.raises(asyncio.CancelledError):
@@ -177,7 +178,7 @@ def test_a_region_given_up_on_is_held_until_the_engine_has_answered(tiny):
                 break
             await asyncio.sleep(0.01)
         free_after = list(link.arena._free)
-        done = await remote.submit([items[1]], timeout_s=30)
+        done = await remote.submit([items[1]], time.monotonic() + 30)
         await remote.stop()
         listener.close()
         await engine.stop()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..errors import InvalidInput
 from ..model.config import TowerConfig
 from ..model.encoder import EncodeResult, Encoder, pack_by_budget, result_tensors  # noqa: F401 (re-exported)
 from ..model.preprocess import Preprocessed, Preprocessor
@@ -149,13 +150,17 @@ class Engine(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def preprocess(self, data: bytes, min_pixels: int | None = None, max_pixels: int | None = None,
-                         fps: float | None = None, num_frames: int | None = None,
-                         alone: bool = False) -> Preprocessed: ...
+    async def preprocess(self, inputs: list[bytes], min_pixels: int | None = None, max_pixels: int | None = None,
+                         fps: float | None = None, num_frames: int | None = None) -> list[Preprocessed]:
+        """A request's inputs decoded and resized (an unusable one raises `InvalidInput` with its position)."""
 
-    async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
-                     deepstack: bool = True, tokens: bool = True, client: str = "",
-                     poll: Callable[[], bool] | None = None) -> Encoded: ...
+    async def submit(self, items: list[Preprocessed], deadline: float, *, deepstack: bool = True,
+                     tokens: bool = True, client: str = "", abandoned: asyncio.Event | None = None) -> Encoded:
+        """Encode a request's `items` by `deadline` (`time.monotonic()`; else `DeadlineExceeded`), in whatever
+        packs the engine forms. What the request asks for: `deepstack` and `tokens` (the pooled vectors always come
+        back), `client` (who sent it: clients take turns in a pack and share the queue), `abandoned` (set when the
+        client has gone: its items are dropped before compute). How fast a request alone is served is the engine's
+        own policy (`latency.LatencyPolicy`)."""
 
     async def stats(self) -> EngineStats: ...
 
@@ -171,6 +176,16 @@ class Decoder:
         if self.sandbox is not None and is_video(data):
             return await self.sandbox.preprocess(pre, data, *args)
         return await asyncio.get_running_loop().run_in_executor(self.pool, pre, data, *args)
+
+    async def all(self, pre: Preprocessor, inputs: list[bytes], *args) -> list[Preprocessed]:
+        """Every input of a request, decoded concurrently; an unusable one raises with its position."""
+        async def one(index: int, data: bytes) -> Preprocessed:
+            try:
+                return await self(pre, data, *args)
+            except InvalidInput as e:
+                raise e.at(index) from e.__cause__
+
+        return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(inputs))))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

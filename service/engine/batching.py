@@ -40,6 +40,7 @@ from ..model.encoder import EncodeResult, Encoder, bind_thread, pack_size
 from ..model.kernel_runtime import launch_status
 from ..model.preprocess import Preprocessed
 from .api import BatchStats, DeviceStats, Encoded, ItemDone, Timing
+from .latency import LatencyPolicy
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,8 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._gpu = ThreadPoolExecutor(1, thread_name_prefix="forward", initializer=bind_thread,
                                        initargs=(encoder.device,))  # dispatches, in order
-        # A lone pack (nothing in flight, nothing queued behind it) is dispatched from the event loop's own thread:
-        # the loop has nothing else to do meanwhile, and handing it to the sleeping forward thread and back costs a
-        # lone request a few hundred microseconds. Only where a launch is asynchronous (CUDA): on the CPU it is the
-        # whole forward.
+        # whether a lone pack may be launched from the loop (`latency.LatencyPolicy`, 3.): where a launch is
+        # asynchronous (CUDA); on the CPU it is the whole forward
         self.inline_launch = encoder.device.type == "cuda"
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="finish", initializer=bind_thread,
                                            initargs=(encoder.device,))  # waits for outputs
@@ -165,13 +164,12 @@ class Batcher:
 
     async def submit(self, items: list[Preprocessed], *, timeout_s: float,
                      abandoned: "Callable[[], bool] | asyncio.Event | None" = None,
-                     deepstack: bool = True, tokens: bool = True, client: str = "",
-                     poll: Callable[[], bool] | None = None) -> Encoded:
-        """Encode `items` in whatever packs the batcher forms. `abandoned` (a predicate, or an event set when
-        the client has gone) drops the request's items before compute; `deepstack=False` and `tokens=False` let a
-        pack skip copying the DeepStack features and the merged tokens back when none of its requests wants them
-        (the pooled vectors always come back); `client`: who sent it, for the packs' turns between clients. `poll` is the front-ends' hint (`RemoteEngine.submit`); here the
-        batcher polls a lone forward from this loop already."""
+                     deepstack: bool = True, tokens: bool = True, client: str = "") -> Encoded:
+        """Encode `items` within `timeout_s` in whatever packs the batcher forms. `abandoned` (a predicate, or an
+        event set when the client has gone) drops the request's items before compute; `deepstack=False` and
+        `tokens=False` let a pack skip copying the DeepStack features and the merged tokens back when none of its
+        requests wants them (the pooled vectors always come back); `client`: who sent it, for the packs' turns and
+        the queue's shares between clients."""
         if isinstance(abandoned, asyncio.Event):
             abandoned = abandoned.is_set
         abandoned = abandoned or (lambda: False)
@@ -305,7 +303,7 @@ class Batcher:
                 if not batch:
                     continue
                 self._in_flight += len(batch)
-                alone = self.inline_launch and not finishing and not self._queue
+                alone = LatencyPolicy.launch_inline(self.inline_launch, bool(finishing or self._queue))
                 launched = await self._launch(loop, batch, inline=alone)
                 if launched is None:
                     self._in_flight -= len(batch)

@@ -97,15 +97,14 @@ class LocalEngine:
             await self.batcher.stop()
         self._decode.close()
 
-    async def preprocess(self, data: bytes, min_pixels: int | None = None, max_pixels: int | None = None,
-                         fps: float | None = None, num_frames: int | None = None,
-                         alone: bool = False) -> Preprocessed:
-        """Decode and resize in the pool (`alone` is the front-ends' hint, `EnginePool.preprocess`; here the loop
-        dispatches the GPU too, so the pool decodes)."""
-        return await self._decode(self.encoder.preprocessor, data, min_pixels, max_pixels, fps, num_frames)
+    async def preprocess(self, inputs: list[bytes], min_pixels: int | None = None, max_pixels: int | None = None,
+                         fps: float | None = None, num_frames: int | None = None) -> list[Preprocessed]:
+        """Decode and resize in the pool (videos in the sandbox): this process's loop dispatches the GPU too, so a
+        lone request's decoding stays off it."""
+        return await self._decode.all(self.encoder.preprocessor, inputs, min_pixels, max_pixels, fps, num_frames)
 
-    async def submit(self, items: list[Preprocessed], **kwargs) -> Encoded:
-        return await self.batcher.submit(items, **kwargs)
+    async def submit(self, items: list[Preprocessed], deadline: float, **kwargs) -> Encoded:
+        return await self.batcher.submit(items, timeout_s=deadline - time.monotonic(), **kwargs)
 
     async def stats(self) -> EngineStats:
         if self.batcher is None:  # loading

@@ -33,14 +33,13 @@ from ..model.encoder import bind_thread
 from .local import LocalEngine
 from .protocol import error_header, raw_bytes, read_message, write_message, write_tensors
 from .shm import attach, page_lock, page_unlock
+from .latency import EXPECT_S
 from .wiring import Wiring
 from ..runtime import configure_process, settle_process
 
 log = logging.getLogger(__name__)
 
 
-# how long an idle engine keeps its loop turning after an `expect` when no submit follows
-EXPECT_S = 0.01
 # results larger than this are copied into a front-end's arena by a worker thread (numpy's copy lets go of the
 # interpreter lock), not on the event loop: 16 images in vLLM's layout are 51 MB, milliseconds of copying during
 # which the loop would neither read submissions nor launch the next pack, and the GPU would idle. Smaller ones (a
@@ -152,7 +151,7 @@ class EngineServer:
                 frames = np.frombuffer(arena, np.uint8, n, at)
             items.append(pre.item(frames.reshape(shape), tuple(grid), meta))
         try:
-            done = await self.engine.submit(items, timeout_s=header["timeout_s"], abandoned=abandoned,
+            done = await self.engine.submit(items, time.monotonic() + header["timeout_s"], abandoned=abandoned,
                                             deepstack=header["deepstack"], tokens=header["tokens"],
                                             client=header.get("client", ""))
         except asyncio.CancelledError:

@@ -12,6 +12,7 @@ import itertools
 import logging
 import mmap
 import os
+import time
 from typing import Callable
 
 import numpy as np
@@ -19,17 +20,15 @@ import torch
 
 from .. import errors
 from ..model.encoder import EncodeResult
-from ..model.preprocess import Preprocessed, Preprocessor, jpeg_size
+from ..model.preprocess import Preprocessed
 from .api import (BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo,
                   Timing)
+from .latency import LatencyPolicy
 from .protocol import read_message, rebuild_error, region_bytes, tensor_at, write_message
 from .shm import Arena, new_arena
 
 log = logging.getLogger(__name__)
 
-# the largest JPEG a lone request decodes on the event loop (`EnginePool.preprocess`): its decoding time is the
-# longest a request arriving meanwhile waits for the loop
-INLINE_MAX_PIXELS = 640 * 640
 # how long past a request's deadline a front-end waits for the engine's reply (the engine enforces the deadline and
 # answers; this covers an engine that cannot)
 REPLY_GRACE_S = 10.0
@@ -207,15 +206,15 @@ class RemoteEngine:
         header, _ = await self._request({"op": "stats"})
         return DeviceStats(**{**header["stats"], "device": self.device, "restarts": self.info.get("restarts", 0)})
 
-    async def submit(self, items: list[Preprocessed], *, timeout_s: float, abandoned: asyncio.Event | None = None,
-                     deepstack: bool = True, tokens: bool = True, client: str = "",
+    async def submit(self, items: list[Preprocessed], deadline: float, *, deepstack: bool = True,
+                     tokens: bool = True, client: str = "", abandoned: asyncio.Event | None = None,
                      poll: Callable[[], bool] | None = None) -> Encoded:
         """Same contract as `api.Engine.submit`; the engine enforces the deadline, `abandoned` (set when the
-        client disconnects) cancels the request there. `poll`: while it is true (this request is the front-end's
-        only one), the reply is awaited by turning the event loop over rather than sleeping in it, so the reply is
-        read the moment it lands and the response is built on a core that is still running at speed: a lone
-        request's process otherwise sleeps through the forward and wakes on an idle core. Other requests still run:
-        each turn yields to them."""
+        client disconnects) cancels the request there. `poll`: while it is true, the reply is awaited by turning the
+        event loop over rather than sleeping in it (`latency.LatencyPolicy`, 2.)."""
+        timeout_s = deadline - time.monotonic()
+        if timeout_s <= 0:
+            raise errors.DeadlineExceeded("request not served by its deadline: none of it was left to encode it")
         link = self._live_link()
         rid = next(self._ids)
         frames = [np.ascontiguousarray(it.frames) for it in items]
@@ -380,18 +379,6 @@ class _Link:
             self.reader_task.cancel()
 
 
-def _small_jpeg(pre: Preprocessor, data: bytes, min_pixels: int | None, max_pixels: int | None) -> bool:
-    """Whether `data` is a JPEG of at most INLINE_MAX_PIXELS, resized to at most as many."""
-    size = jpeg_size(data)
-    if size is None or size[0] * size[1] > INLINE_MAX_PIXELS:
-        return False
-    try:
-        height, width = pre.target_size(*size, min_pixels, max_pixels)
-    except Exception:  # noqa: BLE001 - an impossible size: the pool's decoder names it
-        return False
-    return height * width <= INLINE_MAX_PIXELS
-
-
 class EnginePool:
     """The `api.Engine` of a front-end process: the engine processes (one per device, `Wiring.engine_sockets`),
     each connected whenever it listens, again after every restart. Decoding and resizing run here, in threads
@@ -412,6 +399,7 @@ class EnginePool:
         self._ever_up: set[RemoteEngine] = set()  # the engines this front-end has been connected to
         self._decode = decoder
         self._links: list[asyncio.Task] = []
+        self.latency = LatencyPolicy()
 
     @classmethod
     def of(cls, sockets: list[str], devices: list[str], decoder: Decoder, *, shared_memory_bytes: int = 0,
@@ -487,27 +475,29 @@ class EnginePool:
         loads = self.board.loads()
         return min(live, key=lambda e: loads[e.index])
 
-    async def preprocess(self, data: bytes, min_pixels: int | None = None, max_pixels: int | None = None,
-                         fps: float | None = None, num_frames: int | None = None,
-                         alone: bool = False) -> Preprocessed:
-        """Decode and resize in the pool's threads (videos in the sandbox). `alone`: the only input of the only request
-        in this process, which a JPEG of up to `INLINE_MAX_PIXELS`, before and after resizing, skips the pool for:
-        the loop has nothing else to do, and a hand-off to a sleeping thread and back costs a lone request a few
-        hundred microseconds. The engine is told to expect it first, so it is awake when the frames arrive."""
+    async def preprocess(self, inputs: list[bytes], min_pixels: int | None = None, max_pixels: int | None = None,
+                         fps: float | None = None, num_frames: int | None = None) -> list[Preprocessed]:
+        """Decode and resize in the pool's threads (videos in the sandbox); a lone request's single small JPEG on
+        the event loop, the engine it will go to told to expect it (`latency.LatencyPolicy`, 1.)."""
         pre = self.model.preprocessor  # the engines' description carries the server's limits
-        args = (data, min_pixels, max_pixels, fps, num_frames)
-        if alone and _small_jpeg(pre, data, min_pixels, max_pixels):
+        args = (min_pixels, max_pixels, fps, num_frames)
+        with self.latency.busy():
+            if not self.latency.decode_inline(pre, inputs, min_pixels, max_pixels):
+                return await self._decode.all(pre, inputs, *args)
             engine = self._least_loaded()
             if engine is not None:  # the engine `submit` will pick wakes while this decodes
                 engine.expect()
-            return pre(*args)
-        return await self._decode(pre, *args)
+            try:
+                return [pre(inputs[0], *args)]
+            except errors.InvalidInput as e:
+                raise e.at(0) from e.__cause__
 
-    async def submit(self, items: list[Preprocessed], **kwargs) -> Encoded:
+    async def submit(self, items: list[Preprocessed], deadline: float, **kwargs) -> Encoded:
         engine = self._least_loaded()
         if engine is None:
             raise errors.EngineUnavailable("no engine process is running (restarting)", retry_after=2.0)
-        return await engine.submit(items, **kwargs)
+        with self.latency.busy():
+            return await engine.submit(items, deadline, poll=self.latency.alone, **kwargs)
 
     async def stats(self) -> EngineStats:
         per = []

@@ -54,7 +54,6 @@ class Service:
         # called once, when start-up is done (`serve` and the front-ends: `runtime.settle_process`)
         self.on_ready: Callable[[], None] | None = None
         self.draining = False  # SIGTERM received: /ready 503, every response closes its connection
-        self._encoding = 0  # requests in `encode`
         # one process serves: its own cache directory, made at start-up and removed at shut-down, however the start
         # went (`serve` makes the one its front-ends share)
         self.wiring = wiring
@@ -167,12 +166,7 @@ class Service:
         eng = self.serving_engine()
         pre = eng.model.preprocessor.config
         check_limits(opts, self.settings, pre.max_pixels, pre.video.max_frames, self._has_deepstack(eng))
-        arrival = time.perf_counter()
-        self._encoding += 1
-        try:
-            return await self._encode(eng, request, inputs, opts, arrival)
-        finally:
-            self._encoding -= 1
+        return await self._encode(eng, request, inputs, opts, time.perf_counter())
 
     async def _encode(self, eng, request: Request, inputs: list[bytes], opts: EmbedOptions, arrival: float):
         """Each input from the cache, from an identical input in flight, or encoded here (the misses, preprocessed
@@ -232,9 +226,14 @@ class Service:
     async def _encode_misses(self, eng, request: Request, inputs: list[bytes], indices: list[int], opts: EmbedOptions,
                              arrival: float, deepstack: bool, tokens: bool):
         """Preprocess and encode `inputs` (items `indices` of the request) on the engine."""
-        alone = self._alone() and len(inputs) == 1
-        items = await asyncio.gather(*(self._preprocess(eng, i, data, opts, alone) for i, data in zip(indices, inputs)))
+        start = time.perf_counter()
+        try:
+            items = await eng.preprocess(inputs, opts.min_pixels, opts.max_pixels, opts.fps, opts.num_frames)
+        except InvalidInput as e:
+            raise (e if e.index is None else e.at(indices[e.index])) from e.__cause__
         preprocessed = time.perf_counter()
+        for _ in items:  # the request's decoding, concurrent across its inputs
+            self.metrics.preprocess_time.observe(preprocessed - start)
         budget = self.settings.resolved_max_request_patches(eng.model.device.type)
         if (patches := sum(it.num_patches for it in items)) > budget:
             largest = max(range(len(items)), key=lambda k: items[k].num_patches)
@@ -249,9 +248,8 @@ class Service:
             if remaining <= 0:
                 raise DeadlineExceeded(f"request not served within its {self.settings.request_timeout_s:.1f} s "
                                        f"deadline: decoding its inputs took {preprocessed - arrival:.1f} s")
-            done = await eng.submit(items, timeout_s=remaining, abandoned=disconnected, deepstack=deepstack,
-                                    tokens=tokens, client=request.client.host if request.client else "",
-                                    poll=self._alone if alone else None)
+            done = await eng.submit(items, time.monotonic() + remaining, deepstack=deepstack, tokens=tokens,
+                                    client=request.client.host if request.client else "", abandoned=disconnected)
         finally:
             watcher.cancel()
         self.metrics.observe_request(items, done.results, done.timing.queue_s)
@@ -260,20 +258,6 @@ class Service:
     @staticmethod
     def _has_deepstack(eng) -> bool:
         return bool(eng.model.config.deepstack_visual_indexes)
-
-    def _alone(self) -> bool:
-        """Whether one request is being encoded in this process."""
-        return self._encoding == 1
-
-    async def _preprocess(self, eng, index: int, data: bytes, opts: EmbedOptions, alone: bool):
-        start = time.perf_counter()
-        try:
-            item = await eng.preprocess(data, opts.min_pixels, opts.max_pixels, opts.fps, opts.num_frames,
-                                        alone=alone)
-        except InvalidInput as e:
-            raise e.at(index) from e.__cause__
-        self.metrics.preprocess_time.observe(time.perf_counter() - start)
-        return item
 
     async def info(self) -> dict[str, Any]:
         settings, enc, eng = self.settings, self.model, self.engine

@@ -27,7 +27,8 @@ class Metrics:
                                          ["route", "status"], buckets=TIME_BUCKETS, registry=r)
         self.queue_time = Histogram(f"{PREFIX}_queue_seconds", "time an image waited for a forward",
                                     buckets=TIME_BUCKETS, registry=r)
-        self.preprocess_time = Histogram(f"{PREFIX}_preprocess_seconds", "decode+resize+patchify time per image",
+        self.preprocess_time = Histogram(f"{PREFIX}_preprocess_seconds", "decode+resize time of a request's inputs "
+                                         "(decoded concurrently), observed once per input",
                                          buckets=TIME_BUCKETS, registry=r)
         # per engine: `device` is its device (cuda:0, ..., or cpu)
         self.forward_time = Histogram(f"{PREFIX}_forward_seconds", "time of one packed forward pass", ["device"],

@@ -60,8 +60,8 @@ async def main():
     # this thread, and every worker thread the engine starts, begins on CUDA's default device, GPU 0
     engine = LocalEngine(settings)
     await engine.start()
-    items = [await engine.preprocess(b) for b in bodies]
-    done = await engine.submit(items, timeout_s=60)
+    items = await engine.preprocess(bodies)
+    done = await engine.submit(items, time.monotonic() + 60)
     apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
                           capture_output=True, text=True).stdout
     mine = sorted({line.split(",")[1].strip() for line in apps.splitlines() if line.split(",")[0].strip() == str(os.getpid())})

@@ -1,0 +1,74 @@
+"""The engines' one latency policy: what changes when a request is served alone.
+
+Under load every hand-off between threads, processes and cores hides behind other work, and the engines optimise for
+throughput. A request served alone pays for each hand-off in full: a sleeping thread that must wake (a few hundred
+microseconds), an event loop asleep on an idle core that wakes slowly and runs slowly at first. So while a process
+serves one request alone (`LatencyPolicy.alone`: its engine client has no other decode or submission in progress):
+
+1. Decoding (front-end): a single JPEG of at most `INLINE_MAX_PIXELS`, before and after resizing, is decoded on the
+   event loop rather than handed to the decoding threads (`decode_inline`), and the engine the request will go to is
+   told to expect it (`expect`), so that engine's loop is turning when the frames arrive, for `EXPECT_S` at most.
+2. Waiting (front-end): the reply is awaited by turning the event loop over rather than sleeping in it (`alone`
+   is the poll's condition), so the reply is read the moment it lands, on a core still running at speed; other
+   tasks of the loop still run at each turn.
+3. Launching (engine): a pack formed while nothing else is queued or running is launched from the batcher's loop
+   rather than its forward thread, and its end is polled (`launch_inline`; CUDA only, where a launch is
+   asynchronous: on the CPU the launch is the whole forward).
+
+Otherwise the decoding threads decode, the loops sleep until woken, and the forward thread launches. Nothing here
+changes what is computed, only which thread does it and when it is noticed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..model.preprocess import Preprocessor, jpeg_size
+
+# the largest JPEG (pixels, before and after resizing) a lone request decodes on the event loop: ~2 ms of decoding
+INLINE_MAX_PIXELS = 640 * 640
+# how long an idle engine keeps its loop turning after an `expect` when no submission follows
+EXPECT_S = 0.01
+
+
+class LatencyPolicy:
+    """The policy above for one process's engine client: it counts the decodes and submissions in progress
+    (`busy`), and answers whether a request is alone and what that allows."""
+
+    def __init__(self):
+        self.in_progress = 0
+
+    @contextlib.contextmanager
+    def busy(self):
+        """A request's decoding or submission, in progress for the block's duration."""
+        self.in_progress += 1
+        try:
+            yield
+        finally:
+            self.in_progress -= 1
+
+    def alone(self) -> bool:
+        """Whether the caller's decoding or submission is the only one in progress in this process."""
+        return self.in_progress == 1
+
+    def decode_inline(self, pre: Preprocessor, inputs: list[bytes], min_pixels: int | None, max_pixels: int | None) -> bool:
+        """Whether to decode `inputs` on the event loop (1.): a lone request's single small JPEG."""
+        return len(inputs) == 1 and self.alone() and small_jpeg(pre, inputs[0], min_pixels, max_pixels)
+
+    @staticmethod
+    def launch_inline(enabled: bool, others: bool) -> bool:
+        """Whether the batcher launches a pack from its loop (3.): where that is `enabled` (CUDA, `Batcher`'s
+        `inline_launch`), with nothing else queued or running."""
+        return enabled and not others
+
+
+def small_jpeg(pre: Preprocessor, data: bytes, min_pixels: int | None, max_pixels: int | None) -> bool:
+    """Whether `data` is a JPEG of at most INLINE_MAX_PIXELS, resized to at most as many."""
+    size = jpeg_size(data)
+    if size is None or size[0] * size[1] > INLINE_MAX_PIXELS:
+        return False
+    try:
+        height, width = pre.target_size(*size, min_pixels, max_pixels)
+    except Exception:  # noqa: BLE001 - an impossible size: the decoding threads' decoder names it
+        return False
+    return height * width <= INLINE_MAX_PIXELS
