@@ -53,6 +53,8 @@ for step in "${@:-all}"; do
     service-fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 \
                    | tee "$OUT/bench_service_fp8.log" ;;
     kernels) python -m benchmarks.bench_kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" ;;
+    # which attention implementation wins each served shape, by how much (kernel_census.json; run on H100 and H200)
+    census) python -m benchmarks.kernel_census --out "$OUT" 2>&1 | tee "$OUT/kernel_census.log" ;;
     # the vLLM layout beside the tokens under the compiled generator, at 256 and 64 MiB of shared memory (epd.json)
     epd) python -m benchmarks.bench_epd --out "$OUT" 2>&1 | tee "$OUT/bench_epd.log" ;;
     # issue 57's open loop: 90% of the closed-loop capacity, images only, 2 minutes (openloop_p99.json)

@@ -28,6 +28,9 @@ class Tuner:
     def __init__(self, timer: Callable[..., float] = _do_bench,
                  capturing: Callable[[], bool] = lambda: torch.cuda.is_current_stream_capturing()):
         self.choices: dict[tuple, object] = {}
+        # what each key's choice rested on: (candidate, median ms) of every candidate, first with the short timings,
+        # then of those re-timed longer (the same list where none was); for benchmarks (`benchmarks.kernel_census`)
+        self.timings: dict[tuple, tuple[list, list]] = {}
         self.timer = timer
         self.capturing = capturing
 
@@ -45,12 +48,14 @@ class Tuner:
             if min(times) == float("inf"):
                 launch(listed[0])  # raises the first candidate's error
                 raise RuntimeError(f"no candidate for {key} could be timed")
+            first = list(zip(listed, times))
             # Candidates within 5% of the best are timed again, longer: short runs do not separate tiles a few
             # percent apart.
             close = [c for c, t in zip(listed, times) if t <= 1.05 * min(times)]
             if len(close) > 1:
                 times, listed = self._timings(close, launch, 25, 70), close
             choice = listed[times.index(min(times))]
+            self.timings[key] = (first, list(zip(listed, times)))
         self.choices[key] = choice
         return choice
 
