@@ -159,6 +159,20 @@ def minute_rows(rows: list[dict], samples: list[dict], minutes: int) -> list[dic
     return out
 
 
+def compiles_while_serving(url: str) -> float | None:
+    """The engines' kernels compiled after warm-up (the gauge `qwen3vl_kernel_compiles_while_serving`, summed over
+    devices), each a stall of every request; None where /metrics does not say."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    except OSError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("qwen3vl_kernel_compiles_while_serving{")]
+    return sum(values) if values else None
+
+
 def slowest_forwards(trace: Path, start: float, n: int = 20) -> list[dict]:
     """The `n` forwards of the soak (from unix time `start`) whose launch-to-outputs time was longest against their
     patches' median cost: when each ran (seconds into the soak), its items, patches and times. A stall inside a
@@ -245,6 +259,7 @@ def main():
                        video_every=args.video_every)
         sampler.stop.set()
         sampler.join()
+        compiles = compiles_while_serving(url)
     finally:
         stop_server(server)
     rows = read_rows(work / "soak.csv")
@@ -267,6 +282,7 @@ def main():
         "capacity": {"clients": args.clients, "seconds": args.capacity_s, "generator": cap},
         "minutes": minute_rows(rows, sampler.samples, args.minutes),
         "slowest_forwards": slowest_forwards(trace, soak_start),
+        "kernel_compiles_while_serving": compiles,
         "samples": sampler.samples,
     }
     path = write_results(args.name, payload, args.out)
