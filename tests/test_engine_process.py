@@ -389,6 +389,45 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
         assert items[0].grid_thw == item.grid_thw
 
 
+def test_the_pool_polls_for_a_reply_only_while_its_request_is_alone():
+    """`EnginePool.submit` (`latency.LatencyPolicy`, 2.): the engine client itself knows whether a request is alone
+    in its process (no other decoding or submission in progress), and the reply is polled for only then; the
+    HTTP layer passes no hint. The request goes to the least-loaded live engine with its deadline."""
+    from types import SimpleNamespace
+
+    from service.engine.api import Decoder, Encoded, Timing
+    from service.engine.remote import EnginePool
+
+    seen = []
+
+    async def submit(items, deadline, *, poll, **kwargs):
+        await asyncio.sleep(0)  # the request is written; then the reply is awaited, polled while `poll()`
+        seen.append((poll(), deadline, kwargs))
+        return Encoded([], Timing())
+
+    busy = SimpleNamespace(alive=True, load=5, submit=None)
+    idle = SimpleNamespace(alive=True, load=0, submit=submit)
+    pool = EnginePool([busy, idle], Decoder(1))
+
+    async def go():
+        await pool.submit([], 123.0, client="a")
+        with pool.latency.busy():  # another request's decoding in progress
+            await pool.submit([], 456.0)
+        first = asyncio.create_task(pool.submit([], 789.0))
+        second = asyncio.create_task(pool.submit([], 790.0))
+        await asyncio.gather(first, second)
+
+    try:
+        asyncio.run(go())
+    finally:
+        pool._decode.close()
+    assert seen[0] == (True, 123.0, {"client": "a"})
+    assert seen[1][:2] == (False, 456.0)
+    # two at once: the first is not alone; the second is once the first has its reply
+    assert [alone for alone, _, _ in seen[2:]] == [False, True]
+    assert pool.latency.in_progress == 0
+
+
 def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_cancels_it(tmp_path, monkeypatch):
     """`RemoteEngine.submit` against a scripted engine on a real socket: the reply's tensors come back whether the
     front-end polls (`poll`, a lone request: the loop keeps turning, other tasks still run) or sleeps; polling stops
