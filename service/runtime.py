@@ -20,6 +20,24 @@ ENGINE_TORCH_THREADS = 4
 # the interpreter's switch interval where a batcher runs: its forward thread dispatches hundreds of CUDA ops per
 # pack, and with the default 5 ms it and the event loop wait that long for the GIL at every hand-off between them
 BATCHER_SWITCH_INTERVAL_S = 0.0005
+# blocks of at least this many bytes are mapped for themselves and unmapped when freed, and free memory at the heap's
+# top past it goes back to the system: glibc's own thresholds grow with each large block freed (up to 32 MiB), and a
+# request's decoded images (megabytes each) then stay in the process's heaps after it, 0.8 GB after 64 large GIFs
+MALLOC_RETURN_BYTES = 1 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+
+
+def return_freed_memory(threshold: int = MALLOC_RETURN_BYTES) -> bool:
+    """Fix glibc's mmap and trim thresholds at `threshold` (`MALLOC_RETURN_BYTES`), so that what a large request
+    decoded goes back to the system when it is freed; whether it could (False: not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def configure_process(role: str) -> None:
@@ -27,6 +45,7 @@ def configure_process(role: str) -> None:
         raise ValueError(f"unknown process role {role!r}: one of {ROLES}")
     import torch
 
+    return_freed_memory()
     if role == "engine":
         torch.set_num_threads(ENGINE_TORCH_THREADS)
     elif role == "frontend":
