@@ -26,14 +26,14 @@ class Counting:
         self.preprocessed, self.submitted = 0, 0
         preprocess, submit = engine.preprocess, engine.submit
 
-        async def counted_preprocess(*a, **kw):
-            self.preprocessed += 1
+        async def counted_preprocess(inputs, *a, **kw):
+            self.preprocessed += len(inputs)
             await asyncio.sleep(delay_s)
-            return await preprocess(*a, **kw)
+            return await preprocess(inputs, *a, **kw)
 
-        async def counted_submit(items, **kw):
+        async def counted_submit(items, deadline, **kw):
             self.submitted += len(items)
-            return await submit(items, **kw)
+            return await submit(items, deadline, **kw)
 
         monkeypatch.setattr(engine, "preprocess", counted_preprocess)
         monkeypatch.setattr(engine, "submit", counted_submit)
