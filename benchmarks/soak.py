@@ -249,6 +249,10 @@ def main():
                        concurrency=args.clients)
         cap_rows = read_rows(work / "capacity.csv")
         capacity = sum(r["status"] == 200 for r in cap_rows) / args.capacity_s
+        hits = sum(r["cache"] == "hit" for r in cap_rows)
+        if hits > 0.01 * len(cap_rows):  # a capacity of cache hits would offer the GPU far more than it can do
+            raise SystemExit(f"the capacity was measured on cache hits ({hits} of {len(cap_rows)} requests): give "
+                             "--images more distinct images than the embedding cache holds")
         rate = args.fraction * capacity
         print(f"capacity {capacity:.1f} req/s ({args.clients} clients, closed loop); soak at {rate:.1f} req/s "
               f"for {args.minutes} min", flush=True)
