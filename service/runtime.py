@@ -23,8 +23,8 @@ BATCHER_SWITCH_INTERVAL_S = 0.0005
 # blocks of at least this many bytes are mapped for themselves and unmapped when freed, and free memory at the heap's
 # top past it goes back to the system: glibc's own thresholds grow with each large block freed (up to 32 MiB), and a
 # request's decoded images (megabytes each) then stay in the process's heaps after it, 0.8 GB after 64 large GIFs.
-# 4 MiB: at 1 MiB the blocks of a forward on the CPU were mapped and unmapped at every request (+5 ms for a lone
-# image on the CPU machine); at 16 MiB the decoded images stayed again.
+# 4 MiB: at 1 MiB a CPU forward's blocks of 1-4 MiB are mapped and unmapped at every request, which a lone request
+# pays in full (README, "Images"); at 16 MiB the decoded images stay again.
 MALLOC_RETURN_BYTES = 4 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 
