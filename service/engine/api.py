@@ -177,14 +177,17 @@ class Decoder:
             return await self.sandbox.preprocess(pre, data, *args)
         return await asyncio.get_running_loop().run_in_executor(self.pool, pre, data, *args)
 
-    async def all(self, pre: Preprocessor, inputs: list[bytes], *args) -> list[Preprocessed]:
-        """Every input of a request, decoded concurrently; an unusable one raises with its position."""
+    async def all(self, pre: Preprocessor, inputs: list[bytes], *args, inline: bool = False) -> list[Preprocessed]:
+        """Every input of a request, decoded concurrently (`inline`: on the calling thread, the event loop, rather
+        than the pool's); an unusable one raises with its position."""
         async def one(index: int, data: bytes) -> Preprocessed:
             try:
-                return await self(pre, data, *args)
+                return pre(data, *args) if inline else await self(pre, data, *args)
             except InvalidInput as e:
                 raise e.at(index) from e.__cause__
 
+        if len(inputs) == 1:
+            return [await one(0, inputs[0])]
         return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(inputs))))
 
     def close(self) -> None:

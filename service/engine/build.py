@@ -202,6 +202,9 @@ def _warm_packs(enc: Encoder, settings: Settings) -> None:
         frames = rng.integers(0, 256, (2 * temporal, px, px, 3), dtype=np.uint8)
         return pre.item(frames, (2, side, side), {"kind": "video"})
 
+    def full(n: int) -> int:  # items of `n` patches in a full pack
+        return max(1, min(settings.max_batch_patches // n, settings.max_batch_items))
+
     for side in [16, 32, 64, 96] if cuda else [8]:
         if side * side > settings.max_batch_patches:
             break
@@ -209,15 +212,11 @@ def _warm_packs(enc: Encoder, settings: Settings) -> None:
         if not cuda:
             enc.encode([item])
             continue
-
-        def full(n: int) -> int:
-            return max(1, min(settings.max_batch_patches // n, settings.max_batch_items))
-
         packs = [[item], [smaller], [item] * full(side * side), [smaller] * full((side - 2) ** 2), [item, smaller],
                  [item, smaller] * (full(side * side) // 2)]
         if 2 * 2 * (side - 2) ** 2 + side * side <= settings.max_batch_patches:
             clip = video(side - 2)
             packs += [[clip], [clip, clip], [item, clip], [clip, item, clip]]
         for pack in packs:  # those the batcher can form: within the patch budget, or one item alone
-            if len(pack) == 1 or 1 < len(pack) and sum(it.num_patches for it in pack) <= settings.max_batch_patches:
+            if pack and (len(pack) == 1 or sum(it.num_patches for it in pack) <= settings.max_batch_patches):
                 enc.encode(pack)

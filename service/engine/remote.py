@@ -482,15 +482,10 @@ class EnginePool:
         pre = self.model.preprocessor  # the engines' description carries the server's limits
         args = (min_pixels, max_pixels, fps, num_frames)
         with self.latency.busy():
-            if not self.latency.decode_inline(pre, inputs, min_pixels, max_pixels):
-                return await self._decode.all(pre, inputs, *args)
-            engine = self._least_loaded()
-            if engine is not None:  # the engine `submit` will pick wakes while this decodes
-                engine.expect()
-            try:
-                return [pre(inputs[0], *args)]
-            except errors.InvalidInput as e:
-                raise e.at(0) from e.__cause__
+            inline = self.latency.decode_inline(pre, inputs, min_pixels, max_pixels)
+            if inline and (engine := self._least_loaded()) is not None:
+                engine.expect()  # the engine `submit` will pick wakes while this decodes
+            return await self._decode.all(pre, inputs, *args, inline=inline)
 
     async def submit(self, items: list[Preprocessed], deadline: float, **kwargs) -> Encoded:
         engine = self._least_loaded()
