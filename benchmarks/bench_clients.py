@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks.bench_service import (PARAMS, _pack_ms, compiled, load, photo_jpegs, served_encoder, sm_clock,
                                       start_server, stop_server, unique, write_bodies)
-from benchmarks.common import environment, read_forward_trace, write_results
+from benchmarks.common import environment, metric_sums, read_forward_trace, write_results
 
 PACKS = (8, 16, 20, 24, 28, 32, 41)
 EAGER_ABOVE = 6400  # the second server's largest graph bucket
@@ -61,20 +61,8 @@ COUNTERS = ("qwen3vl_images_total", "qwen3vl_output_tokens_total", 'qwen3vl_embe
 
 
 def counters(url: str) -> dict[str, float]:
-    """The server's own counts (/metrics, summed over label sets not named): images encoded, tokens returned, cache
-    outcomes, items and forwards."""
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        name, value = line.rsplit(" ", 1)
-        for key in COUNTERS:
-            if name == key or ("{" not in key and name.split("{")[0] == key):
-                out[key] += float(value)
-    return out
+    """The server's own counts: images encoded, tokens returned, cache outcomes, items and forwards."""
+    return metric_sums(url, COUNTERS)
 
 
 class Probe:

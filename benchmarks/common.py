@@ -214,6 +214,23 @@ def event_loop() -> str:
     return f"uvloop {uvloop.__version__}"
 
 
+def metric_sums(url: str, names) -> dict[str, float]:
+    """The server's /metrics values of `names`, each summed over the label sets it does not name (a name with
+    `{...}` is that one series); 0 where absent."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        for key in names:
+            if name == key or ("{" not in key and name.split("{")[0] == key):
+                out[key] += float(value)
+    return out
+
+
 def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float("inf")) -> list[tuple]:
     """The engine's forwards between unix times t0 and t1 from its trace (`Settings.forward_trace`), in order:
     (unix time, items, patches, GPU ms, launch-to-outputs ms); none where the file is missing."""

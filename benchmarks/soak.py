@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.bench_service import photo_jpegs, start_server, stop_server, unique
-from benchmarks.common import environment, read_forward_trace, write_results
+from benchmarks.common import environment, metric_sums, read_forward_trace, write_results
 
 PARAMS = "format=safetensors&deepstack=false"  # as bench_service's uniform load
 
@@ -159,18 +159,7 @@ def minute_rows(rows: list[dict], samples: list[dict], minutes: int) -> list[dic
     return out
 
 
-def compiles_while_serving(url: str) -> float | None:
-    """The engines' kernels compiled after warm-up (the gauge `qwen3vl_kernel_compiles_while_serving`, summed over
-    devices), each a stall of every request; None where /metrics does not say."""
-    import urllib.request
-
-    try:
-        text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    except OSError:
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("qwen3vl_kernel_compiles_while_serving{")]
-    return sum(values) if values else None
+COMPILES = "qwen3vl_kernel_compiles_while_serving"
 
 
 def slowest_forwards(trace: Path, start: float, n: int = 20) -> list[dict]:
@@ -263,7 +252,8 @@ def main():
                        video_every=args.video_every)
         sampler.stop.set()
         sampler.join()
-        compiles = compiles_while_serving(url)
+        # kernels the engines compiled after warm-up, each a stall of every request
+        compiles = metric_sums(url, [COMPILES])[COMPILES]
     finally:
         stop_server(server)
     rows = read_rows(work / "soak.csv")
