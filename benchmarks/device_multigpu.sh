@@ -10,7 +10,10 @@
 # SCALING_ARGS adds to both scaling steps (default: 12 s measured after 4 s of warm-up).
 # The generator comes built (.bin/openloop: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# (under device_run.sh the tree is a copy without .whl, and /tmp/site already holds them)
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
 # the HTTP figures are a user's install's only on uvloop (uvicorn[standard] brings it)
 python3 -c "import uvloop, httptools" || { echo "carry the uvloop and httptools wheels (.whl)"; exit 1; }

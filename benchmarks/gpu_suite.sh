@@ -55,6 +55,15 @@ for step in "${@:-all}"; do
     kernels) python -m benchmarks.bench_kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" ;;
     # which attention implementation wins each served shape, by how much (kernel_census.json; run on H100 and H200)
     census) python -m benchmarks.kernel_census --out "$OUT" 2>&1 | tee "$OUT/kernel_census.log" ;;
+    # device_multigpu.sh's steps (multigpu-tests, multigpu-startup, multigpu-bf16, multigpu-fp8, ...), so that one
+    # device_run.sh start chains them with the single-GPU steps on a multi-GPU machine
+    multigpu-*) bash benchmarks/device_multigpu.sh "${step#multigpu-}" ;;
+    # the starts, the recoveries and a fresh server's single image (service_startup.json) on GPU 0, beside the census
+    # on GPU 1: two single-GPU measurements at once on a multi-GPU machine
+    startup-census) CUDA_VISIBLE_DEVICES=0 python -m benchmarks.bench_service --startup-only --out "$OUT" \
+                      > "$OUT/bench_service_startup.log" 2>&1 &
+                    CUDA_VISIBLE_DEVICES=1 python -m benchmarks.kernel_census --out "$OUT" > "$OUT/kernel_census.log" 2>&1
+                    wait; tail -n 3 "$OUT/bench_service_startup.log" "$OUT/kernel_census.log" ;;
     # the vLLM layout beside the tokens under the compiled generator, at 256 and 64 MiB of shared memory (epd.json)
     epd) python -m benchmarks.bench_epd --out "$OUT" 2>&1 | tee "$OUT/bench_epd.log" ;;
     # issue 57's open loop: 90% of the closed-loop capacity, images only, 2 minutes (openloop_p99.json)
