@@ -47,7 +47,7 @@ def _jpegs(n: int, seed: int) -> list[bytes]:
 
 
 ENCODE_ON = """
-import asyncio, io, json, os, subprocess, sys
+import asyncio, io, json, os, subprocess, sys, time
 import torch
 from service.engine.local import LocalEngine
 from service.settings import Settings
