@@ -719,3 +719,33 @@ def test_sigterm_drains_keep_alive_connections(run, to_group, sig):
     assert all(fresh for _, fresh in failed), [repr(o) for o, fresh in failed if not fresh][:5]
     assert all(isinstance(o, (httpx.ConnectError, httpx.ReadError)) for o, _ in failed), [repr(o) for o, _ in failed]
     assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_submit_on_a_connection_the_engine_just_closed_is_a_503_not_a_crash(loop, tmp_path):
+    """An engine killed under load: its connection's transport closes before the link's reader has seen the end,
+    and a request sent in between must fail as `EngineUnavailable` (503), not as uvloop's RuntimeError ("the handler
+    is closed", a 500: the 4-GPU fault test at 3f1bffc had three)."""
+    from service import errors
+    from service.engine.remote import RemoteEngine, _Link
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        run = uvloop.run
+    else:
+        run = asyncio.run
+
+    async def main():
+        path = str(tmp_path / "engine.sock")
+        server = await asyncio.start_unix_server(lambda r, w: w.close(), path)
+        reader, writer = await asyncio.open_unix_connection(path)
+        link = _Link(writer, None, RemoteEngine(path))
+        await reader.read()  # the engine's end closed: at EOF (the link's reader task never ran)
+        writer.transport.abort()  # what the event loop does to the transport of a connection lost
+        await asyncio.sleep(0)
+        with pytest.raises(errors.EngineUnavailable):
+            link.send({"op": "submit", "id": 1}, [np.zeros(16, np.uint8)])
+        assert not link.pending and link.broken
+        server.close()
+
+    run(main())

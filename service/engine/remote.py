@@ -350,9 +350,16 @@ class _Link:
     def send(self, header: dict, buffers=()) -> asyncio.Future:
         if self.broken is not None:
             raise errors.EngineUnavailable(f"engine unavailable: {self.broken}", retry_after=2.0)
+        if self.writer.is_closing():  # the engine died and this link's reader has not seen it yet
+            self.broken = "the engine connection was closed"
+            raise errors.EngineUnavailable(f"engine unavailable: {self.broken}", retry_after=2.0)
         fut = asyncio.get_running_loop().create_future()
+        try:
+            write_message(self.writer, header, buffers)
+        except (RuntimeError, ConnectionError, OSError) as e:  # uvloop: "the handler is closed"
+            self.broken = self.broken or f"the engine connection failed ({type(e).__name__})"
+            raise errors.EngineUnavailable(f"engine unavailable: {self.broken}", retry_after=2.0) from None
         self.pending[header["id"]] = fut
-        write_message(self.writer, header, buffers)
         return fut
 
     async def drain(self):
