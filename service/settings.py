@@ -69,13 +69,14 @@ def default_cache_dir() -> str:
 def default_http_workers(gpus: int, cores: int) -> int:
     """HTTP front-end processes for `gpus` engines on `cores` cores.
 
-    Measured on 4 H200s with 64 vCPUs (benchmarks/results/multigpu.json): a front-end's event loop carries
-    about 190 448-px JPEG requests a second (5-6 ms of CPU each: decoding, the reply) and one H200 encodes
-    900-1,100, so 6 per GPU; but each front-end's decoding threads take up to 1.3 cores under large photos,
-    and 24 front-ends on 64 vCPUs starved the engines (16 did better), so at most a quarter of the cores;
-    at least 8 (or half the cores), which one GPU needs.
+    A front-end carries about 190-270 448-px JPEG requests a second (4-6.5 ms of its CPU each: decoding, the
+    reply; it varies by host) and one H200 encodes 900-1,150 (FP8), so 6 per GPU. Measured on 4 H200s with 64
+    vCPUs (benchmarks/results/multigpu.json): 24 front-ends against 16 did as well in bf16 (3,427 against 3,437
+    img/s) and better in FP8 (4,269 against 4,179), and on one host 16 front-ends saturated (19.5 cores) and held
+    FP8 to 3,001 img/s; so up to three eighths of the cores, the rest for the engines, the decoding threads and the
+    kernel's network stack; at least 8 (or half the cores), which one GPU needs.
     """
-    return max(1, min(64, max(min(8, cores // 2), min(6 * gpus, cores // 4))))
+    return max(1, min(64, max(min(8, cores // 2), min(6 * gpus, cores * 3 // 8))))
 
 
 class Settings(BaseSettings):
@@ -189,7 +190,7 @@ class Settings(BaseSettings):
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding the engine processes that own the model; 0: one process does "
-                                     "everything (service.engine.process). Default on CUDA: 6 per GPU within a quarter "
+                                     "everything (service.engine.process). Default on CUDA: 6 per GPU within three eighths "
                                      "of the cores, at least 8 (within half the cores); 0 on CPU")
     engine_restart_backoff_s: float = Field(0.5, ge=0, description="wait before restarting a dead engine process; "
                                             "doubles with each death inside the crash window")

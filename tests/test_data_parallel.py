@@ -148,3 +148,63 @@ def test_each_gpu_engine_sees_only_its_own_gpu(monkeypatch):
         assert "3 GPUs visible" in str(e)
     else:
         raise AssertionError("cuda:3 of three visible GPUs was accepted")
+
+
+def test_a_front_end_is_started_once_it_reached_every_engine_or_found_it_restarting(tmp_path, monkeypatch):
+    """`EnginePool.started` with the server's start-up marker present: a front-end connected to one engine while
+    another is listening but not yet connected to is not started (the 4-GPU warm start at 3f1bffc answered /ready
+    200 with a front-end on 2 of 4 engines); one whose other engine is not listening (restarting) is started once it
+    has tried it, and says so through `on_change`."""
+    from service.engine.api import Decoder
+    from service.engine.remote import EnginePool, RemoteEngine
+
+    class _Up:
+        broken = None
+
+    slow = {"engine-1"}
+    listening = {"engine-0", "engine-1"}
+
+    async def connect(self, timeout_s=5.0):
+        name = os.path.basename(self.path)
+        if name in slow:
+            await asyncio.sleep(0.4)
+        if name not in listening:
+            raise OSError("not listening")
+        self._link = _Up()
+
+    async def disconnected(self):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(RemoteEngine, "connect", connect)
+    monkeypatch.setattr(RemoteEngine, "disconnected", disconnected)
+    marker = tmp_path / "started"
+    marker.touch()
+
+    async def run(names):
+        changes = []
+        pool = EnginePool([RemoteEngine(str(tmp_path / n), device=n) for n in names], Decoder(1),
+                          on_change=lambda device, up: changes.append((device, up, pool.started)),
+                          started_marker=str(marker))
+        await pool.start()
+        await asyncio.sleep(0.2)
+        early = pool.started, pool.capacity
+        await asyncio.sleep(0.5)
+        late = pool.started, pool.capacity
+        for task in pool._links:
+            task.cancel()
+        pool._decode.close()
+        return early, late, changes
+
+    # engine-1 listens but takes 0.4 s to answer: not started until it is connected
+    early, late, changes = asyncio.run(run(["engine-0", "engine-1"]))
+    assert early == (False, (1, 2)) and late == (True, (2, 2)), (early, late)
+    assert changes[-1] == ("engine-1", True, True), changes
+    # engine-2 is not listening (restarting after start-up): started once it was tried, told through on_change
+    slow.clear()
+    early, late, changes = asyncio.run(run(["engine-0", "engine-2"]))
+    assert early == (True, (1, 2)) and late == (True, (1, 2)), (early, late)
+    assert ("engine-2", False, True) in changes, changes
+    # without the marker (the server's start-up is not over), a missing engine holds the front-end back
+    marker.unlink()
+    early, late, changes = asyncio.run(run(["engine-0", "engine-2"]))
+    assert (early[0], late[0]) == (False, False), (early, late)

@@ -164,7 +164,7 @@ def _bytes(size: str) -> int:
 def test_shared_memory_room_for_every_front_end():
     """Decoded frames reach the engine through /dev/shm (`shared_memory_mib` per front-end and engine), and the
     embedding cache lives there: compose and the pod give it room for the most front-ends a GPU host gets by default
-    (32, on an 8-GPU node of 128 cores) and the cache, beyond Docker's and Kubernetes' 64 MiB default."""
+    (48, on an 8-GPU node of 128 cores) and the cache, beyond Docker's and Kubernetes' 64 MiB default."""
     settings = Settings()
     most = default_http_workers(8, 128)
     need = (most + 1) * (settings.shared_memory_mib << 20) + (settings.embedding_cache_mib << 20) * 9 // 8

@@ -404,6 +404,9 @@ class EnginePool:
         self.on_change = on_change
         self._started_marker = started_marker
         self._ever_up: set[RemoteEngine] = set()  # the engines this front-end has been connected to
+        # the engines found not listening once start-up was over (restarting): a front-end started since need not
+        # wait for them
+        self._missed: set[RemoteEngine] = set()
         self._decode = decoder
         self._links: list[asyncio.Task] = []
         self.latency = LatencyPolicy()
@@ -427,14 +430,13 @@ class EnginePool:
 
     @property
     def started(self) -> bool:
-        """Whether start-up is over: every engine has been up (a pod is not ready at a fraction of its capacity).
-        After that, any one live engine serves (`alive`) while the others restart."""
-        if len(self._ever_up) == len(self.engines):
-            return True
-        if self._started_marker is not None and os.path.exists(self._started_marker):
-            self._ever_up = set(self.engines)
-            return True
-        return False
+        """Whether start-up is over for this front-end: it has been connected to every engine (a pod is not ready at
+        a fraction of its capacity). A front-end started after the server's start-up (`started_marker`: every engine
+        has been up) needs only to have tried each one: connected, or found it not listening (restarting). After
+        that, any one live engine serves (`alive`) while the others restart."""
+        if self._started_marker is None or len(self._ever_up) == len(self.engines):
+            return len(self._ever_up) == len(self.engines)
+        return len(self._ever_up | self._missed) == len(self.engines) and os.path.exists(self._started_marker)
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -461,6 +463,11 @@ class EnginePool:
             try:
                 await engine.connect()
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, errors.EncoderError):
+                if (engine not in self._missed and self._started_marker is not None
+                        and os.path.exists(self._started_marker)):
+                    self._missed.add(engine)  # restarting after start-up: `started` need not wait for it
+                    if self.on_change is not None:
+                        self.on_change(engine.device, False)
                 await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
                 continue
             log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))

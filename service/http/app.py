@@ -76,12 +76,15 @@ class Service:
         await self.engine.start()
 
     def _engine_changed(self, device: str, up: bool) -> None:
+        """An engine connected (`up`), or was lost or found not listening: ready while start-up is over (every
+        engine has been up, `EnginePool.started`) and one serves."""
         self.metrics.engine_up.labels(device).set(int(up))
-        if up and not self.ready and self.engine.started:  # at start-up: once every engine is up
+        serving = self.engine.started and self.engine.alive
+        if serving and not self.ready:
             self._set_ready()
-        elif not up:
-            self.ready = self.engine.alive
-            self._mark_ready(self.ready)
+        elif not serving and self.ready:
+            self.ready = False
+            self._mark_ready(False)
 
     def _frontends_dir(self) -> str | None:
         """With front-end processes: where each one marks itself ready (beside the engines' sockets)."""
