@@ -180,16 +180,29 @@ def test_a_front_end_is_started_once_it_reached_every_engine_or_found_it_restart
     marker = tmp_path / "started"
     marker.touch()
 
+    class _Sandbox:  # what the front-end's video sandbox is told: start its forkserver once serving, not before
+        def __init__(self):
+            self.prepared = 0
+
+        def prepare(self):
+            self.prepared += 1
+
+        def close(self):
+            pass
+
     async def run(names):
         changes = []
-        pool = EnginePool([RemoteEngine(str(tmp_path / n), device=n) for n in names], Decoder(1),
+        sandbox = _Sandbox()
+        pool = EnginePool([RemoteEngine(str(tmp_path / n), device=n) for n in names], Decoder(1, sandbox),
                           on_change=lambda device, up: changes.append((device, up, pool.started)),
                           started_marker=str(marker))
         await pool.start()
         await asyncio.sleep(0.2)
         early = pool.started, pool.capacity
+        assert bool(sandbox.prepared) == pool.started, sandbox.prepared
         await asyncio.sleep(0.5)
         late = pool.started, pool.capacity
+        assert bool(sandbox.prepared) == pool.started, sandbox.prepared
         for task in pool._links:
             task.cancel()
         pool._decode.close()

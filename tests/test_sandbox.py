@@ -108,13 +108,26 @@ def test_a_child_that_cannot_start_is_unavailable_not_the_inputs_fault(tmp_path,
         box.close()
 
 
-def test_the_forkserver_is_started_with_the_sandbox_and_replaced_if_it_dies():
-    """The forkserver starts when the sandbox is made (not at the first video, under load); killed, it is started
-    again by the next call."""
+def test_the_forkserver_is_started_by_prepare_and_replaced_if_it_dies():
+    """The forkserver starts at `prepare()` (once the server is ready: not at the first video, under load, nor
+    beside the engines' start), not when the sandbox is made; killed, it is started again by the next call."""
     import multiprocessing.forkserver
     import signal
+    import subprocess
+    import sys
+
+    # in a fresh interpreter: this one's forkserver may be running already (the module's other tests)
+    made = subprocess.run([sys.executable, "-c", (
+        "import time, multiprocessing.forkserver as f\n"
+        "from service.engine.sandbox import DecodeSandbox\n"
+        "box = DecodeSandbox(concurrency=1)\n"
+        "time.sleep(2)\n"
+        "print(f._forkserver._forkserver_pid)\n"
+        "box.close()")], capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert made.stdout.strip() == "None", (made.stdout, made.stderr[-2000:])
 
     box = DecodeSandbox(concurrency=1, cpu_s=5, wall_s=20)
+    box.prepare()
     try:
         deadline = time.monotonic() + 30
         while multiprocessing.forkserver._forkserver._forkserver_pid is None and time.monotonic() < deadline:

@@ -190,6 +190,11 @@ class Decoder:
             return [await one(0, inputs[0])]
         return list(await asyncio.gather(*(one(i, data) for i, data in enumerate(inputs))))
 
+    def prepare(self) -> None:
+        """Once the server is ready: start what decoding videos needs (`DecodeSandbox.prepare`)."""
+        if self.sandbox is not None:
+            self.sandbox.prepare()
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         if self.sandbox is not None:

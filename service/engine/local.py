@@ -57,6 +57,7 @@ class LocalEngine:
         if settings.warmup:
             await asyncio.to_thread(warmup, enc, settings)
         log.info("model loaded in %.1f s, warmed up in %.1f s", loaded - start, time.perf_counter() - loaded)
+        self._decode.prepare()
         if enc.device.type == "cuda":
             status = launch_status()
             if status["lean"]:

@@ -466,12 +466,16 @@ class EnginePool:
                 if (engine not in self._missed and self._started_marker is not None
                         and os.path.exists(self._started_marker)):
                     self._missed.add(engine)  # restarting after start-up: `started` need not wait for it
+                    if self.started:
+                        self._decode.prepare()
                     if self.on_change is not None:
                         self.on_change(engine.device, False)
                 await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
                 continue
             log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))
             self._ever_up.add(engine)
+            if self.started:
+                self._decode.prepare()
             if self.on_change is not None:
                 self.on_change(engine.device, True)
             why = await engine.disconnected()

@@ -3,10 +3,11 @@
 FFmpeg (through PyAV) decodes untrusted video containers in native code; a segfault, a runaway loop or a huge
 allocation there would otherwise take down the process serving every other request. The children fork from a
 forkserver that has already imported the decoders, torch and this module, so a call costs a fork (milliseconds) next
-to a video decode (tens to hundreds of milliseconds) and reads no module from disk. The forkserver is started when the
-sandbox is made, in the background, rather than by the first video: importing torch there takes seconds of CPU,
-which each front-end would otherwise spend at once under load when the first videos arrive. What the child returns is
-pickled back through a pipe.
+to a video decode (tens to hundreds of milliseconds) and reads no module from disk. The forkserver is started by
+`prepare()`, in the background, once the server is ready: not by the first video (importing torch there takes seconds
+of CPU, which each front-end would otherwise spend at once under load when the first videos arrive), and not while the
+engines start (every front-end's forkserver importing torch beside them slows their own imports). What the child
+returns is pickled back through a pipe.
 
 Outcomes, each a typed `InvalidInput` naming the problem (the API answers 422 or 413):
 - the child is killed by a signal (SIGSEGV, SIGABRT, the kernel's OOM killer): `UnsupportedVideo`;
@@ -61,8 +62,14 @@ class DecodeSandbox:
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(PRELOAD)
         self._threads = ThreadPoolExecutor(concurrency, thread_name_prefix="sandbox")
-        # the first call waits for this (the forkserver module's lock), later ones find it running
-        self._threads.submit(multiprocessing.forkserver.ensure_running)
+        self._prepared = False
+
+    def prepare(self) -> None:
+        """Start the forkserver in the background (once; a call before it is up waits for it, under the forkserver
+        module's lock, and a call without it starts it)."""
+        if not self._prepared:
+            self._prepared = True
+            self._threads.submit(multiprocessing.forkserver.ensure_running)
 
     async def preprocess(self, preprocessor: Preprocessor, data: bytes, *args) -> Preprocessed:
         """`preprocessor(data, *args)` in a child process: only its uint8 frames, grid and metadata come back."""
