@@ -24,6 +24,7 @@ import time
 import torch
 
 from benchmarks.common import environment, print_table, write_results
+from kernels.attention.tiles import GluonTile
 from kernels.runtime import TUNER
 from service.engine.build import load_encoder, warmup
 from service.settings import Settings
@@ -32,7 +33,12 @@ IMPLEMENTATIONS = ("tma", "gluon")
 
 
 def implementation(config) -> str:
-    return "gluon" if config.gluon else "tma"
+    return "gluon" if isinstance(config, GluonTile) else "tma"
+
+
+def depth(config) -> int:
+    """Stages in flight: the TMA kernel's software pipeline, the Gluon kernel's K/V ring."""
+    return config.ring if isinstance(config, GluonTile) else config.num_stages
 
 
 def key_row(key: tuple, first: list, final: list) -> dict:
@@ -44,7 +50,7 @@ def key_row(key: tuple, first: list, final: list) -> dict:
     other = min(others) if others else None
     _, seq_class, load_class, head_dim, *_ = key
     return {"seq_class": seq_class, "load_class": load_class, "head_dim": head_dim, "winner": won,
-            "tile": f"{winner.block_m}x{winner.block_n}w{winner.num_warps}s{winner.num_stages}",
+            "tile": f"{winner.block_m}x{winner.block_n}w{winner.num_warps}s{depth(winner)}",
             "winner_ms": best, "other_ms": other,
             "margin": None if other is None or other == float("inf") else other / best - 1.0,
             "candidates": len(first)}

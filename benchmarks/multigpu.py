@@ -259,6 +259,34 @@ def fault(binary: str, url: str, bodies: Path, work: Path, seconds: float, clien
     return result
 
 
+def start_phases(log: Path) -> dict:
+    """Where a start's time went, from the server's log: from the engines' launch to every engine ready (wall), and
+    per engine its modules' import, its device binding, the model's load and the warm-up (seconds, as each engine
+    logs them; listed in the order the engines logged them)."""
+    stamps: dict[str, float] = {}
+    per: dict[str, list[float]] = {"imported_s": [], "device_s": [], "loaded_s": [], "warmed_s": []}
+    for line in log.read_text(errors="replace").splitlines():
+        parts = line.split(" ", 2)
+        try:
+            t = time.mktime(time.strptime(parts[0] + " " + parts[1][:8], "%Y-%m-%d %H:%M:%S")) + int(parts[1][9:12]) / 1e3
+        except (IndexError, ValueError):
+            continue
+        if "service.server: engine processes on" in line:
+            stamps.setdefault("launched", t)
+        elif "engines ready" in line and "service.server" in line:
+            stamps.setdefault("all_ready", t)
+        elif "modules imported in" in line:
+            words = line.replace(",", "").split()
+            per["imported_s"].append(float(words[words.index("imported") + 2]))
+            per["device_s"].append(float(words[words.index("bound") + 2]))
+        elif "model loaded in" in line:
+            words = line.replace(",", "").split()
+            per["loaded_s"].append(float(words[words.index("loaded") + 2]))
+            per["warmed_s"].append(float(words[words.index("warmed") + 3]))
+    wall = stamps["all_ready"] - stamps["launched"] if len(stamps) == 2 else None
+    return {"engines_ready_after_s": round(wall, 2) if wall is not None else None, **per}
+
+
 def profile_start(out: Path, seconds: int = 25) -> None:
     """py-spy on every process (`--subprocesses`) of the server this process starts next, sampled from its launch
     for `seconds`."""
@@ -292,6 +320,7 @@ def part_startup(args, gpus: int, work: Path) -> dict:
             code = stop(server)
             out[f"{label}_{run}"] = {"ready_s": round(ready_s, 1), "engines_up": sum(e["state"] == "up" for e in info),
                                      "exit_code": code, "gpu_memory": memory,
+                                     "phases": start_phases(work / f"startup_{label}_{run}.log"),
                                      "engine_pids": {e["device"]: e["pid"] for e in info}}
             if spy is not None and (Path(args.out) / f"profile_startup_{label}.txt").exists():
                 # the engine processes' samples, summed over the engines

@@ -15,18 +15,18 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch, caplog):
     import torch
 
     from kernels import runtime
-    from kernels.attention.tiles import TileConfig
+    from kernels.attention.tiles import GluonTile, PtrTile
     from service.engine.build import load_tuning, save_tuning, tuning_cache
     from service.settings import Settings
 
     key = ("tma", 1, 1, 72, False, True, torch.bfloat16, torch.device("cuda", 0))
     other = ("ptr", 0, 0, 64, True, True, torch.float16, torch.device("cuda", 0))
-    monkeypatch.setattr(runtime.TUNER, "choices", {key: TileConfig(128, 64, 8, 2, tma=True, gluon=True)})
+    monkeypatch.setattr(runtime.TUNER, "choices", {key: GluonTile(128, 64, 8, 2)})
     path = tmp_path / "tuning" / "x.pkl"
     save_tuning(path)
-    monkeypatch.setattr(runtime.TUNER, "choices", {other: TileConfig(64, 64)})
+    monkeypatch.setattr(runtime.TUNER, "choices", {other: PtrTile(64, 64)})
     load_tuning(path)
-    assert runtime.tuned_choices() == {key: TileConfig(128, 64, 8, 2, tma=True, gluon=True), other: TileConfig(64, 64)}
+    assert runtime.tuned_choices() == {key: GluonTile(128, 64, 8, 2), other: PtrTile(64, 64)}
     path.write_bytes(b"not a pickle")
     load_tuning(path)
     assert "ignoring the kernel tuning cache" in caplog.text

@@ -55,7 +55,7 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_tile(config: tiles.TileConfig, head_dim: int, heads: int = 16, lengths: list[int] = (1024,) * 8) -> dict:
+def compile_tile(config: tiles.TmaTile, head_dim: int, heads: int = 16, lengths: list[int] = (1024,) * 8) -> dict:
     d0, d1, _ = tiles.head_dim_split(head_dim)
     w1 = max(d1, 16)
     bn = config.block_n
@@ -77,11 +77,11 @@ def compile_tile(config: tiles.TileConfig, head_dim: int, heads: int = 16, lengt
     return _report(kernel, config.num_warps, config.block_m * bn)
 
 
-def gluon_fields(config: tiles.TileConfig) -> tuple[int, ...]:
+def gluon_fields(config: tiles.GluonTile) -> tuple[int, ...]:
     """A Gluon candidate in --gluon's field order: block_m/block_n/warps/ring/cap/remainder copied/sum_mma (on, as
     the candidates run)/ws."""
-    return (config.block_m, config.block_n, config.num_warps, config.num_stages, config.maxnreg, int(config.rem_copy),
-            1, config.ws)
+    return (config.block_m, config.block_n, config.num_warps, config.ring, config.maxnreg, int(config.rem_copy),
+            1, config.persistent)
 
 
 def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = False) -> dict:
@@ -225,7 +225,7 @@ def main():
     for head_dim in args.head_dims:
         configs = tiles.tma_candidates(head_dim)
         if args.tiles:
-            configs = [tiles.TileConfig(bm, bn, w, s, tma=True, tail_n=tiles.TAIL_N, q_tail=bm >= 128)
+            configs = [tiles.TmaTile(bm, bn, w, s, tail_n=tiles.TAIL_N, q_tail=bm >= 128)
                        for bm, bn, w, s in (map(int, t.split("/")) for t in args.tiles)]
         for config in configs:
             tile = f"{config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"

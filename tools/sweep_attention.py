@@ -26,15 +26,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import ATTENTION_CASES, attention_flops, bench, packed_qkv
 from kernels.attention import sdpa_varlen_attention, triton_varlen_attention
-from kernels.attention.tiles import TileConfig, tma_candidates
+from kernels.attention.tiles import TmaTile, tma_candidates
 
 
-def parse_spec(spec: str) -> TileConfig:
+def parse_spec(spec: str) -> TmaTile:
     """'bm/bn/warps/stages[/ws][/tail]', e.g. 128/64/4/2/tail (TMA kernel)."""
     parts = spec.split("/")
     bm, bn, w, s = (int(x) for x in parts[:4])
     flags = parts[4:]
-    return TileConfig(bm, bn, w, s, tma=True, ws="ws" in flags, tail_in_loop="tail" in flags)
+    return TmaTile(bm, bn, w, s, ws="ws" in flags, tail_in_loop="tail" in flags)
 
 
 def variants(group: str, head_dim: int):
@@ -46,13 +46,13 @@ def variants(group: str, head_dim: int):
     if group == "tma":
         tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
                  (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3), (256, 128, 8, 2)]
-        return [TileConfig(bm, bn, w, s, tma=True) for bm, bn, w, s in tiles]
+        return [TmaTile(bm, bn, w, s) for bm, bn, w, s in tiles]
     if group == "tma-tail":  # the TMA candidates with a segment's last keys in one masked tile or narrow steps
         return [dataclasses.replace(c, tail_n=t) for c in tma_candidates(head_dim) for t in (0, 16, 32)]
     if group == "tma-qtail":  # the TMA candidates with a segment's last query rows in a full or half tile
         return [dataclasses.replace(c, q_tail=q) for c in tma_candidates(head_dim) for q in (False, True)]
     if group == "tma-ws":
-        return [TileConfig(bm, bn, w, s, tma=True, ws=True)
+        return [TmaTile(bm, bn, w, s, ws=True)
                 for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]
     raise ValueError(group)
 

@@ -36,8 +36,8 @@ from .gluon import REM_WIDTH as GLUON_REM_WIDTH
 from .gluon import launch_gluon, qkv_columns
 from .pointer import _varlen_attn_fwd
 from .reference import check_inputs
-from .tiles import (TileConfig, head_dim_split, hopper_candidates, load_class, ptr_candidates, remainder_rows,
-                    seq_bucket)
+from .tiles import (GluonTile, PtrTile, Tile, TmaTile, head_dim_split, hopper_candidates, load_class, ptr_candidates,
+                    remainder_rows, seq_bucket)
 from .tma import TensorDescriptor, _varlen_attn_fwd_tma, kv_remainder_t, tma_layout_ok
 
 TMA_DESCRIPTORS = ("auto", "host", "device")
@@ -100,7 +100,7 @@ class _Call:
 
 
 def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=None, seqlens=None, out=None,
-                            block_m=None, block_n=None, config: TileConfig | None = None, padded: bool = False):
+                            block_m=None, block_n=None, config: Tile | None = None, padded: bool = False):
     """Triton forward. Returns `out` `(total_tokens, heads, head_dim)` in q's dtype.
 
     `seqlens` is accepted for signature parity with the fallback and ignored. `block_m`/`block_n` pin the pointer
@@ -120,18 +120,18 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=No
     call = _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, config, padded)
     if config is not None:
         _check_pinned(call, config)
-        use_tma = config.tma
+        use_tma = not isinstance(config, PtrTile)
     else:
         use_tma = block_m is None and _tma_default(q) and tma_layout_ok(q, k, v, call.out)
     if use_tma:
-        run = functools.partial(_run_tma, call)
+        run = functools.partial(_run_hopper, call)
         if config is None:
             config = _choose_hopper(call, run, plan)
     else:
         run = functools.partial(_run_pointer, call)
         if config is None and (block_m is not None or interpreting()):
             # pinned small tiles; stages: shared memory holds K and V tiles of both chunks, per stage
-            config = TileConfig(block_m or 32, block_n or 16, 4, 2 if q.shape[2] > 64 else 3)
+            config = PtrTile(block_m or 32, block_n or 16, 4, 2 if q.shape[2] > 64 else 3)
         if config is None:
             key = ("ptr", seq_bucket(max_seqlen), load_class(q.shape[0], q.shape[1]), q.shape[2], q.dtype, q.device)
             config = choose(key, lambda: ptr_candidates(q.shape[2]), _replaying(run, plan, call.roles))
@@ -154,21 +154,21 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, config, padded
                          f"{out.dtype} {tuple(out.shape)} on {out.device}, strides {out.stride()}")
     scale = (softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5) * math.log2(math.e)
     # found once per call, only where a Gluon configuration may run
-    columns = qkv_columns(q, k, v) if config is None or config.gluon else None
+    columns = qkv_columns(q, k, v) if config is None or isinstance(config, GluonTile) else None
     return _Call(q, k, v, out, cu_seqlens, max_seqlen, scale, columns, padded)
 
 
-def _check_pinned(call: _Call, config: TileConfig):
-    if config.tma and not tma_layout_ok(call.q, call.k, call.v, call.out):
+def _check_pinned(call: _Call, config: Tile):
+    if not isinstance(config, PtrTile) and not tma_layout_ok(call.q, call.k, call.v, call.out):
         raise ValueError("the TMA kernel needs K/V in the fused QKV layout and 16-byte aligned rows and heads in q "
                          "and out")
     head_dim = call.q.shape[2]
-    if config.gluon and (head_dim - head_dim_split(head_dim)[0] > GLUON_REM_WIDTH or call.columns is None):
+    if isinstance(config, GluonTile) and (head_dim - head_dim_split(head_dim)[0] > GLUON_REM_WIDTH or call.columns is None):
         raise ValueError(f"the Gluon kernel needs at most {GLUON_REM_WIDTH} head-dim columns past a power of two, "
                          "and q, k, v as parts of one buffer's rows (the fused QKV layout)")
 
 
-def _choose_hopper(call: _Call, run, plan: tuple | None) -> TileConfig:
+def _choose_hopper(call: _Call, run, plan: tuple | None) -> TmaTile | GluonTile:
     """The tuner's pick among the TMA and Gluon candidates, timed with the descriptors this call uses: a small call
     with host descriptors spends more host time than GPU time, and the timings would rank launch overhead, not
     tiles."""
@@ -182,7 +182,7 @@ def _choose_hopper(call: _Call, run, plan: tuple | None) -> TileConfig:
     return _with_descriptors(choose(key, candidates, _replaying(run, plan, call.roles)), device_desc)
 
 
-def _run_pointer(call: _Call, c: TileConfig):
+def _run_pointer(call: _Call, c: PtrTile):
     q, k, v, out = call.q, call.k, call.v, call.out
     total, heads, head_dim = q.shape
     d0, d1, dv1 = head_dim_split(head_dim)
@@ -193,17 +193,18 @@ def _run_pointer(call: _Call, c: TileConfig):
         DV1=max(dv1, 16), BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
-def _run_tma(call: _Call, c: TileConfig):
+def _run_hopper(call: _Call, c: TmaTile | GluonTile):
     """One Hopper launch of configuration `c`, after the remainder's copy where it reads one: the tuner then times a
     candidate that reads the copy with the copy, against one that reads the remainder in place."""
     q, k, v, out = call.q, call.k, call.v, call.out
     total, heads, head_dim = q.shape
     d0, d1, _ = head_dim_split(head_dim)
     r_rows = remainder_rows(head_dim)
-    rem = kv_remainder_t(k, v, call.cu_seqlens, call.max_seqlen) if d1 and (c.rem_copy or not c.gluon) else None
-    if c.gluon:
+    gluon = isinstance(c, GluonTile)
+    rem = kv_remainder_t(k, v, call.cu_seqlens, call.max_seqlen) if d1 and (not gluon or c.rem_copy) else None
+    if gluon:
         launch_gluon(q, out, call.cu_seqlens, call.max_seqlen, call.scale, call.columns, c.block_m, c.block_n,
-                     c.num_warps, c.num_stages, c.maxnreg, rem, r_rows, c.sum_mma, int(c.ws), call.padded)
+                     c.num_warps, c.ring, c.maxnreg, rem, r_rows, ws=c.persistent, padded=call.padded)
         return
     rem = q if rem is None else rem  # q: a placeholder without a remainder
     if c.device_desc:
@@ -223,10 +224,10 @@ def _run_tma(call: _Call, c: TileConfig):
 
 
 @functools.lru_cache(maxsize=None)
-def _with_descriptors(config: TileConfig, device_desc: bool) -> TileConfig:
+def _with_descriptors(config: TmaTile | GluonTile, device_desc: bool) -> TmaTile | GluonTile:
     """`config` encoding its descriptors where `device_desc` says; a Gluon configuration as it is (that kernel
     encodes them on the host either way, and a field it ignores would mislead the logged choice)."""
-    if config.gluon or config.device_desc == device_desc:
+    if isinstance(config, GluonTile) or config.device_desc == device_desc:
         return config
     return dataclasses.replace(config, device_desc=device_desc)
 
@@ -277,10 +278,10 @@ def _replaying(run, plan: tuple | None, roles: tuple):
     small calls are ranked by what later calls cost (their host time a replay's, not the full path's)."""
     if plan is None:
         return run
-    replays: dict[TileConfig, object] = {}
+    replays: dict[Tile, object] = {}
     addresses = [t.data_ptr() for t in roles]
 
-    def timed(c: TileConfig):
+    def timed(c: Tile):
         replay = replays.get(c)
         if replay is None:  # not recorded yet, or its first launch compiled through the JIT
             replays[c] = record(lambda: run(c), roles)
@@ -289,7 +290,7 @@ def _replaying(run, plan: tuple | None, roles: tuple):
     return timed
 
 
-def _run_and_plan(run, config: TileConfig, plan: tuple | None, roles: tuple):
+def _run_and_plan(run, config: Tile, plan: tuple | None, roles: tuple):
     """`run(config)`, recorded for `plan` (a key from `_plan_key`) the first time the key launches lean: the
     recorded launch, or False where it cannot be replayed (e.g. two launches: the remainder's copy and its reader)."""
     if plan is None or plan in _plans:

@@ -1,6 +1,7 @@
 """Launch configurations of the attention kernels, and the size classes the tuner keys them by.
 
-Each kernel's candidates are a short named list: the tuner (`kernels.runtime.choose`) times them once per key
+Each kernel has its own launch configuration type (`PtrTile`, `TmaTile`, `GluonTile`: only the fields that kernel
+reads). Its candidates are a short named list: the tuner (`kernels.runtime.choose`) times them once per key
 (kernel, length class, load class, head dim, dtype, device) and every later call launches the choice. The lists
 hold the tiles that won somewhere in the sweeps (docs/PERFORMANCE.md); a tile that never wins is not
 listed.
@@ -61,41 +62,60 @@ def remainder_rows(head_dim: int) -> int:
 
 
 @dataclass(frozen=True)
-class TileConfig:
-    """One launch configuration. `tma` picks the Hopper kernel (K/V by tensor descriptors)."""
+class PtrTile:
+    """A launch of the pointer kernel (`pointer.py`): query rows and keys per tile, warps, software-pipeline stages."""
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    tma: bool = False
-    # pointer/TMA kernel: Triton's warp specialisation of the loop (0 or 1); Gluon kernel: persistent programs per
-    # SM, each with a one-warp loader partition (0: the plain kernel)
-    ws: int = 0
-    tail_in_loop: bool = False
-    device_desc: bool = False  # TMA kernel: descriptors built on the device (no host encoding per launch)
-    tail_n: int = 0  # TMA kernel: width of the narrow steps over a segment's last keys (0: one masked full tile)
-    q_tail: bool = False  # TMA kernel: a segment's last query rows, if at most block_m / 2, as a half-height tile
-    sum_mma: bool = True  # TMA kernel: P's row sums by the tensor cores where the remainder has a spare column (72)
-    gluon: bool = False  # the Gluon kernel (gluon.py) instead; num_stages is its K/V ring depth
-    maxnreg: int = 0  # Gluon kernel: registers per thread, capped (0: ptxas's choice)
-    rem_copy: bool = True  # Gluon kernel, past a power of two: K's and V's remainder from kv_remainder_t, or in place
 
 
-def _ptr(block_m: int, block_n: int, warps: int, stages: int) -> TileConfig:
-    return TileConfig(block_m, block_n, warps, stages)
+@dataclass(frozen=True)
+class TmaTile:
+    """A launch of the Hopper TMA kernel (`tma.py`: K and V by tensor descriptors, `tl.dot`)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    ws: bool = False  # Triton's warp specialisation of the K/V loop
+    tail_in_loop: bool = False  # every K/V step masked, one code path (no peeled last step)
+    device_desc: bool = False  # descriptors built on the device (no host encoding per launch)
+    tail_n: int = 0  # width of the narrow steps over a segment's last keys (0: one masked full tile)
+    q_tail: bool = False  # a segment's last query rows, if at most block_m / 2, as a half-height tile
+    sum_mma: bool = True  # P's row sums by the tensor cores where the remainder has a spare column (72)
 
 
-def _tma(block_m: int, block_n: int, warps: int, stages: int) -> TileConfig:
+@dataclass(frozen=True)
+class GluonTile:
+    """A launch of the Hopper Gluon kernel (`gluon.py`)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    ring: int = 2  # depth of the K/V ring in shared memory
+    persistent: int = 0  # programs per SM of the persistent kernel, each with a one-warp loader (0: the plain kernel)
+    maxnreg: int = 0  # registers per thread, capped (0: ptxas's choice)
+    rem_copy: bool = True  # past a power of two: K's and V's remainder from kv_remainder_t, or read in place
+
+
+Tile = PtrTile | TmaTile | GluonTile  # what the tuner chooses among and a launch runs
+
+
+def _ptr(block_m: int, block_n: int, warps: int, stages: int) -> PtrTile:
+    return PtrTile(block_m, block_n, warps, stages)
+
+
+def _tma(block_m: int, block_n: int, warps: int, stages: int) -> TmaTile:
     # 128-row tiles run a segment's last query rows as a 64-row tile where they fit one (`q_tail`); 64-row tiles
     # do not (a 32-row tile is slower per row)
-    return TileConfig(block_m, block_n, warps, stages, tma=True, tail_n=TAIL_N, q_tail=block_m >= 128)
+    return TmaTile(block_m, block_n, warps, stages, tail_n=TAIL_N, q_tail=block_m >= 128)
 
 
 def _gluon(block_m: int, block_n: int, warps: int, ring: int, *, maxnreg: int = 0, rem_copy: bool = False,
-           persistent: int = 0) -> TileConfig:
-    return TileConfig(block_m, block_n, warps, ring, tma=True, gluon=True, maxnreg=maxnreg, rem_copy=rem_copy,
-                      ws=persistent)
+           persistent: int = 0) -> GluonTile:
+    return GluonTile(block_m, block_n, warps, ring, persistent=persistent, maxnreg=maxnreg, rem_copy=rem_copy)
 
 
 # The pointer kernel's candidates: they compile correctly on sm90 with Triton 3.6 for every head dim we serve (see
@@ -103,7 +123,7 @@ def _gluon(block_m: int, block_n: int, warps: int, ring: int, *, maxnreg: int = 
 PTR_TILES = (_ptr(128, 64, 4, 3), _ptr(128, 64, 8, 3), _ptr(128, 128, 8, 2), _ptr(64, 64, 4, 3))
 
 
-def ptr_candidates(head_dim: int) -> list[TileConfig]:
+def ptr_candidates(head_dim: int) -> list[PtrTile]:
     """The pointer kernel's candidates for `head_dim`; above 128 only 64-wide K tiles (registers: the fp32
     P tile plus a 256-wide accumulator)."""
     return [c for c in PTR_TILES if head_dim <= 128 or c.block_n <= 64]
@@ -115,7 +135,7 @@ TMA_TILES = (_tma(64, 128, 4, 2), _tma(64, 64, 4, 3), _tma(128, 64, 4, 3), _tma(
              _tma(128, 64, 4, 2))
 
 
-def tma_candidates(head_dim: int) -> list[TileConfig]:
+def tma_candidates(head_dim: int) -> list[TmaTile]:
     """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each). Head dims past a
     power of two leave out the 128x128 tile on 4 warps: with the remainder's accumulator it needs more than 255
     registers and ptxas serialises its wgmmas (half the best tile's speed at 72)."""
@@ -140,14 +160,14 @@ GLUON_TILES = {
 GLUON_HEAD_DIMS = tuple(GLUON_TILES)
 
 
-def gluon_candidates(head_dim: int) -> list[TileConfig]:
+def gluon_candidates(head_dim: int) -> list[GluonTile]:
     """The Gluon kernel's candidates for `head_dim` (none where Gluon's Hopper API is missing)."""
     if head_dim not in GLUON_HEAD_DIMS or not gluon_available():
         return []
     return list(GLUON_TILES[head_dim])
 
 
-def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TileConfig]:
+def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TmaTile | GluonTile]:
     """Every configuration the automatic Hopper path may pick: the TMA kernel's, and with `gluon` (no RoPE in the
     kernel, q, k and v parts of one buffer's rows: `gluon.qkv_columns`) the Gluon kernel's. With `max_seqlen` up to
     1024, no Gluon candidate copies the remainder: the copy pays only from 1x4096 up, and its second launch and

@@ -189,11 +189,12 @@ class EngineServer:
 FAULT_EXIT_CODE = 70  # the exit code after a device fault (the supervisor restarts the process)
 
 
-def engine_process_main(conn, settings_env: dict[str, str]) -> int:
+def engine_process_main(conn, settings_env: dict[str, str], imported_s: float | None = None) -> int:
     """Entry point of the engine process (spawned by `supervisor.EngineSupervisor`). It starts as a standby, with
     its modules imported, until `conn` says ("go", restarts); then it loads and warms the model, serves the socket,
     reports ("ready", None) or ("error", message) on `conn`, and stops when `conn` says so or closes (the parent is
-    gone). `restarts`: how many engine processes died before this one (for /info)."""
+    gone). `restarts`: how many engine processes died before this one (for /info); `imported_s`: how long its modules
+    took to import (logged with the time binding its device took: what a start spends before loading)."""
     os.environ.update(settings_env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -210,7 +211,11 @@ def engine_process_main(conn, settings_env: dict[str, str]) -> int:
     settings = Settings()
     configure_process("engine")
     try:
+        began = time.monotonic()
         bind_thread(settings.resolved_device())  # before anything touches CUDA: kernels launch on the current device
+        if imported_s is not None and not restarts:
+            log.info("engine process: modules imported in %.1f s, device bound in %.1f s", imported_s,
+                     time.monotonic() - began)
         return _run(_serve(conn, settings, restarts))
     except errors.CheckpointError as e:  # the same on every try: the supervisor does not retry it
         conn.send(("fatal", _one_line(str(e))))

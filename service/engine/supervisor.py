@@ -46,9 +46,10 @@ def _engine_main(conn, env: dict[str, str]) -> int:
     process never imports torch (seconds, before any engine could start)."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the imports (seconds of torch): the main process stops us
         signal.signal(sig, signal.SIG_IGN)
+    began = time.monotonic()
     from .process import engine_process_main
 
-    return engine_process_main(conn, env)
+    return engine_process_main(conn, env, imported_s=time.monotonic() - began)
 
 
 def engine_environment(device: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ import torch
 from kernels.attention import tiles
 from kernels.attention.launch import triton_varlen_attention
 from kernels.attention.reference import reference_varlen_attention
-from kernels.attention.tiles import GLUON_TILES, TileConfig
+from kernels.attention.tiles import GLUON_TILES, GluonTile
 
 from conftest import GPU_LENGTHS as LENGTHS, check_attention_configs, gpu, make_inputs, rel_err
 
@@ -33,12 +33,12 @@ def test_gluon_kernel_only_where_it_applies():
     assert GLUON_HEAD_DIMS == (64, 72, 80)
     for head_dim in GLUON_HEAD_DIMS:
         assert hopper_candidates(head_dim, True) == tma_candidates(head_dim) + gluon_candidates(head_dim)
-        assert gluon_candidates(head_dim) and all(c.gluon and c.tma for c in gluon_candidates(head_dim))
+        assert gluon_candidates(head_dim) and all(isinstance(c, GluonTile) for c in gluon_candidates(head_dim))
         assert hopper_candidates(head_dim, False) == tma_candidates(head_dim)
     # at 72 both ways of reading the remainder are candidates: copied (large segments) and in place (short ones)
     assert {c.rem_copy for c in gluon_candidates(72)} == {True, False}
-    assert {c.rem_copy for c in hopper_candidates(72, True, 4096) if c.gluon} == {True, False}
-    assert {c.rem_copy for c in hopper_candidates(72, True, 1024) if c.gluon} == {False}
+    assert {c.rem_copy for c in hopper_candidates(72, True, 4096) if isinstance(c, GluonTile)} == {True, False}
+    assert {c.rem_copy for c in hopper_candidates(72, True, 1024) if isinstance(c, GluonTile)} == {False}
     assert hopper_candidates(64, True, 256) == hopper_candidates(64, True)
     assert hopper_candidates(96, True) == tma_candidates(96) and not gluon_candidates(128)
     for head_dim in (64, 72, 96):
@@ -74,8 +74,8 @@ def test_qkv_columns_only_for_one_buffers_rows():
     assert qkv_columns(*heads_apart.unbind(1)) is None
 
 
-def gluon_tile_fields(c: TileConfig) -> tuple[int, ...]:
-    return c.block_m, c.block_n, c.num_warps, c.num_stages, c.maxnreg, int(c.rem_copy), c.ws
+def gluon_tile_fields(c: GluonTile) -> tuple[int, ...]:
+    return c.block_m, c.block_n, c.num_warps, c.ring, c.maxnreg, int(c.rem_copy), c.persistent
 
 
 GLUON_COMPILES = [(d, t, False) for d, tiles in GLUON_TILES.items() for t in tiles] + \
@@ -83,7 +83,7 @@ GLUON_COMPILES = [(d, t, False) for d, tiles in GLUON_TILES.items() for t in til
 
 
 @pytest.mark.parametrize("head_dim,tile,uniform", GLUON_COMPILES,
-                         ids=lambda x: "/".join(map(str, gluon_tile_fields(x))) if isinstance(x, TileConfig) else
+                         ids=lambda x: "/".join(map(str, gluon_tile_fields(x))) if isinstance(x, GluonTile) else
                          ("uniform" if x else "varlen") if isinstance(x, bool) else f"d{x}")
 def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
     """Each Gluon candidate, compiled for sm90 here: no spills (the 128-row tile runs capped at 128 registers), no
@@ -97,7 +97,7 @@ def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
         pytest.skip("this Triton has no Gluon Hopper API")
     from tools.inspect_sass import gluon_fields
 
-    bm, bn, warps, cap, ws = tile.block_m, tile.block_n, tile.num_warps, tile.maxnreg, tile.ws
+    bm, bn, warps, cap, ws = tile.block_m, tile.block_n, tile.num_warps, tile.maxnreg, tile.persistent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "tools.inspect_sass", "--json", "--head-dims", str(head_dim),
                           "--gluon", "/".join(map(str, gluon_fields(tile)))] + ["--uniform"] * uniform,

@@ -267,3 +267,35 @@ def test_kernel_matches_sdpa_fallback(head_dim):
     ref = reference_varlen_attention(q, k, v, cu)
     assert rel_err(a, b) <= 2 * max(rel_err(b, ref), rel_err(a, ref))
     assert rel_err(a, ref) <= 1e-2
+
+
+def test_each_hopper_tile_type_launches_its_own_kernel_with_its_own_fields(monkeypatch):
+    """`_run_hopper` on the CPU, the launches captured: a `GluonTile` reaches `launch_gluon` with its ring, register
+    cap, persistence and remainder choice; a `TmaTile` reaches the TMA kernel with its own flags; a `PtrTile` is the
+    pointer kernel's. (The GPU tests run the kernels; this guards the dispatch where no GPU is.)"""
+    from kernels.attention.launch import _Call, _run_hopper, _run_pointer
+    from kernels.attention.tiles import GluonTile, PtrTile, TmaTile
+
+    calls = []
+    monkeypatch.setattr(launch_mod, "launch_gluon", lambda *a, **kw: calls.append(("gluon", a, kw)))
+    monkeypatch.setattr(launch_mod, "launch", lambda fn, grid, *a, **kw: calls.append((fn.__name__, grid, kw)))
+    qkv = torch.randn(40, 3, 2, 64, dtype=torch.float16)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0, 7, 40], dtype=torch.int32)
+    call = _Call(q, k, v, torch.empty_like(q), cu, 33, 0.18, (128, 256), padded=True)
+
+    _run_hopper(call, GluonTile(128, 64, 8, ring=3, persistent=2, maxnreg=160, rem_copy=False))
+    kind, args, kw = calls.pop()
+    assert kind == "gluon" and args[6:11] == (128, 64, 8, 3, 160) and args[11] is None  # no remainder at 64
+    assert kw == {"ws": 2, "padded": True}
+
+    _run_hopper(call, TmaTile(64, 128, 4, 3, ws=True, tail_n=16, q_tail=True, sum_mma=False))
+    kind, grid, kw = calls.pop()
+    assert kind == "_varlen_attn_fwd_tma" and grid == (1, 2, 2)
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (64, 128, 4, 3)
+    assert (kw["WS"], kw["TAIL_N"], kw["Q_TAIL"], kw["SUM_MMA"], kw["DEVICE_DESC"]) == (True, 16, True, False, False)
+
+    _run_pointer(call, PtrTile(32, 16, 4, 3))
+    kind, grid, kw = calls.pop()
+    assert kind == "_varlen_attn_fwd" and (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_stages"]) == (32, 16, 3)
+    assert not calls

@@ -16,7 +16,7 @@ import torch
 from kernels.attention import launch as launch_mod, tiles
 from kernels.attention.launch import triton_varlen_attention
 from kernels.attention.reference import reference_varlen_attention
-from kernels.attention.tiles import head_dim_split, TileConfig
+from kernels.attention.tiles import head_dim_split, TmaTile
 from kernels.attention.tma import tma_layout_ok
 
 from conftest import GPU_LENGTHS as LENGTHS, check_attention_configs, gpu, make_inputs, rel_err
@@ -35,9 +35,9 @@ def test_tma_kernel_interpreted(lengths, head_dim, tail):
     q, k, v, cu = make_inputs(lengths, 2, head_dim, torch.float16, seed=head_dim)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     triton_varlen_attention(q, k, v, cu, max(lengths), out=out,
-                            config=TileConfig(32, 32 if "narrow" in tail else 16, tma=True,
-                                              tail_in_loop=tail == "in_loop", tail_n=8 if "narrow" in tail else 0,
-                                              q_tail="q_tail" in tail))
+                            config=TmaTile(32, 32 if "narrow" in tail else 16,
+                                           tail_in_loop=tail == "in_loop", tail_n=8 if "narrow" in tail else 0,
+                                           q_tail="q_tail" in tail))
     assert not out.isnan().any()
     ref = reference_varlen_attention(q, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
@@ -56,8 +56,8 @@ def test_tma_kernel_sum_mma_interpreted(lengths, head_dim, tail, sum_mma):
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     narrow = "narrow" in tail
     triton_varlen_attention(q, k, v, cu, max(lengths), out=out,
-                            config=TileConfig(32, 32 if narrow else 16, tma=True, tail_n=8 if narrow else 0,
-                                              q_tail=narrow, sum_mma=sum_mma))
+                            config=TmaTile(32, 32 if narrow else 16, tail_n=8 if narrow else 0,
+                                           q_tail=narrow, sum_mma=sum_mma))
     assert not out.isnan().any()
     ref = reference_varlen_attention(q, k, v, cu)
     torch_err = rel_err(reference_varlen_attention(q, k, v, cu, upcast=False), ref)
@@ -69,7 +69,7 @@ def test_tma_kernel_needs_16_byte_rows_and_heads_in_q_and_out():
     aligned (at 72 the JIT does not mark the head stride): a q or out whose rows or heads do not start on 16 bytes
     is refused, not misread."""
     q, k, v, cu = make_inputs([7, 33], 2, 72, torch.float16)
-    config = TileConfig(32, 16, tma=True)
+    config = TmaTile(32, 16)
     assert tma_layout_ok(q, k, v, torch.empty_like(q))
     skewed = torch.empty(q.shape[0], 2, 76, dtype=q.dtype)[..., :72]  # heads 152 bytes apart
     assert not tma_layout_ok(skewed, k, v) and not tma_layout_ok(q, k, v, skewed)
@@ -151,7 +151,7 @@ def test_device_descriptor_launch_sets_triton_allocator_in_its_own_thread(monkey
 
     monkeypatch.setattr(launch_mod, "_varlen_attn_fwd_tma", FakeKernel())
     q, k, v, cu = make_inputs([7, 131], 2, 64, torch.float16)
-    cfg = TileConfig(64, 64, 4, 2, tma=True, device_desc=True)
+    cfg = TmaTile(64, 64, 4, 2, device_desc=True)
     for _ in range(2):  # two fresh threads: each starts with Triton's null allocator
         with ThreadPoolExecutor(1) as pool:
             pool.submit(launch_mod.triton_varlen_attention, q, k, v, cu, 131, config=cfg).result()
