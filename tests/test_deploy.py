@@ -283,3 +283,33 @@ def _has_data(api: str, expr: str) -> bool:
     r = httpx.get(f"{api}/query", params={"query": expr}, timeout=10).json()
     assert r["status"] == "success", (expr, r)
     return bool(r["data"]["result"])
+
+
+def test_the_whole_node_overlay_patches_the_deployment_into_a_valid_one():
+    """`deploy/kubernetes/whole-node`: the base's resources with a strategic-merge patch of the Deployment's one
+    container, every GPU of an 8-GPU node and the CPUs its front-ends and engines use (`default_http_workers`); the
+    patched Deployment validates against the schemas."""
+    import copy
+
+    import kubernetes_validate
+
+    overlay = K8S / "whole-node"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == [".."]
+    (patch_ref,) = kustomization["patches"]
+    patch = yaml.safe_load((overlay / patch_ref["path"]).read_text())
+    base = K8S_DOCS[("Deployment", "qwen3vl-encoder")]
+    assert (patch["kind"], patch["metadata"]["name"]) == (base["kind"], base["metadata"]["name"])
+    merged = copy.deepcopy(base)
+    (container,) = merged["spec"]["template"]["spec"]["containers"]
+    (patched,) = patch["spec"]["template"]["spec"]["containers"]
+    assert patched["name"] == container["name"]  # the strategic merge's key for containers
+    assert set(patched) == {"name", "resources"}
+    for part in ("limits", "requests"):
+        container["resources"][part].update(patched["resources"][part])
+    kubernetes_validate.validate(merged, KUBERNETES_VERSION, strict=True)
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert gpus == container["resources"]["requests"]["nvidia.com/gpu"] == 8
+    cpus = int(container["resources"]["requests"]["cpu"])
+    assert "cpu" not in container["resources"]["limits"]  # the default front-end count reads the node's cores
+    assert cpus >= default_http_workers(gpus, 2 * cpus) + gpus  # a core for each front-end and engine
