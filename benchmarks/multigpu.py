@@ -268,7 +268,8 @@ def start_phases(log: Path) -> dict:
     for line in log.read_text(errors="replace").splitlines():
         parts = line.split(" ", 2)
         try:
-            t = time.mktime(time.strptime(parts[0] + " " + parts[1][:8], "%Y-%m-%d %H:%M:%S")) + int(parts[1][9:12]) / 1e3
+            t = time.mktime(time.strptime(f"{parts[0]} {parts[1][:8]}", "%Y-%m-%d %H:%M:%S"))
+            t += int(parts[1][9:12]) / 1e3
         except (IndexError, ValueError):
             continue
         if "service.server: engine processes on" in line:

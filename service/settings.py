@@ -190,8 +190,8 @@ class Settings(BaseSettings):
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding the engine processes that own the model; 0: one process does "
-                                     "everything (service.engine.process). Default on CUDA: 6 per GPU within three eighths "
-                                     "of the cores, at least 8 (within half the cores); 0 on CPU")
+                                     "everything (service.engine.process). Default on CUDA: 6 per GPU within three "
+                                     "eighths of the cores, at least 8 (within half the cores); 0 on CPU")
     engine_restart_backoff_s: float = Field(0.5, ge=0, description="wait before restarting a dead engine process; "
                                             "doubles with each death inside the crash window")
     engine_max_restarts: int = Field(5, ge=0, description="engine deaths within engine_restart_window_s beyond "

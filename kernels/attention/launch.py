@@ -163,7 +163,8 @@ def _check_pinned(call: _Call, config: Tile):
         raise ValueError("the TMA kernel needs K/V in the fused QKV layout and 16-byte aligned rows and heads in q "
                          "and out")
     head_dim = call.q.shape[2]
-    if isinstance(config, GluonTile) and (head_dim - head_dim_split(head_dim)[0] > GLUON_REM_WIDTH or call.columns is None):
+    past_power = head_dim - head_dim_split(head_dim)[0]
+    if isinstance(config, GluonTile) and (past_power > GLUON_REM_WIDTH or call.columns is None):
         raise ValueError(f"the Gluon kernel needs at most {GLUON_REM_WIDTH} head-dim columns past a power of two, "
                          "and q, k, v as parts of one buffer's rows (the fused QKV layout)")
 
