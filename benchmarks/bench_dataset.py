@@ -105,10 +105,7 @@ def forward_sustained(jpeg: bytes, images: int = 41) -> dict:
         served.capture()
         one = enc.preprocess(jpeg)
         pixels, grids = enc.pixels([one] * images), [one.grid_thw] * images
-        row = sustained([lambda: served(pixels, grids)], images)
-    del enc, served
-    torch.cuda.empty_cache()
-    return row
+        return sustained([lambda: served(pixels, grids)], images)  # freed on return: the caller empties the cache
 
 
 def main():
