@@ -2,7 +2,8 @@
 # gpu_suite.sh steps on the lent GPU machine, across several device commands. The device tool ends a command's
 # processes when the command returns, unless they run in a session of their own; so `start` launches the suite in
 # one (setsid) and returns, and each `wait` waits up to N seconds, shows progress and copies everything written so
-# far into $OUT (the machine goes back after 30 s idle: issue the next `wait` at once).
+# far into $OUT, results as files and the logs in logs.tgz (the machine goes back after 30 s idle: issue the next
+# `wait` at once).
 # The suite runs in a copy of the tree under $RUN_DIR: the device tool rewrites the working tree at every command,
 # and a server that imports a module while that happens fails (the soak at d9b6912 lost two video requests so).
 #   GIT_REVISION=abc1234 bash benchmarks/device_run.sh start tests attention service   (carry .whl, and .bin for soak)
@@ -28,6 +29,10 @@ case ${1:-} in
     while [ ! -f "$RUN_DIR/DONE" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
     tail -n 8 "$RUN_DIR/suite.log"
     if [ -f "$RUN_DIR/DONE" ]; then echo "done: exit $(cat "$RUN_DIR/DONE")"; else echo "still running"; fi
-    find "$RUN_DIR" -maxdepth 1 -type f -exec cp {} "${OUT:?}/" \; ;;
+    # the device tool brings back at most 8 files a call: the results (JSON, PNG) one by one, everything else in
+    # one archive
+    find "$RUN_DIR" -maxdepth 1 -type f \( -name '*.json' -o -name '*.png' -o -name DONE \) -exec cp {} "${OUT:?}/" \;
+    (cd "$RUN_DIR" && find . -maxdepth 1 -type f ! -name '*.json' ! -name '*.png' ! -name DONE -print0 \
+       | tar --null -czf "${OUT:?}/logs.tgz" -T -) ;;
   *) echo "usage: $0 start STEP... | wait SECONDS"; exit 2 ;;
 esac
