@@ -78,10 +78,10 @@ def compile_tile(config: tiles.TmaTile, head_dim: int, heads: int = 16, lengths:
 
 
 def gluon_fields(config: tiles.GluonTile) -> tuple[int, ...]:
-    """A Gluon candidate in --gluon's field order: block_m/block_n/warps/ring/cap/remainder copied/sum_mma (on, as
-    the candidates run)/ws."""
+    """A Gluon candidate in --gluon's field order: block_m/block_n/warps/ring/cap/remainder copied/sum_mma/persistent
+    programs per SM."""
     return (config.block_m, config.block_n, config.num_warps, config.ring, config.maxnreg, int(config.rem_copy),
-            1, config.persistent)
+            int(config.sum_mma), config.persistent)
 
 
 def compile_gluon_tile(tile: tuple[int, ...], head_dim: int, uniform: bool = False) -> dict:

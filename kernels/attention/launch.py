@@ -205,7 +205,7 @@ def _run_hopper(call: _Call, c: TmaTile | GluonTile):
     rem = kv_remainder_t(k, v, call.cu_seqlens, call.max_seqlen) if d1 and (not gluon or c.rem_copy) else None
     if gluon:
         launch_gluon(q, out, call.cu_seqlens, call.max_seqlen, call.scale, call.columns, c.block_m, c.block_n,
-                     c.num_warps, c.ring, c.maxnreg, rem, r_rows, ws=c.persistent, padded=call.padded)
+                     c.num_warps, c.ring, c.maxnreg, rem, r_rows, c.sum_mma, ws=c.persistent, padded=call.padded)
         return
     rem = q if rem is None else rem  # q: a placeholder without a remainder
     if c.device_desc:

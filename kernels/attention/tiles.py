@@ -98,6 +98,7 @@ class GluonTile:
     persistent: int = 0  # programs per SM of the persistent kernel, each with a one-warp loader (0: the plain kernel)
     maxnreg: int = 0  # registers per thread, capped (0: ptxas's choice)
     rem_copy: bool = True  # past a power of two: K's and V's remainder from kv_remainder_t, or read in place
+    sum_mma: bool = True  # with the copy: P's row sums from its row of ones, where it has one (72), by the tensor cores
 
 
 Tile = PtrTile | TmaTile | GluonTile  # what the tuner chooses among and a launch runs

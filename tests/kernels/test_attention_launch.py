@@ -284,9 +284,10 @@ def test_each_hopper_tile_type_launches_its_own_kernel_with_its_own_fields(monke
     cu = torch.tensor([0, 7, 40], dtype=torch.int32)
     call = _Call(q, k, v, torch.empty_like(q), cu, 33, 0.18, (128, 256), padded=True)
 
-    _run_hopper(call, GluonTile(128, 64, 8, ring=3, persistent=2, maxnreg=160, rem_copy=False))
+    _run_hopper(call, GluonTile(128, 64, 8, ring=3, persistent=2, maxnreg=160, rem_copy=False, sum_mma=False))
     kind, args, kw = calls.pop()
     assert kind == "gluon" and args[6:11] == (128, 64, 8, 3, 160) and args[11] is None  # no remainder at 64
+    assert args[13] is False  # sum_mma
     assert kw == {"ws": 2, "padded": True}
 
     _run_hopper(call, TmaTile(64, 128, 4, 3, ws=True, tail_n=16, q_tail=True, sum_mma=False))
