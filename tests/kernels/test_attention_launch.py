@@ -296,6 +296,11 @@ def test_each_hopper_tile_type_launches_its_own_kernel_with_its_own_fields(monke
     assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (64, 128, 4, 3)
     assert (kw["WS"], kw["TAIL_N"], kw["Q_TAIL"], kw["SUM_MMA"], kw["DEVICE_DESC"]) == (True, 16, True, False, False)
 
+    # the Hopper candidates with the call's descriptor placement: the TMA tiles take it, the Gluon ones keep theirs
+    from kernels.attention.launch import _with_descriptors
+    assert _with_descriptors(TmaTile(64, 128), True) == TmaTile(64, 128, device_desc=True)
+    assert _with_descriptors(GluonTile(64, 128), True) == GluonTile(64, 128)
+
     _run_pointer(call, PtrTile(32, 16, 4, 3))
     kind, grid, kw = calls.pop()
     assert kind == "_varlen_attn_fwd" and (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_stages"]) == (32, 16, 3)
