@@ -69,12 +69,11 @@ def default_cache_dir() -> str:
 def default_http_workers(gpus: int, cores: int) -> int:
     """HTTP front-end processes for `gpus` engines on `cores` cores.
 
-    A front-end carries about 190-270 448-px JPEG requests a second (4-6.5 ms of its CPU each: decoding, the
-    reply; it varies by host) and one H200 encodes 900-1,150 (FP8), so 6 per GPU. Measured on 4 H200s with 64
-    vCPUs (benchmarks/results/multigpu.json): 24 front-ends against 16 did as well in bf16 (3,427 against 3,437
-    img/s) and better in FP8 (4,269 against 4,179), and on one host 16 front-ends saturated (19.5 cores) and held
-    FP8 to 3,001 img/s; so up to three eighths of the cores, the rest for the engines, the decoding threads and the
-    kernel's network stack; at least 8 (or half the cores), which one GPU needs.
+    A front-end carries a few hundred 448-px JPEG requests a second (decoding, the reply), a fifth to a quarter of
+    what one H200 encodes in FP8, so 6 per GPU; up to three eighths of the cores, the rest for the engines, the
+    decoding threads and the kernel's network stack (on 4 H200s of 64 cores, 24 front-ends served FP8 better than
+    16, which saturated on a slower host, and bf16 as well: benchmarks/results/multigpu.json); at least 8 (or half
+    the cores), which one GPU needs.
     """
     return max(1, min(64, max(min(8, cores // 2), min(6 * gpus, cores * 3 // 8))))
 
