@@ -46,6 +46,8 @@ PANELS = [
     ("Queue depth per engine and requests in flight", "none",
      [(f"{P}_queue_depth", "queued images {{device}}"), (f"{P}_queued_patches", "queued patches {{device}}"),
       (f"sum({P}_in_flight_requests)", "in-flight requests")], "timeseries"),
+    ("HTTP front-ends: event-loop lag p50 / p99 (over ~50 ms: saturated, add HTTP_WORKERS)", "s",
+     [(q(0.5, "event_loop_lag_seconds"), "p50"), (q(0.99, "event_loop_lag_seconds"), "p99")], "timeseries"),
     ("Errors by reason", "reqps",
      [(f"sum by (reason) (rate({P}_errors_total[{RATE}]))", "{{reason}}")], "timeseries"),
     ("GPU memory", "bytes",

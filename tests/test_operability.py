@@ -42,3 +42,30 @@ def test_a_malformed_multipart_body_is_logged_once_at_most(server, caplog):
     noisy = [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
     assert len(noisy) <= 3, [rec.getMessage() for rec in noisy][:5]
     assert not [rec for rec in noisy if rec.name.startswith("python_multipart")], [r.getMessage() for r in noisy]
+
+
+def test_event_loop_lag_is_what_a_blocked_loop_adds():
+    """`qwen3vl_event_loop_lag_seconds`: near zero on an idle loop, and the time the loop was held where it was
+    (a saturated front-end's event loop delays every request of that process by as much)."""
+    import asyncio
+    import time
+    import types
+
+    from service.http.app import Service
+
+    observed: list[float] = []
+    service = Service.__new__(Service)
+    service.metrics = types.SimpleNamespace(loop_lag=types.SimpleNamespace(observe=observed.append))
+
+    async def main():
+        watch = asyncio.create_task(service.watch_loop_lag(0.05))
+        await asyncio.sleep(0.3)
+        idle = list(observed)
+        time.sleep(0.4)  # the loop held, as by a burst of requests' Python work
+        await asyncio.sleep(0.2)
+        watch.cancel()
+        return idle
+
+    idle = asyncio.run(main())
+    assert idle and max(idle) < 0.05, idle
+    assert 0.3 <= max(observed) <= 0.6, observed

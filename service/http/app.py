@@ -62,6 +62,7 @@ class Service:
         self.cache = EncoderCache(wiring.cache_dir, settings.embedding_cache_mib << 20)
         self.engine: Engine = open_engine(settings, wiring, encoder, on_batch=metrics.observe_batch,
                                           on_change=self._engine_changed)
+        self._lag_watch: asyncio.Task | None = None
 
     @property
     def model(self):
@@ -73,7 +74,18 @@ class Service:
         self.metrics.engines.set(self.engine.capacity[1])
         if self._own_cache_dir:
             self.cache = EncoderCache(make_cache_dir(), self.settings.embedding_cache_mib << 20)
+        self._lag_watch = asyncio.create_task(self.watch_loop_lag(), name="event-loop-lag")
         await self.engine.start()
+
+    async def watch_loop_lag(self, interval_s: float = 0.25) -> None:
+        """How late this process's event loop runs a wake-up it scheduled (`qwen3vl_event_loop_lag_seconds`): the
+        loop parses, routes and answers every request of this process, so its lag is what a saturated front-end
+        adds to each of them."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + interval_s
+            await asyncio.sleep(interval_s)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - due))
 
     def _engine_changed(self, device: str, up: bool) -> None:
         """An engine connected (`up`), or was lost or found not listening: ready while start-up is over (every
@@ -147,6 +159,8 @@ class Service:
     async def stop(self):
         self.ready = False
         self._mark_ready(False)
+        if self._lag_watch is not None:
+            self._lag_watch.cancel()
         if self._own_cache_dir and self.cache.path:
             shutil.rmtree(self.cache.path, ignore_errors=True)
         await self.engine.stop()

@@ -71,6 +71,10 @@ class Metrics:
         self.compiles_while_serving = Gauge(f"{PREFIX}_kernel_compiles_while_serving", "kernels the engine compiled "
                                             "after its warm-up, each while every request waited", ["device"],
                                             registry=r, multiprocess_mode="livemostrecent")
+        self.loop_lag = Histogram(f"{PREFIX}_event_loop_lag_seconds", "how late an HTTP process's event loop runs "
+                                  "what it scheduled (sampled 4 times a second): a saturated front-end shows here first "
+                                  "(more HTTP_WORKERS, or fewer requests per front-end)", registry=r,
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
         self._max_batch_patches = max_batch_patches
 
     def sample_engine(self, stats) -> None:
