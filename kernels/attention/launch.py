@@ -120,10 +120,10 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=No
     call = _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, config, padded)
     if config is not None:
         _check_pinned(call, config)
-        use_tma = not isinstance(config, PtrTile)
+        hopper = not isinstance(config, PtrTile)
     else:
-        use_tma = block_m is None and _tma_default(q) and tma_layout_ok(q, k, v, call.out)
-    if use_tma:
+        hopper = block_m is None and _tma_default(q) and tma_layout_ok(q, k, v, call.out)
+    if hopper:
         run = functools.partial(_run_hopper, call)
         if config is None:
             config = _choose_hopper(call, run, plan)

@@ -348,10 +348,9 @@ class _Link:
             self.on_batch(BatchStats(*stats))
 
     def send(self, header: dict, buffers=()) -> asyncio.Future:
-        if self.broken is not None:
-            raise errors.EngineUnavailable(f"engine unavailable: {self.broken}", retry_after=2.0)
-        if self.writer.is_closing():  # the engine died and this link's reader has not seen it yet
+        if self.broken is None and self.writer.is_closing():  # the engine died; this link's reader has not seen it
             self.broken = "the engine connection was closed"
+        if self.broken is not None:
             raise errors.EngineUnavailable(f"engine unavailable: {self.broken}", retry_after=2.0)
         fut = asyncio.get_running_loop().create_future()
         try:
@@ -434,9 +433,7 @@ class EnginePool:
         a fraction of its capacity). A front-end started after the server's start-up (`started_marker`: every engine
         has been up) needs only to have tried each one: connected, or found it not listening (restarting). After
         that, any one live engine serves (`alive`) while the others restart."""
-        if self._started_marker is None or len(self._ever_up) == len(self.engines):
-            return len(self._ever_up) == len(self.engines)
-        return len(self._ever_up | self._missed) == len(self.engines) and os.path.exists(self._started_marker)
+        return len(self._ever_up | self._missed) == len(self.engines)  # (`_missed` fills only after start-up)
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -466,23 +463,25 @@ class EnginePool:
                 if (engine not in self._missed and self._started_marker is not None
                         and os.path.exists(self._started_marker)):
                     self._missed.add(engine)  # restarting after start-up: `started` need not wait for it
-                    if self.started:
-                        self._decode.prepare()
-                    if self.on_change is not None:
-                        self.on_change(engine.device, False)
+                    self._tried(engine, False)
                 await asyncio.sleep(0.1)  # not listening yet (loading, warming up or restarting)
                 continue
             log.info("engine on %s connected (process %s)", engine.device, engine.info.get("pid"))
             self._ever_up.add(engine)
-            if self.started:
-                self._decode.prepare()
-            if self.on_change is not None:
-                self.on_change(engine.device, True)
+            self._tried(engine, True)
             why = await engine.disconnected()
             log.warning("lost the engine process on %s (%s); %s", engine.device, why,
                         "the other engines serve" if self.alive else "answering 503 until it is back")
             if self.on_change is not None:
                 self.on_change(engine.device, False)
+
+    def _tried(self, engine: RemoteEngine, up: bool) -> None:
+        """`engine` connected (`up`) or was found restarting: once every engine has been tried, the video sandbox
+        starts (`Decoder.prepare`); the listener hears of it."""
+        if self.started:
+            self._decode.prepare()
+        if self.on_change is not None:
+            self.on_change(engine.device, up)
 
     def _least_loaded(self) -> RemoteEngine | None:
         """The live engine with the fewest patches ahead of a new request (where it goes), or None: outstanding from
