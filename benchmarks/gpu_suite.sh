@@ -42,6 +42,8 @@ for step in "${@:-all}"; do
     qkv) python -m benchmarks.bench_qkv_rope 2>&1 | tee "$OUT/bench_qkv_rope.log" ;;
     memcheck) compute-sanitizer --tool memcheck python -m tools.check_attention_memory 2>&1 \
                 | tee "$OUT/memcheck.log" | tail -n 25 ;;
+    # the served path's forward against the eager one on the same packs, kernel by kernel (profile_served.json)
+    profile-served) python -m tools.profile_served --out "$OUT" 2>&1 | tee "$OUT/profile_served.log" ;;
     profile) python -m tools.profile_tower --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_tower.log" ;;
     sweep) for g in ${SWEEP_GROUPS:-baseline ptr tma tma-ws}; do
              timeout ${SWEEP_TIMEOUT:-240} python -m tools.sweep_attention --group $g --out "$OUT/sweep.jsonl" \
