@@ -16,6 +16,7 @@ from PIL import Image
 from conftest import random_pngs, rel_err
 from servers import serve
 from service.model.encoder import Encoder
+from service.engine import batching
 from service.engine.batching import Batcher
 from service.errors import DeadlineExceeded, EngineUnavailable, InferenceFailed, Overloaded
 
@@ -159,6 +160,83 @@ def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_ti
     first_s = asyncio.run(go())
     assert device.packs == [1, 1, 4]
     assert first_s < 0.3 + 0.15  # dispatched at once: its own forward, nothing waited before it
+
+
+class BucketedDevice(SimulatedDevice):
+    """A simulated device whose forwards compute whole graph buckets (`Encoder.computed_tokens`)."""
+
+    def __init__(self, inner: Encoder, seconds: float, buckets: tuple[int, ...]):
+        super().__init__(inner, seconds)
+        self.buckets = buckets
+
+    def computed_tokens(self, tokens: int) -> int:
+        return next((b for b in self.buckets if b >= tokens), tokens)
+
+
+def test_a_busy_gpus_pack_leaves_out_the_items_that_would_pad_its_graph_bucket(tiny, monkeypatch):
+    """Five requests arrive while a forward runs; with buckets of 4 and 8 items' patches, the five would compute 8
+    items' rows: the next pack takes 4 (its bucket full) and the fifth goes first in the pack after. An idle GPU's
+    pack is never trimmed, and every result is the item's own."""
+    monkeypatch.setattr(batching, "FORWARD_ROWS", 0)
+    monkeypatch.setattr(batching, "TRIM_MIN_PATCHES", 0)
+    rng = np.random.default_rng(11)
+    items = [tiny.preprocess(Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))) for _ in range(6)]
+    n = items[0].num_patches
+    device = BucketedDevice(tiny, seconds=0.3, buckets=(4 * n, 8 * n))
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0)
+        await eng.start()
+        await eng.submit([items[5]], timeout_s=10)  # the engine learns how long a forward takes
+        first = asyncio.create_task(eng.submit([items[5]], timeout_s=10))
+        await asyncio.sleep(0.05)
+        rest = []
+        for it in items[:5]:  # arrive while the forward runs
+            rest.append(asyncio.create_task(eng.submit([it], timeout_s=10)))
+            await asyncio.sleep(0.02)
+        results = [await first] + await asyncio.gather(*rest)
+        await eng.submit(items[:5], timeout_s=10)  # on an idle GPU: whole
+        await eng.stop()
+        return results
+
+    results = asyncio.run(go())
+    assert device.packs == [1, 1, 4, 1, 5]
+    for it, r in zip([items[5]] + items[:5], results):
+        ref = tiny.encode([it])[0]
+        assert rel_err(r.results[0].embeds, ref.embeds) <= 1e-5
+
+
+def test_trimming_picks_the_prefix_that_fills_its_bucket_and_never_trims_without_buckets():
+    """448 px images (784 patches) on the default buckets: a pack of 30 (25,600 rows for 23,520 patches) goes as 26
+    (20,480 rows for 20,384), packs of 26 and 13 (fill 99.5%) go whole, and so does every pack where forwards compute
+    no padding (no graphs)."""
+    from service.settings import DEFAULT_GRAPH_BUCKETS
+
+    class Fake:
+        def __init__(self, buckets):
+            self.encoder = BucketedDevice.__new__(BucketedDevice)
+            self.encoder.buckets = buckets
+
+    trim = Batcher._trim
+    bucketed, eager = Fake(DEFAULT_GRAPH_BUCKETS), Fake(())
+    assert trim(bucketed, [784] * 30) == 26
+    assert trim(bucketed, [784] * 26) == 26
+    assert trim(bucketed, [784] * 13) == 13
+    assert trim(bucketed, [784] * 4) == 4  # under TRIM_MIN_PATCHES
+    for k in (2, 5, 30, 41):
+        assert trim(eager, [784] * k) == k
+    # mixed sizes: never below three quarters of the patches, and the rows per patch of what goes are the least
+    sizes = [196, 3136, 784, 1024, 256, 4096, 784, 784, 3136, 196, 1024, 784, 4096, 256]
+    k = trim(bucketed, sizes)
+    total = sum(sizes)
+    assert sum(sizes[:k]) >= 0.75 * total
+
+    def rows_per_patch(j):
+        t = sum(sizes[:j])
+        return (batching.FORWARD_ROWS + bucketed.encoder.computed_tokens(t)) / t
+
+    assert all(rows_per_patch(k) <= rows_per_patch(j) for j in range(1, len(sizes) + 1)
+               if sum(sizes[:j]) >= 0.75 * total)
 
 
 def test_the_forward_trace_has_a_line_per_forward_with_its_pack_and_times(tiny, tmp_path):

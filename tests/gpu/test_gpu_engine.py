@@ -89,3 +89,41 @@ def test_a_lone_frame_from_its_frames_equals_its_pixel_rows_path():
     finally:
         page_unlock(locked, enc.device)
         arena.close()
+
+
+def test_packs_launched_back_to_back_get_their_own_outputs():
+    """A pack's frames go to the device on a stream of their own while the forward before it computes, and its
+    outputs come back on another while the next one does: eight packs of fresh images (mixed sizes, some from a
+    page-locked arena), each launched before any is finished, give bit for bit what each pack gives encoded alone
+    on an idle device."""
+    enc = Encoder.load("random:qwen3-vl-2b", "cuda", "bfloat16", graph_buckets=(1024, 4096, 8192, 16384))
+    enc.capture_graphs()
+    rng = np.random.default_rng(7)
+    sizes = [(448, 448), (224, 672), (896, 448), (64, 64), (1024, 1024), (448, 448)]
+    arena = Arena(256 << 20)
+    mapping = attach(arena.path)
+    locked = page_lock(mapping, enc.device)
+    try:
+        packs = []
+        for p in range(8):
+            pack = []
+            for k in range(1 + p % 5):
+                it = enc.preprocess(Image.fromarray(rng.integers(0, 256, (*sizes[(p + k) % len(sizes)], 3),
+                                                                 dtype=np.uint8)))
+                if (p + k) % 2:
+                    at = arena.put(np.ascontiguousarray(it.frames))
+                    it = enc.preprocessor.item(np.frombuffer(mapping, np.uint8, it.frames.size, at).reshape(
+                        it.frames.shape), it.grid_thw, it.meta)
+                pack.append(it)
+            packs.append(pack)
+        pending = [enc.launch(pack, deepstack=True, tokens=True) for pack in packs]
+        got = [enc.finish(p) for p in pending]
+        for pack, results in zip(packs, got):
+            alone = enc.encode(pack, deepstack=True, tokens=True)
+            torch.cuda.synchronize()
+            for a, b in zip(results, alone):
+                assert torch.equal(a.embeds, b.embeds) and torch.equal(a.deepstack, b.deepstack)
+                assert torch.equal(a.pooled, b.pooled)
+    finally:
+        page_unlock(locked, enc.device)
+        arena.close()
