@@ -37,6 +37,9 @@ for step in "${@:-all}"; do
                      | tee "$OUT/bench_tower_qwen2_5.log" && cp "$OUT/qwen2_5/tower.json" "$OUT/tower_qwen2_5.json" ;;
     qkv-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_qkv_rope.py 2>&1 \
                  | tee "$OUT/gpu_qkv_tests.log" | tail -n 15 ;;
+    # the engine's way in and out on a GPU: arena frames, the copy streams, a lone frame's graph
+    engine-tests) python -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu_engine.py 2>&1 \
+                    | tee "$OUT/gpu_engine_tests.log" | tail -n 15 ;;
     tower-tests) python -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_gpu_tower.py 2>&1 | tee "$OUT/gpu_tower_tests.log" | tail -n 25 ;;
     attention|all) python -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} 2>&1 | tee "$OUT/bench_attention.log" ;;&
     qkv) python -m benchmarks.bench_qkv_rope 2>&1 | tee "$OUT/bench_qkv_rope.log" ;;
