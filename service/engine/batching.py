@@ -327,7 +327,9 @@ class Batcher:
                 while len(finishing) >= 2 or (finishing and finishing[0].done()):
                     await finishing.popleft()
                 await self._fill(list(finishing))
-                batch = self._take_batch(busy=bool(finishing))
+                # trimmed only while the GPU computes: where the forwards wait on the host instead (replies of
+                # vLLM's layout), smaller packs only cost more forwards' host time
+                batch = self._take_batch(busy=bool(finishing) and self._gpu_free_at > time.perf_counter())
                 if self._queue:
                     self._wakeup.set()
                 if not batch:
