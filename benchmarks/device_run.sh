@@ -25,6 +25,8 @@ case ${1:-} in
       > "$RUN_DIR/suite.log" 2>&1 < /dev/null &
     echo "started in its own session: $*" ;;
   wait)
+    # a fresh machine (the last one went back between calls) has no run: say so at once rather than wait
+    [ -d "$RUN_DIR" ] || { echo "no run in $RUN_DIR: this machine is a fresh one, start again"; exit 3; }
     deadline=$((SECONDS + ${2:-540}))
     while [ ! -f "$RUN_DIR/DONE" ] && [ $SECONDS -lt $deadline ]; do sleep 5; done
     tail -n 8 "$RUN_DIR/suite.log"
