@@ -48,8 +48,8 @@ from .latency import LatencyPolicy
 log = logging.getLogger(__name__)
 
 # `Batcher._trim`: a busy GPU's pack keeps at least TRIM_KEEP of its patches; a forward's fixed cost (launches, the
-# small kernels whose time does not grow with the pack) counts as FORWARD_ROWS rows (a 448 px image's forward takes
-# 1.8 ms on an H200, 1.1 ms of it its 800 rows' share of a full pack's time); packs under TRIM_MIN_PATCHES go whole
+# small kernels whose time does not grow with the pack) counts as FORWARD_ROWS rows, about what a lone 448 px image's
+# forward spends beyond its rows' share of a full pack's; packs under TRIM_MIN_PATCHES go whole
 TRIM_KEEP = 0.75
 FORWARD_ROWS = 512
 TRIM_MIN_PATCHES = 4096

@@ -60,8 +60,7 @@ class Encoder:
         self._events: list[torch.cuda.Event] = []
         # The copies run beside the forwards, each way on a stream of its own (the GPU has a copy engine each way):
         # a pack's frames go over while the forward before it computes, its outputs come back while the next one
-        # does. On the compute stream they held it up for their length: a full pack of 448 px images moves 25 MB over
-        # and 33 MB of tokens back, about 2 ms over PCIe, beside its 45 ms forward.
+        # does. On the compute stream nothing would compute while they run (docs/PERFORMANCE.md, "Service").
         cuda = self.device.type == "cuda"
         self._upload = torch.cuda.Stream(self.device) if cuda else None
         self._download = torch.cuda.Stream(self.device) if cuda else None
@@ -190,8 +189,8 @@ class Encoder:
             return Pending(items, counts, *outputs, None)
         computed = self._event()
         computed.record()
-        # a lone frame's outputs come back on the compute stream: nothing computes beside them, and the hand-over to
-        # another stream cost a lone image 0.14 ms
+        # a lone frame's outputs come back on the compute stream: nothing computes beside them, so a hand-over to
+        # another stream would only add to its latency
         download = self._download if lone is None else torch.cuda.current_stream(self.device)
         if lone is None:
             download.wait_event(computed)
