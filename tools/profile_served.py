@@ -66,15 +66,17 @@ def main():
                 ms = statistics.median(times[name])
                 table = kernel_table(lambda fn=fn: fn(pixels, grids), 3)
                 tl = timeline(lambda fn=fn: fn(pixels, grids), 3)
-                row[name] = {"ms": round(ms, 3), "ms_per_image": round(ms / n, 4), "all_ms": [round(t, 3) for t in times[name]],
+                row[name] = {"ms": round(ms, 3), "ms_per_image": round(ms / n, 4),
+                             "all_ms": [round(t, 3) for t in times[name]],
                              "kernel_us": round(sum(r["us_per_forward"] for r in table), 1),
                              "by_category_us": by_category(table),
                              "top_kernels": [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}
                                              for r in table[:20]],
                              "timeline": {k: v for k, v in tl.items() if k != "largest_gaps_us"},
                              "largest_gaps_us": tl["largest_gaps_us"][:8]}
-                print(f"{n} x {args.side} px ({tokens} tokens) {name}: {ms:.2f} ms, kernels {row[name]['kernel_us'] / 1000:.2f} ms,"
-                      f" idle {tl['idle_us_per_forward'] / 1000:.2f} ms; {row[name]['by_category_us']}", flush=True)
+                print(f"{n} x {args.side} px ({tokens} tokens) {name}: {ms:.2f} ms, kernels "
+                      f"{row[name]['kernel_us'] / 1000:.2f} ms, idle {tl['idle_us_per_forward'] / 1000:.2f} ms; "
+                      f"{row[name]['by_category_us']}", flush=True)
             result["packs"][str(n)] = row
             del exact
             torch.cuda.empty_cache()

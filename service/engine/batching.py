@@ -9,9 +9,9 @@ one GPU worker thread; knows nothing of HTTP.
   GPU only adds latency). While a forward runs, the next pack fills until just before the GPU is expected to
   free up (its launch time ahead), so it holds everything that arrived in the meantime; with two forwards in
   flight the batcher waits for one to finish before forming the next. A request then waits for at most the
-  forward in progress and its own (one more where it is left out, below). A forward computes its whole CUDA-graph bucket, so a busy GPU's pack leaves
-  out the last few items where that wastes less of the bucket (up to a quarter of its patches): they go first
-  in the next pack.
+  forward in progress and its own (one more where it is left out, below). A forward computes its whole CUDA-graph
+  bucket, so a busy GPU's pack leaves out its last few items where that wastes less of the bucket (up to a quarter
+  of its patches): they go first in the next pack.
 - Items whose request is abandoned (client gone, deadline passed) are dropped before compute.
 - Clients (`submit(client=...)`: the HTTP layer's peer address) share each pack: while items of several clients
   wait, a pack takes them in turns, one item per client per turn (each client's items in their order), so one
