@@ -8,6 +8,7 @@ packed with (attention is block-diagonal per frame, every other op is per token)
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -100,14 +101,7 @@ class Encoder:
         with CUDA) are read by the copy engine where they lie; the others are gathered into one pinned buffer first,
         each run of them copied over at once."""
         sizes = [it.frames.size for it in items]
-        if self._upload is None:
-            frames = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            offset = 0
-            for it, n in zip(items, sizes):
-                frames[offset:offset + n].copy_(torch.from_numpy(it.frames.reshape(-1)))
-                offset += n
-        else:
-            frames = self._frames_on_device(items, sizes)
+        frames = self._frames(items, sizes)
         out = torch.empty((sum(it.num_patches for it in items), self.config.patch_dim), dtype=self.dtype,
                           device=self.device)
         offset, row, i = 0, 0, 0
@@ -123,24 +117,28 @@ class Encoder:
             offset, row, i = offset + n, row + rows, j
         return out
 
-    def _frames_on_device(self, items: list[Preprocessed], sizes: list[int]) -> torch.Tensor:
-        """The items' uint8 frames in one device buffer, copied on the upload stream; the current (compute) stream
-        waits for them, and the buffer is not reused before that stream is done with it."""
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self._upload):
+    def _frames(self, items: list[Preprocessed], sizes: list[int]) -> torch.Tensor:
+        """The items' uint8 frames in one device buffer. On CUDA they are copied on the upload stream; the current
+        (compute) stream waits for them, and the buffer is not reused before that stream is done with it."""
+        cuda = self._upload is not None
+        compute = torch.cuda.current_stream(self.device) if cuda else None
+        with torch.cuda.stream(self._upload) if cuda else contextlib.nullcontext():
             frames = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             staged, offset = [], 0  # (offset, frames) of those in pageable memory
             for it, n in zip(items, sizes):
                 source = torch.from_numpy(it.frames.reshape(-1))
-                if source.is_pinned():
+                if not cuda:
+                    frames[offset:offset + n].copy_(source)
+                elif source.is_pinned():
                     frames[offset:offset + n].copy_(source, non_blocking=True)
                 else:
                     staged.append((offset, source))
                 offset += n
             if staged:
                 self._stage(frames, staged)
-        compute.wait_stream(self._upload)
-        frames.record_stream(compute)
+        if cuda:
+            compute.wait_stream(self._upload)
+            frames.record_stream(compute)
         return frames
 
     @staticmethod
