@@ -63,12 +63,23 @@ for step in "${@:-all}"; do
     # device_multigpu.sh's steps (multigpu-tests, multigpu-startup, multigpu-bf16, multigpu-fp8, ...), so that one
     # device_run.sh start chains them with the single-GPU steps on a multi-GPU machine
     multigpu-*) bash benchmarks/device_multigpu.sh "${step#multigpu-}" ;;
+    startup) python -m benchmarks.bench_service --startup-only --out "$OUT" > "$OUT/bench_service_startup.log" 2>&1
+             tail -n 3 "$OUT/bench_service_startup.log" ;;
     # the starts, the recoveries and a fresh server's single image (service_startup.json) on GPU 0, beside the census
     # on GPU 1: two single-GPU measurements at once on a multi-GPU machine
     startup-census) CUDA_VISIBLE_DEVICES=0 python -m benchmarks.bench_service --startup-only --out "$OUT" \
                       > "$OUT/bench_service_startup.log" 2>&1 &
                     CUDA_VISIBLE_DEVICES=1 python -m benchmarks.kernel_census --out "$OUT" > "$OUT/kernel_census.log" 2>&1
                     wait; tail -n 3 "$OUT/bench_service_startup.log" "$OUT/kernel_census.log" ;;
+    # on a machine of two or more GPUs: the GPU tests on GPU 0, the kernels' on GPU 1 (in 12 processes: compiling is
+    # most of their time) and the census on the last GPU, at once
+    tests-census) n=$(nvidia-smi -L | wc -l)
+                  CUDA_VISIBLE_DEVICES=$((n - 1)) python -m benchmarks.kernel_census --out "$OUT" > "$OUT/kernel_census.log" 2>&1 &
+                  CUDA_VISIBLE_DEVICES=1 python -m pytest -q -x -p no:cacheprovider -n 12 --dist load -m gpu tests/kernels \
+                    > "$OUT/gpu_kernel_tests.log" 2>&1 &
+                  CUDA_VISIBLE_DEVICES=0 python -m pytest -q -x -p no:cacheprovider $XDIST tests/gpu tests/test_video.py \
+                    > "$OUT/gpu_tests.log" 2>&1
+                  wait; tail -n 4 "$OUT/gpu_tests.log" "$OUT/gpu_kernel_tests.log" "$OUT/kernel_census.log" ;;
     # the vLLM layout beside the tokens under the compiled generator, at 256 and 64 MiB of shared memory (epd.json)
     epd) python -m benchmarks.bench_epd --out "$OUT" 2>&1 | tee "$OUT/bench_epd.log" ;;
     # issue 57's open loop: 90% of the closed-loop capacity, images only, 2 minutes (openloop_p99.json)
