@@ -564,6 +564,63 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
     assert busy_spinner.done()  # the one that ran out of time; none new while busy
 
 
+def test_a_hello_is_answered_before_the_arena_is_page_locked_and_unlocked_after_it(monkeypatch):
+    """Every front-end connects to every engine at once (24 on 4 GPUs at start-up, all of them again after a restart),
+    and the driver's registration of each 256 MiB arena takes tens of milliseconds: done on the event loop before
+    the reply, it held the last connection ~2 s. The hello is answered while the lock is still being taken (on its
+    own thread); a connection that closes meanwhile unlocks the arena once the lock is done, never before."""
+    from types import SimpleNamespace
+
+    from service.engine import process
+    from service.engine.api import ModelInfo
+    from service.engine.shm import Arena, SHM_DIR
+    from service.model.preprocess import Preprocessor, PreprocessConfig
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip(f"no {SHM_DIR}")
+    release = threading.Event()
+    events = []
+
+    def page_lock(mapping, device):
+        events.append(("lock begins", len(mapping)))
+        assert release.wait(10)
+        events.append(("locked",))
+        return 1234
+
+    monkeypatch.setattr(process, "page_lock", page_lock)
+    monkeypatch.setattr(process, "page_unlock", lambda address, device: events.append(("unlocked", address)))
+    batcher = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0)
+    engine = SimpleNamespace(batcher=batcher, model=ModelInfo(None, Preprocessor(PreprocessConfig()),
+                                                              torch.device("cuda", 0), torch.float32, "sdpa"))
+    server = process.EngineServer(engine)
+    arena = Arena(1 << 20)
+
+    async def go():
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=b)
+        served = asyncio.create_task(server._connection(reader, writer))
+        client_reader, client = await asyncio.open_connection(sock=a)
+        write_message(client, {"op": "hello", "id": 0, "arena": arena.path})
+        reply, _ = await asyncio.wait_for(read_message(client_reader), 5)
+        answered = list(events)
+        client.close()
+        await asyncio.sleep(0.2)
+        waiting = not served.done()  # the lock is still being taken: the unlock waits for it
+        release.set()
+        await asyncio.wait_for(served, 5)
+        return reply, answered, waiting
+
+    try:
+        reply, answered, waiting = asyncio.run(go())
+    finally:
+        release.set()
+        arena.unlink()
+    assert reply["op"] == "hello" and reply["arena"] is True
+    assert ("locked",) not in answered
+    assert waiting
+    assert events == [("lock begins", 1 << 20), ("locked",), ("unlocked", 1234)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 def test_tensors_read_from_a_reply_equal_what_was_sent(dtype):
     """A message of several tensors back to back, as the engine writes them (`raw_bytes`, `write_message`), empty and

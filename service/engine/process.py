@@ -48,6 +48,16 @@ INLINE_RESULT_BYTES = 1 << 20
 RESULT_COPIERS = 2
 
 
+def _page_lock(arena, device) -> int | None:
+    """`shm.page_lock`, on the page-lock thread: a failure leaves the arena pageable (its frames staged), logged."""
+    try:
+        return page_lock(arena, device)
+    except Exception as e:  # a driver or runtime refusal must not end the front-end's connection
+        log.warning("could not page-lock a front-end's frame arena (%s: %s); its frames are staged through pinned "
+                    "memory", type(e).__name__, e)
+        return None
+
+
 class EngineServer:
     """Serves a `LocalEngine` to front-end processes over a Unix socket, once it has started."""
 
@@ -58,6 +68,9 @@ class EngineServer:
         self._expected_until = 0.0  # `expect`: turn the loop over until then, or until a submit arrives
         self._spinner: asyncio.Task | None = None
         self._copiers = ThreadPoolExecutor(RESULT_COPIERS, thread_name_prefix="results")
+        # page-locks the front-ends' arenas, one after another, off the event loop: registering 256 MiB with the
+        # driver takes tens of milliseconds, and every front-end connects at once (at start-up, and after a restart)
+        self._pinner = ThreadPoolExecutor(1, thread_name_prefix="page-lock")
 
     def expect(self) -> None:
         """A front-end is decoding a lone request. An idle engine keeps its event loop turning (each turn polls the
@@ -93,7 +106,7 @@ class EngineServer:
         closed = False
         tasks: set[asyncio.Task] = set()
         arena = None  # the front-end's arena (`shm`): frames in, results out
-        locked = None  # its address where it is page-locked for the GPU
+        locking = None  # the page-lock of the arena for the GPU: its address when done (None if refused)
         device = self.engine.model.device
 
         def abandoned_fn(rid):
@@ -121,7 +134,11 @@ class EngineServer:
                         except (OSError, ValueError) as e:
                             log.warning("cannot map the front-end's frame arena (%s); frames come over the socket", e)
                         else:
-                            locked = page_lock(arena, device) if device.type == "cuda" else None
+                            # the hello is answered at once: frames that come before the lock is in place are
+                            # staged through pinned memory (`Encoder.pixels` asks each frame whether it is pinned)
+                            if device.type == "cuda":
+                                locking = asyncio.get_running_loop().run_in_executor(
+                                    self._pinner, _page_lock, arena, device)
                     info = {**self.engine.model.wire(), "pid": os.getpid(), "restarts": self.restarts}
                     self._reply(writer, {"op": "hello", "id": header["id"], "info": info, "arena": arena is not None})
                 elif op == "stats":
@@ -134,8 +151,10 @@ class EngineServer:
             closed = True
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
-            if locked is not None:
-                page_unlock(locked, device)
+            if locking is not None:
+                locked = await locking
+                if locked is not None:
+                    page_unlock(locked, device)
             writer.close()
 
     async def _submit(self, header, payload, writer, abandoned, arena=None):
