@@ -8,6 +8,8 @@
 # and a server that imports a module while that happens fails (the soak at d9b6912 lost two video requests so).
 #   GIT_REVISION=abc1234 bash benchmarks/device_run.sh start tests attention service   (carry .whl, and .bin for soak)
 #   bash benchmarks/device_run.sh wait 540
+# Follow a start only with `wait` calls, never a bare `sleep`: a call that comes later than 30 s after the last one
+# lands on a fresh machine, where `wait` says so at once and a sleep spends its whole length for nothing.
 set -uo pipefail
 RUN_DIR=${RUN_DIR:-/tmp/device_run}
 case ${1:-} in
