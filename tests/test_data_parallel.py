@@ -221,3 +221,94 @@ def test_a_front_end_is_started_once_it_reached_every_engine_or_found_it_restart
     marker.unlink()
     early, late, changes = asyncio.run(run(["engine-0", "engine-2"]))
     assert (early[0], late[0]) == (False, False), (early, late)
+
+
+def test_a_gpu_engine_that_serves_at_once_opens_its_gpu_while_it_imports_and_a_standby_does_not(monkeypatch):
+    """`open_device_early`: the driver's primary context of the engine's one GPU is retained on a thread, with
+    CUDA_VISIBLE_DEVICES already the engine's when the driver starts. The supervisor asks it of the engine it starts
+    to serve, never of a standby (the GPU still belongs to the engine serving there)."""
+    import ctypes
+    import multiprocessing
+    import multiprocessing.connection
+
+    from service.engine import supervisor
+
+    calls = []
+
+    class Driver:
+        def cuInit(self, flags):
+            calls.append(("cuInit", os.environ.get("CUDA_VISIBLE_DEVICES")))
+            return 0
+
+        def cuDeviceGet(self, handle, index):
+            calls.append(("cuDeviceGet", index))
+            return 0
+
+        def cuDevicePrimaryCtxRetain(self, context, handle):
+            calls.append(("cuDevicePrimaryCtxRetain",))
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver())
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert supervisor.open_device_early(engine_environment("cpu")) is None and not calls
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    env = engine_environment("cuda:1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    supervisor.open_device_early(env).join(5)
+    assert calls == [("cuInit", "5"), ("cuDeviceGet", 0), ("cuDevicePrimaryCtxRetain",)]
+
+    spawned = []  # open_device of each engine process, in order
+
+    class Child:
+        """An engine process as the supervisor sees it: ready once told to go, dead once `die()` is called."""
+
+        def __init__(self, target, args, name):
+            # the supervisor closes its copy of the child's end once the process started: keep one of our own
+            self.conn = multiprocessing.connection.Connection(os.dup(args[0].fileno()))
+            self.open_device = args[2]
+            self.exitcode, self.pid = None, 1000 + len(spawned)
+            self._r, self._w = os.pipe()
+            self.sentinel = self._r
+            spawned.append(self)
+
+        def start(self):
+            def run():
+                try:
+                    if self.conn.recv()[0] == "go":
+                        self.conn.send(("ready", None))
+                except (EOFError, OSError):
+                    pass
+            threading.Thread(target=run, daemon=True).start()
+
+        def die(self):
+            self.exitcode = -9
+            os.close(self._w)
+
+        def join(self, timeout=None):
+            if self.exitcode is None:
+                self.die()
+
+        def is_alive(self):
+            return self.exitcode is None
+
+        kill = die
+
+    class Context:
+        Pipe = staticmethod(multiprocessing.Pipe)
+        Process = Child
+
+    sup = supervisor.EngineSupervisor({"QWEN3VL_DEVICE": "cuda:0"}, backoff_s=0.01, standby=True, name="cuda:0")
+    sup._ctx = Context()
+    sup.start()
+    deadline = time.monotonic() + 10
+    while len(spawned) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sup.ready.is_set()
+    spawned[0].die()  # the serving engine dies: the standby takes over, and a new standby is spawned
+    while len(spawned) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sup._stopping.set()
+    spawned[1].die()
+    sup._thread.join(5)
+    assert not sup._thread.is_alive()
+    assert [c.open_device for c in spawned] == [True, False, False]
