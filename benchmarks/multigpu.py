@@ -260,11 +260,13 @@ def fault(binary: str, url: str, bodies: Path, work: Path, seconds: float, clien
 
 
 def start_phases(log: Path) -> dict:
-    """Where a start's time went, from the server's log: from the engines' launch to every engine ready (wall), and
-    per engine its modules' import, its device binding, the model's load and the warm-up (seconds, as each engine
-    logs them; listed in the order the engines logged them)."""
+    """Where a start's time went, from the server's log: from the engines' launch to every engine ready, to the last
+    front-end's modules imported and to the last front-end's connection to an engine after that (wall); per engine
+    its modules' import, its device binding, the model's load and the warm-up, and per front-end its modules' import
+    (seconds, as each process logs them, in the order they were logged)."""
     stamps: dict[str, float] = {}
-    per: dict[str, list[float]] = {"imported_s": [], "device_s": [], "loaded_s": [], "warmed_s": []}
+    per: dict[str, list[float]] = {"imported_s": [], "device_s": [], "loaded_s": [], "warmed_s": [],
+                                   "frontend_imported_s": []}
     for line in log.read_text(errors="replace").splitlines():
         parts = line.split(" ", 2)
         try:
@@ -276,6 +278,13 @@ def start_phases(log: Path) -> dict:
             stamps.setdefault("launched", t)
         elif "engines ready" in line and "service.server" in line:
             stamps.setdefault("all_ready", t)
+        elif "front-end process: modules imported in" in line:
+            per["frontend_imported_s"].append(float(line.split()[-2]))
+            stamps["frontends_imported"] = t
+        elif "engine on" in line and " connected (process" in line:
+            stamps["connected"] = t  # the last front-end's connection to an engine, by the end of the start
+        elif "SIGTERM: draining" in line:
+            break
         elif "modules imported in" in line:
             words = line.replace(",", "").split()
             per["imported_s"].append(float(words[words.index("imported") + 2]))
@@ -284,8 +293,11 @@ def start_phases(log: Path) -> dict:
             words = line.replace(",", "").split()
             per["loaded_s"].append(float(words[words.index("loaded") + 2]))
             per["warmed_s"].append(float(words[words.index("warmed") + 3]))
-    wall = stamps["all_ready"] - stamps["launched"] if len(stamps) == 2 else None
-    return {"engines_ready_after_s": round(wall, 2) if wall is not None else None, **per}
+    def after(stamp: str) -> float | None:
+        return round(stamps[stamp] - stamps["launched"], 2) if stamp in stamps and "launched" in stamps else None
+
+    return {"engines_ready_after_s": after("all_ready"), "frontends_imported_after_s": after("frontends_imported"),
+            "frontends_connected_after_s": after("connected"), **per}
 
 
 def profile_start(out: Path, seconds: int = 25) -> None:
