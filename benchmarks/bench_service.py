@@ -133,7 +133,7 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
     448 px images and one image alone give the cost of the buckets' padding against their own graphs."""
     import torch
 
-    from service.model.encoder import pack_by_budget
+    from service.model.results import pack_by_budget
     from service.model.graphs import BucketedTower, signature
 
     settings, enc = served_encoder(model)

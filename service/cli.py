@@ -20,7 +20,7 @@ def encode_main(args) -> int:
     from tqdm import tqdm
 
     from .engine.build import load_encoder
-    from .model.encoder import pack_by_budget, result_tensors
+    from .model.results import pack_by_budget, result_tensors
 
     settings = Settings(model=args.model, device=args.device, dtype=args.dtype, cuda_graphs=False)
     encoder = load_encoder(settings)

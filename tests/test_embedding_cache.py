@@ -13,7 +13,7 @@ import torch
 from conftest import encode_bytes, photos
 from servers import serve
 from service.engine.cache import CachedItem, EncoderCache, cache_key, encode_entry
-from service.model.encoder import EncodeResult
+from service.model.results import EncodeResult
 
 PHOTO = encode_bytes(photos()["coffee"].resize((120, 90)), "JPEG")
 OTHER = encode_bytes(photos()["chelsea"].resize((90, 120)), "PNG")

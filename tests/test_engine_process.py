@@ -96,6 +96,32 @@ def test_results_equal_in_process_encoding_and_forwards_are_shared(two_workers, 
     assert 0 < info["engine"]["forwards"] - before < 24
 
 
+def test_a_front_end_never_loads_the_tower_its_kernels_or_triton(two_workers):
+    """A front-end decodes, routes and formats; the model and its kernels live in the engine. Importing them (Triton
+    above all) would cost every front-end seconds at start-up, beside the engines importing the same, and memory
+    for as long as it runs. Read from the processes' memory maps after requests of each output format: Triton's
+    library is mapped in the engine, in no front-end."""
+    import re
+
+    url, proc = two_workers
+    image = random_pngs(1, seed=5)[0]
+    for params in ({}, {"format": "safetensors"}, {"format": "vllm"}, {"format": "json", "deepstack": "false"}):
+        r = httpx.post(f"{url}/embed", params=params, content=image, headers={"content-type": "image/png"},
+                       timeout=60)
+        assert r.status_code == 200, (params, r.text[:300])
+    log = "".join(proc.output)
+    frontends = {int(p) for p in re.findall(r"Started server process \[(\d+)\]", log)}
+    engines = {int(p) for p in re.findall(r"engine process (\d+) on cpu ready", log)}
+    assert len(frontends) == 2 and len(engines) == 1, log[-2000:]
+
+    def maps(pid):
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+
+    assert all("libtriton" in maps(pid) for pid in engines)
+    assert not [pid for pid in frontends if "libtriton" in maps(pid)]
+
+
 def test_pooled_only_and_tokens_in_one_pack_across_processes(two_workers, tiny):
     """Requests for the pooled vector alone and for every token, concurrent (so packed together): each gets what it
     asked for, and the pooled-only ones receive no token bytes (their bodies are a few hundred bytes)."""
@@ -517,7 +543,7 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
 
     from service.engine import process
     from service.engine.api import Encoded, ModelInfo, Timing
-    from service.model.encoder import EncodeResult
+    from service.model.results import EncodeResult
     from service.model.preprocess import Preprocessor, PreprocessConfig
 
     pre = Preprocessor(PreprocessConfig())

@@ -23,7 +23,8 @@ from service.engine import process
 from service.engine.process import EngineServer
 from service.engine.remote import RemoteEngine
 from service.engine.shm import PREFIX, SHM_DIR, Arena, attach, new_arena
-from service.model.encoder import EncodeResult, Encoder
+from service.model.encoder import Encoder
+from service.model.results import EncodeResult
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
 

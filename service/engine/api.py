@@ -4,7 +4,8 @@ Two engines implement `Engine`: `local.LocalEngine` loads the model in this proc
 `remote.EnginePool` reaches the engine processes, one per device, from an HTTP front-end process.
 `factory.open_engine` picks by the settings; nothing above the engine package asks which kind it has.
 What of the model crosses to the HTTP layer is re-exported here: `Encoder` (a loaded model, which tests hand a
-server), `EncodeResult` and `Preprocessed` (the values a request's items become), `result_tensors` (the tensors'
+server; imported when first asked for, so that a front-end process never imports the tower, its kernels and
+Triton), `EncodeResult` and `Preprocessed` (the values a request's items become), `result_tensors` (the tensors'
 shared output layout), `pack_by_budget` (the server's packing, for the dataset job's Ray actors).
 """
 
@@ -13,16 +14,27 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
 from ..errors import InvalidInput
 from ..model.config import TowerConfig
-from ..model.encoder import EncodeResult, Encoder, pack_by_budget, result_tensors  # noqa: F401 (re-exported)
 from ..model.preprocess import Preprocessed, Preprocessor
+from ..model.results import EncodeResult, pack_by_budget, result_tensors  # noqa: F401 (re-exported)
 from ..model.video import is_video
 from .sandbox import DecodeSandbox
+
+if TYPE_CHECKING:
+    from ..model.encoder import Encoder
+
+
+def __getattr__(name: str):
+    if name == "Encoder":  # the model itself: torch's tower, the kernels, Triton (a front-end needs none of them)
+        from ..model.encoder import Encoder
+
+        return Encoder
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

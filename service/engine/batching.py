@@ -39,7 +39,8 @@ from typing import Callable
 import torch
 
 from ..errors import DeadlineExceeded, EncoderError, EngineUnavailable, InferenceFailed, Overloaded, ShuttingDown
-from ..model.encoder import EncodeResult, Encoder, bind_thread, pack_size
+from ..model.encoder import Encoder, bind_thread
+from ..model.results import EncodeResult, pack_size
 from ..model.kernel_runtime import launch_status
 from ..model.preprocess import Preprocessed
 from .api import BatchStats, DeviceStats, Encoded, ItemDone, Timing

@@ -24,7 +24,6 @@ from ..model.loader import set_cublaslt_workspace
 from ..model.preprocess import Preprocessor
 from ..model.tower import TowerOptions
 from ..settings import Settings
-from .sandbox import DecodeSandbox
 
 log = logging.getLogger(__name__)
 
@@ -146,14 +145,6 @@ def apply_limits(enc: Encoder, settings: Settings) -> None:
     enc.preprocessor = Preprocessor(replace(cfg, max_image_pixels=settings.max_image_pixels,
                                             max_pixels=max_pixels, min_pixels=min(cfg.min_pixels, max_pixels),
                                             video=replace(cfg.video, max_source_frames=settings.max_video_frames)))
-
-
-def video_sandbox(settings: Settings) -> DecodeSandbox | None:
-    """Where videos are decoded: a sandbox process per video (`Settings.video_sandbox`), else None (threads)."""
-    if not settings.video_sandbox:
-        return None
-    return DecodeSandbox(settings.preprocess_workers, cpu_s=settings.video_decode_cpu_s,
-                         memory_bytes=settings.video_decode_memory_mib << 20)
 
 
 def warmup(enc: Encoder, settings: Settings):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Hashable
 import orjson
 
 if TYPE_CHECKING:  # torch only where an entry is read or written: `serve`'s main process makes the directory alone
-    from ..model.encoder import EncodeResult
+    from ..model.results import EncodeResult
 
 log = logging.getLogger(__name__)
 _HEADER = struct.Struct("<I")
@@ -78,7 +78,7 @@ def encode_entry(item: CachedItem, result: EncodeResult) -> list:
 def decode_entry(data: bytes) -> tuple[CachedItem, EncodeResult]:
     import torch
 
-    from ..model.encoder import EncodeResult
+    from ..model.results import EncodeResult
     from .protocol import tensor_at
 
     (n,) = _HEADER.unpack_from(data)

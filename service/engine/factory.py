@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from ..model.encoder import Encoder
+from typing import TYPE_CHECKING
+
 from ..settings import Settings
 from .api import BatchListener, ChangeListener, Decoder, Engine
-from .build import video_sandbox
-from .local import LocalEngine
 from .remote import EnginePool
+from .sandbox import video_sandbox
 from .supervisor import started_marker
 from .wiring import Wiring
+
+if TYPE_CHECKING:
+    from ..model.encoder import Encoder
 
 
 def open_engine(settings: Settings, wiring: Wiring = Wiring(), encoder: Encoder | None = None, *,
@@ -23,4 +26,6 @@ def open_engine(settings: Settings, wiring: Wiring = Wiring(), encoder: Encoder 
                              shared_memory_bytes=(settings.shared_memory_mib << 20) // len(sockets),
                              on_batch=on_batch,
                              on_change=on_change, started_marker=started_marker(sockets[0]))
+    from .local import LocalEngine  # the model in this process: a front-end never imports it
+
     return LocalEngine(settings, encoder, on_batch=on_batch, on_change=on_change)

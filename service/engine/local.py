@@ -16,7 +16,8 @@ from ..model.preprocess import Preprocessed
 from ..settings import Settings
 from .api import BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo
 from .batching import Batcher
-from .build import apply_limits, load_encoder, video_sandbox, warmup
+from .build import apply_limits, load_encoder, warmup
+from .sandbox import video_sandbox
 
 log = logging.getLogger(__name__)
 

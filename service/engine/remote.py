@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .. import errors
-from ..model.encoder import EncodeResult
+from ..model.results import EncodeResult
 from ..model.preprocess import Preprocessed
 from .api import (BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo,
                   Timing)

@@ -27,10 +27,13 @@ import resource
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ImageTooLarge, InvalidInput, Unavailable, UnsupportedVideo
 from ..model.preprocess import Preprocessed, Preprocessor, decode_in_worker_config
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 PRELOAD = ["numpy", "PIL.Image", "av", "torch", "service.model.preprocess", __name__]
 
@@ -136,3 +139,10 @@ class DecodeSandbox:
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
 
+
+def video_sandbox(settings: Settings) -> DecodeSandbox | None:
+    """Where videos are decoded: a sandbox process per video (`Settings.video_sandbox`), else None (threads)."""
+    if not settings.video_sandbox:
+        return None
+    return DecodeSandbox(settings.preprocess_workers, cpu_s=settings.video_decode_cpu_s,
+                         memory_bytes=settings.video_decode_memory_mib << 20)

@@ -15,7 +15,7 @@ import shutil
 import signal
 import time
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi_offline import FastAPIOffline
@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, multiprocess
 
 from .. import __version__
-from ..engine.api import Encoder, Engine
+from ..engine.api import Engine
 from ..engine.factory import open_engine
 from ..engine.cache import CachedItem, EncoderCache, cache_key, make_cache_dir
 from ..engine.wiring import Wiring
@@ -38,6 +38,9 @@ from .output import LLM_LAYOUTS, embed_response, llm_response, openai_response, 
 from .parsing import check_limits, parse_embed, parse_openai
 from .schemas import EmbedOptions
 from .status import HTTPError, install_error_handlers
+
+if TYPE_CHECKING:
+    from ..engine.api import Encoder
 
 log = logging.getLogger(__name__)
 
