@@ -27,7 +27,7 @@ for step in "$@"; do
     tests) timeout 300 python -m pytest -q -x -p no:cacheprovider tests/gpu/test_multi_gpu.py 2>&1 | tee "$OUT/multigpu_tests.log" | tail -n 15 ;;
     startup) python -m benchmarks.multigpu --part startup --profile --out "$OUT" 2>&1 | tee "$OUT/multigpu_startup.out" | tail -n 30 ;;
     bf16) python -m benchmarks.multigpu --part scaling --no-fault --frontends 24,32 --profile $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16.out" | grep -v "^ " | tail -n 30 ;;
-    bf16-scaling) python -m benchmarks.multigpu --part scaling --no-fault --no-mixed $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16.out" | grep -v "^ " | tail -n 12 ;;
+    bf16-scaling) python -m benchmarks.multigpu --part scaling --no-fault --no-mixed $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16_scaling.out" | grep -v "^ " | tail -n 12 ;;
     fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8.out" | grep -v "^ " | tail -n 30 ;;
     c512) python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_c512.out" | grep -v "^ " | tail -n 8 ;;
     fp8-c512) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8_c512.out" | grep -v "^ " | tail -n 8 ;;

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     if name == "Encoder":  # the model itself: torch's tower, the kernels, Triton (a front-end needs none of them)
-        from ..model.encoder import Encoder
+        from ..model import encoder
 
-        return Encoder
+        return encoder.Encoder
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
