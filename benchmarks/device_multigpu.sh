@@ -4,7 +4,7 @@
 #   startup  benchmarks.multigpu --part startup, plus one profiled warm start (py-spy on every process)
 #   bf16     benchmarks.multigpu --part scaling, plus every GPU with 24 and 32 front-ends, py-spy on a front-end and
 #            an engine under the load at the defaults
-#   fp8      the same with QWEN3VL_QUANTIZATION=fp8, with the engine-kill fault test, without the sweep and profile
+#   fp8      the same with QWEN3VL_QUANTIZATION=fp8, with the engine-kill fault test, without the front-end sweep
 #   bf16-scaling  the bf16 scaling alone (1, 2 and every GPU; no mixed load, fault, front-end sweep or profile)
 #   c512     bf16, one GPU and every GPU under 512 clients (is 256 clients' concurrency what bounds every GPU?)
 #   fp8-c512 the same in FP8
@@ -28,7 +28,7 @@ for step in "$@"; do
     startup) python -m benchmarks.multigpu --part startup --profile --out "$OUT" 2>&1 | tee "$OUT/multigpu_startup.out" | tail -n 30 ;;
     bf16) python -m benchmarks.multigpu --part scaling --no-fault --frontends 24,32 --profile $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16.out" | grep -v "^ " | tail -n 30 ;;
     bf16-scaling) python -m benchmarks.multigpu --part scaling --no-fault --no-mixed $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16_scaling.out" | grep -v "^ " | tail -n 12 ;;
-    fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8.out" | grep -v "^ " | tail -n 30 ;;
+    fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --profile $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8.out" | grep -v "^ " | tail -n 30 ;;
     c512) python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_c512.out" | grep -v "^ " | tail -n 8 ;;
     fp8-c512) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8_c512.out" | grep -v "^ " | tail -n 8 ;;
   esac

@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 import signal
+import threading
 import time
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -122,6 +123,12 @@ class FrontendProcess(Process):
         # the supervisor's to handle (`FrontendServer.capture_signals` keeps it so once uvicorn runs)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
+        # the supervisor's health check (a ping every half second, `timeout_worker_healthcheck` to answer) is
+        # answered from here on: uvicorn's own target starts its answering thread only after the import, and a
+        # front-end importing for longer than the timeout (5 s: two dozen front-ends and the engines importing
+        # torch at once on a node) was killed as hung and started again
+        self.server  # noqa: B018 - made on this thread, before the answering thread reads it
+        threading.Thread(target=self.always_pong, daemon=True, name="healthcheck").start()
         if isinstance(self.config.app, str):  # the app's module imported here, timed: what a start spends on it
             began = time.monotonic()
             try:
@@ -133,7 +140,7 @@ class FrontendProcess(Process):
                                     format="%(asctime)s %(levelname)s %(name)s[http %(process)d]: %(message)s")
                 logging.getLogger(__name__).info("front-end process: modules imported in %.1f s",
                                                  time.monotonic() - began)
-        return super().target(sockets)
+        self.server.run(sockets)  # (uvicorn's `Process.target`, less its health-check thread, started above)
 
     def terminate(self) -> None:
         if self.process.exitcode is None and self.process.pid is not None:

@@ -415,20 +415,29 @@ def test_a_lone_small_jpeg_is_decoded_on_the_event_loop_and_the_rest_in_the_pool
         assert items[0].grid_thw == item.grid_thw
 
 
-def test_the_pool_polls_for_a_reply_only_while_its_request_is_alone():
+def test_the_pool_polls_for_a_reply_only_while_its_request_is_alone(monkeypatch):
     """`EnginePool.submit` (`latency.LatencyPolicy`, 2.): the engine client itself knows whether a request is alone
-    in its process (no other decoding or submission in progress), and the reply is polled for only then; the
-    HTTP layer passes no hint. The request goes to the least-loaded live engine with its deadline."""
+    in its process (no other decoding or submission in progress, and none beside another for QUIET_S), and the
+    reply is polled for only then, for POLL_MAX_S at most; the HTTP layer passes no hint. The request goes to the
+    least-loaded live engine with its deadline."""
+    import time
     from types import SimpleNamespace
 
+    from service.engine import latency
     from service.engine.api import Decoder, Encoded, Timing
     from service.engine.remote import EnginePool
 
+    monkeypatch.setattr(latency, "QUIET_S", 0.2)
+    monkeypatch.setattr(latency, "POLL_MAX_S", 0.05)
     seen = []
 
     async def submit(items, deadline, *, poll, **kwargs):
         await asyncio.sleep(0)  # the request is written; then the reply is awaited, polled while `poll()`
-        seen.append((poll(), deadline, kwargs))
+        alone = poll()
+        if alone:  # polled for POLL_MAX_S at most
+            await asyncio.sleep(0.06)
+            assert not poll()
+        seen.append((alone, deadline, kwargs))
         return Encoded([], Timing())
 
     busy = SimpleNamespace(alive=True, load=5, submit=None)
@@ -439,18 +448,24 @@ def test_the_pool_polls_for_a_reply_only_while_its_request_is_alone():
         await pool.submit([], 123.0, client="a")
         with pool.latency.busy():  # another request's decoding in progress
             await pool.submit([], 456.0)
+        await pool.submit([], 457.0)  # alone again, but within the quiet period after company
+        await asyncio.sleep(0.25)
+        await pool.submit([], 458.0)  # the quiet period has passed
+        await asyncio.sleep(0.25)
         first = asyncio.create_task(pool.submit([], 789.0))
         second = asyncio.create_task(pool.submit([], 790.0))
         await asyncio.gather(first, second)
+        await pool.submit([], 791.0)  # the first two had company: neither they nor this one is alone
 
+    began = time.monotonic()
     try:
         asyncio.run(go())
     finally:
         pool._decode.close()
+    assert time.monotonic() - began < 2.0
     assert seen[0] == (True, 123.0, {"client": "a"})
-    assert seen[1][:2] == (False, 456.0)
-    # two at once: the first is not alone; the second is once the first has its reply
-    assert [alone for alone, _, _ in seen[2:]] == [False, True]
+    assert [(alone, deadline) for alone, deadline, _ in seen[1:]] == [
+        (False, 456.0), (False, 457.0), (True, 458.0), (False, 789.0), (False, 790.0), (False, 791.0)]
     assert pool.latency.in_progress == 0
 
 

@@ -57,3 +57,36 @@ def test_loading_a_tower_imports_neither_dynamo_nor_sympy(full_checkpoint):
             "'loaded': sum(p.numel() for p in a.parameters()) > 0 and not any(p.is_meta for p in b.parameters())}))")
     got = _run(code)
     assert got["loaded"] and got["after"] == got["before"], got
+
+
+def test_a_front_end_answers_the_supervisors_health_check_while_it_imports(tmp_path, monkeypatch):
+    """The supervisor pings each front-end every half second and kills one that does not answer within
+    `timeout_worker_healthcheck` (5 s) as hung. A front-end answers from its start, not only once its app's modules
+    are imported: on a node two dozen front-ends and the engines import torch at once, and one that took more than
+    5 s was killed and started again. Here the import takes 3 s and each ping gets 1 s."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from service.uvicorn_server import FrontendProcess
+
+    (tmp_path / "slow_import_app.py").write_text(
+        "import time\ntime.sleep(3)\n\nasync def app(scope, receive, send):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned child gets the parent's sys.path
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    process = FrontendProcess(uvicorn.Config("slow_import_app:app", log_level="warning"), [sock])
+    process.start()
+    try:
+        began = time.monotonic()
+        answers = []
+        while time.monotonic() - began < 2.5:  # inside the import
+            answers.append(process.ping(timeout=1.0))
+            time.sleep(0.2)
+        assert process.process.is_alive()
+        assert answers and all(answers), answers
+    finally:
+        process.process.kill()
+        process.process.join(10)
+        sock.close()

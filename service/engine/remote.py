@@ -509,7 +509,7 @@ class EnginePool:
         if engine is None:
             raise errors.EngineUnavailable("no engine process is running (restarting)", retry_after=2.0)
         with self.latency.busy():
-            return await engine.submit(items, deadline, poll=self.latency.alone, **kwargs)
+            return await engine.submit(items, deadline, poll=self.latency.reply_poll(), **kwargs)
 
     async def stats(self) -> EngineStats:
         per = []
