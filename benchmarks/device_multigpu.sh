@@ -15,7 +15,7 @@ set -uo pipefail
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results}
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OUT=${OUT:-benchmarks/results} PATH=/tmp/site/bin:$PATH
 # the HTTP figures are a user's install's only on uvloop (uvicorn[standard] brings it)
 python3 -c "import uvloop, httptools" || { echo "carry the uvloop and httptools wheels (.whl)"; exit 1; }
 SCALING_ARGS=${SCALING_ARGS:---seconds 12 --warmup-s 4}

@@ -7,9 +7,10 @@
 # fastapi-offline, starlette, uvicorn, httptools, pydantic, pydantic-core, pydantic-settings, python-dotenv,
 # typing-inspection, annotated-types, opentelemetry-api, python-multipart, orjson, pybase64, simplejpeg, av and
 # uvloop (uvicorn[standard] brings it to every install: without it the HTTP figures are asyncio's, not a user's), and
-# set GIT_REVISION (the device's copy of .git may be stale) before bench_service.
+# py-spy (the profiles: the machine's image has none; its wheel's binary lands in /tmp/site/bin), and set
+# GIT_REVISION (the device's copy of .git may be stale) before bench_service.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"

@@ -111,9 +111,11 @@ def engines(url: str) -> list[dict]:
     return httpx.get(f"{url}/info", timeout=10).json()["engine"]["engines"]
 
 
-def cpu_seconds(server: subprocess.Popen, engine_pids: set[int]) -> tuple[float, float]:
-    """(CPU seconds of the server's processes other than its engines, of its engines) so far."""
-    front = eng = 0.0
+def cpu_seconds(server: subprocess.Popen, engine_pids: set[int]) -> tuple[float, float, float]:
+    """CPU seconds so far of the server's HTTP front-ends (the processes listening on its port), of its engines, and
+    of the rest: the main process, standby engines, the front-ends' video sandboxes (whose start-up imports follow
+    readiness)."""
+    front = eng = other = 0.0
     procs = [psutil.Process(server.pid)]
     try:
         procs += psutil.Process(server.pid).children(recursive=True)
@@ -122,14 +124,33 @@ def cpu_seconds(server: subprocess.Popen, engine_pids: set[int]) -> tuple[float,
     for p in procs:
         try:
             t = p.cpu_times()
+            listening = p.pid not in engine_pids and any(c.status == psutil.CONN_LISTEN
+                                                         for c in p.net_connections("tcp"))
         except psutil.NoSuchProcess:
             continue
         s = t.user + t.system
         if p.pid in engine_pids:
             eng += s
-        else:
+        elif listening and p.pid != server.pid:
             front += s
-    return front, eng
+        else:
+            other += s
+    return front, eng, other
+
+
+def settle(server: subprocess.Popen, engine_pids: set[int], idle_cores: float = 1.0, timeout_s: float = 60.0) -> float:
+    """Wait until what a start leaves running after readiness (standby engines' and video sandboxes' imports) uses
+    less than `idle_cores`, over one second: the load then measures the server as it serves, not its last seconds
+    of start-up. Seconds waited."""
+    t0 = time.perf_counter()
+    last = sum(cpu_seconds(server, engine_pids))
+    while time.perf_counter() - t0 < timeout_s:
+        time.sleep(1.0)
+        now = sum(cpu_seconds(server, engine_pids))
+        if now - last < idle_cores:
+            break
+        last = now
+    return round(time.perf_counter() - t0, 1)
 
 
 def openloop(binary: str, url: str, bodies: Path, out: Path, seconds: float, clients: int) -> dict:
@@ -182,6 +203,7 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
     """One closed-loop run: `warmup_s` unmeasured, then `seconds` measured (requests completed within them);
     `profile_out`: py-spy on a front-end and an engine meanwhile (`profile`)."""
     pids = {e["pid"] for e in engines(url)}
+    settled_s = settle(server, pids)
     box: dict = {}
     total = warmup_s + seconds
     gen = threading.Thread(target=lambda: box.update(openloop(binary, url, bodies, work / f"{tag}.csv", total,
@@ -213,7 +235,9 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
         "images_per_forward": round(len(ok) / max(1, sum(e["forwards"] for e in per_engine)), 1),
         "frontend_cpu_s_per_image": round((c1[0] - c0[0]) / max(1, images), 5),
         "engine_cpu_s_per_image": round((c1[1] - c0[1]) / max(1, images), 5),
+        "other_cpu_s_per_image": round((c1[2] - c0[2]) / max(1, images), 5),
         "frontend_cores": round((c1[0] - c0[0]) / wall, 2),
+        "settled_after_s": settled_s,
         "generator": {"achieved_requests_per_s": round(box["achieved_per_s"], 1),
                       "cpu_cores": round(box["generator_cpu_s"] / box["wall_s"], 2),
                       "clients": clients, "host_cores": os.cpu_count(), "statuses_all": box["statuses"]},

@@ -33,6 +33,30 @@ def test_the_main_process_starts_its_engines_without_torch():
         assert not _maps_torch(proc.pid)
 
 
+def test_only_the_front_ends_start_a_video_sandbox():
+    """Behind front-ends an engine process never decodes (the front-ends send it frames), so it starts no video
+    sandbox: a forkserver importing torch, seconds of CPU in each engine just as the server turns ready. Each
+    front-end starts its own (the check can fail)."""
+    import time
+
+    def forkservers(pid: int) -> int:
+        return sum("multiprocessing.forkserver" in " ".join(c.cmdline()) for c in psutil.Process(pid).children())
+
+    with server(1) as (url, proc):
+        import httpx
+
+        engine = httpx.get(f"{url}/info").json()["engine"]["pid"]
+        front_end = [p.pid for p in psutil.Process(proc.pid).children()
+                     if p.pid != engine and "spawn_main" in " ".join(p.cmdline()) and _maps_torch(p.pid)
+                     and any(c.status == "LISTEN" for c in p.net_connections("tcp"))]
+        assert len(front_end) == 1
+        deadline = time.monotonic() + 30
+        while forkservers(front_end[0]) == 0 and time.monotonic() < deadline:  # started in the background
+            time.sleep(0.2)
+        assert forkservers(front_end[0]) == 1
+        assert forkservers(engine) == 0
+
+
 def test_the_device_count_without_torch_is_torchs():
     """`cuda_device_count` before torch is imported (the driver's count, if torch is built with CUDA) and after
     (torch's own) agree: 0 on a CPU build, the GPUs on a GPU host."""

@@ -26,14 +26,17 @@ class LocalEngine:
     """The `api.Engine` of a model loaded here. `encoder`: an already loaded model (tests), else loaded by `start`."""
 
     def __init__(self, settings: Settings, encoder: Encoder | None = None, *, on_batch: BatchListener | None = None,
-                 on_change: ChangeListener | None = None, on_fault: Callable[[BaseException], None] | None = None):
+                 on_change: ChangeListener | None = None, on_fault: Callable[[BaseException], None] | None = None,
+                 decodes_videos: bool = True):
+        """`decodes_videos`: whether this process decodes videos (in the sandbox, `Settings.video_sandbox`): not an
+        engine process behind front-ends, which decode for it."""
         self.settings = settings
         self.encoder = encoder
         self.on_batch, self.on_change, self.on_fault = on_batch, on_change, on_fault
         self.state = "starting"
         self.model: ModelInfo | None = None
         self.batcher: Batcher | None = None
-        self._decode = Decoder(settings.preprocess_workers, video_sandbox(settings))
+        self._decode = Decoder(settings.preprocess_workers, video_sandbox(settings) if decodes_videos else None)
 
     @property
     def alive(self) -> bool:

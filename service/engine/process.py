@@ -269,7 +269,7 @@ async def _serve(conn, settings, restarts: int) -> int:
         log.critical("exiting after a device fault (%s); the server starts a new engine process", e)
         loop.call_later(0.2, os._exit, FAULT_EXIT_CODE)
 
-    engine = LocalEngine(settings, on_fault=on_fault)
+    engine = LocalEngine(settings, on_fault=on_fault, decodes_videos=False)  # the front-ends decode
     server = EngineServer(engine, restarts)
     engine.on_batch = server.on_batch
     await engine.start()
