@@ -138,6 +138,26 @@ def cpu_seconds(server: subprocess.Popen, engine_pids: set[int]) -> tuple[float,
     return front, eng, other
 
 
+def frontends(server: subprocess.Popen, engine_pids: set[int]) -> dict[int, tuple[float, int]]:
+    """Each HTTP front-end's (CPU seconds so far, client connections open now): the kernel spreads connections over
+    the front-ends by a hash of their addresses, so a closed loop's clients are not spread evenly, and the busiest
+    front-end saturates first."""
+    out = {}
+    for p in psutil.Process(server.pid).children(recursive=True):
+        if p.pid in engine_pids:
+            continue
+        try:
+            conns = p.net_connections("tcp")
+            ports = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+            if ports:
+                t = p.cpu_times()
+                out[p.pid] = (t.user + t.system, sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port in ports
+                                                     for c in conns))
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
 def settle(server: subprocess.Popen, engine_pids: set[int], idle_cores: float = 1.0, timeout_s: float = 60.0) -> float:
     """Wait until what a start leaves running after readiness (standby engines' and video sandboxes' imports) uses
     less than `idle_cores`, over one second: the load then measures the server as it serves, not its last seconds
@@ -210,10 +230,10 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
                                                               clients)))
     gen.start()
     time.sleep(warmup_s)
-    t0, e0, c0 = time.perf_counter(), engines(url), cpu_seconds(server, pids)
+    t0, e0, c0, f0 = time.perf_counter(), engines(url), cpu_seconds(server, pids), frontends(server, pids)
     spies = profile(server, pids, seconds - 1, profile_out, tag) if profile_out is not None else []
     time.sleep(seconds)
-    t1, e1, c1 = time.perf_counter(), engines(url), cpu_seconds(server, pids)
+    t1, e1, c1, f1 = time.perf_counter(), engines(url), cpu_seconds(server, pids), frontends(server, pids)
     memory = gpu_memory()
     gen.join()
     for spy in spies:
@@ -238,6 +258,9 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
         "other_cpu_s_per_image": round((c1[2] - c0[2]) / max(1, images), 5),
         "frontend_cores": round((c1[0] - c0[0]) / wall, 2),
         "settled_after_s": settled_s,
+        # each front-end's cores and client connections, busiest first
+        "per_frontend": sorted(([round((f1[pid][0] - f0[pid][0]) / wall, 2), f1[pid][1]] for pid in f1 if pid in f0),
+                               reverse=True),
         "generator": {"achieved_requests_per_s": round(box["achieved_per_s"], 1),
                       "cpu_cores": round(box["generator_cpu_s"] / box["wall_s"], 2),
                       "clients": clients, "host_cores": os.cpu_count(), "statuses_all": box["statuses"]},
