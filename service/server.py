@@ -128,14 +128,15 @@ def _frontends_class():
     return Frontends
 
 
-def limit_connections(config, settings: Settings) -> None:
-    """uvicorn's `config` bounded by the settings' connection limits (`uvicorn_server.LimitedHttpToolsProtocol`)."""
+def limit_connections(config, settings: Settings, balance: tuple[str, int] | None = None) -> None:
+    """uvicorn's `config` bounded by the settings' connection limits (`uvicorn_server.LimitedHttpToolsProtocol`);
+    `balance`: the front-ends' connection board (`uvicorn_server.ConnectionBoard`: its file, the front-ends)."""
     from .uvicorn_server import ConnectionLimits, LimitedHttpToolsProtocol
 
     config.http = LimitedHttpToolsProtocol
     config.connection_limits = ConnectionLimits(settings.max_connections, settings.max_header_bytes,
                                                 settings.max_headers, settings.header_timeout_s,
-                                                settings.body_timeout_s)
+                                                settings.body_timeout_s, balance)
     config.timeout_keep_alive = settings.keep_alive_s
 
 
@@ -240,7 +241,9 @@ def run_with_engine_process(settings: Settings) -> int:
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
     config.drain_s = settings.drain_s
-    limit_connections(config, settings)
+    workers = settings.resolved_http_workers()
+    limit_connections(config, settings, (os.path.join(workdir, "frontend-connections"), workers) if workers > 1
+                      else None)
     try:
         frontends = _frontends_class()(config)
     except OSError as e:

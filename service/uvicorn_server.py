@@ -159,12 +159,88 @@ class ConnectionLimits:
     answered 503 and closed), `max_header_bytes` of request line and headers and `max_headers` headers (431),
     `header_timeout_s` from a connection's opening or a request's first byte to its last header, and `body_timeout_s`
     from there to its body's last byte (408, then closed). Idle keep-alive connections close after uvicorn's
-    `timeout_keep_alive`."""
+    `timeout_keep_alive`. `balance`: the front-ends' `ConnectionBoard` (its file and how many front-ends share it),
+    where there are several."""
 
     def __init__(self, max_connections: int, max_header_bytes: int, max_headers: int, header_timeout_s: float,
-                 body_timeout_s: float):
+                 body_timeout_s: float, balance: tuple[str, int] | None = None):
         self.max_connections, self.max_header_bytes, self.max_headers = max_connections, max_header_bytes, max_headers
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.balance = balance
+
+
+class ConnectionBoard:
+    """The client connections each front-end holds, shared by the front-ends: a small file with a row per front-end
+    (written by it alone), read when a request arrives.
+
+    The kernel spreads new connections over the front-ends' listening sockets by a hash of their addresses, so
+    keep-alive clients are spread unevenly: 256 over 24 front-ends put about 17 on the busiest and 5 on the least,
+    and the busiest saturates its core while others idle, holding its clients' requests back from the GPUs. A
+    front-end holding more than its share (`over`) answers a request with `Connection: close`, one every
+    `SHED_INTERVAL_S` at most; the client reconnects, and its new connection lands by the hash on any front-end.
+
+    A front-end claims the first row no live process holds (a lock on the row's byte, released however its holder
+    exits), and zeroes the rows no live process holds, a dead predecessor's count among them. Where the file cannot
+    be made or every row is held, `open` returns None and connections stay where the kernel put them."""
+
+    ROWS = 128  # the most front-ends (64), twice over: a restarted one may start before its predecessor is gone
+    SHED_INTERVAL_S = 0.05
+    # a front-end over its share by more than this many connections, or this fraction of the share, sheds one
+    SLACK, SLACK_FRACTION = 2, 0.25
+
+    def __init__(self, fd: int, row: int, frontends: int):
+        import mmap
+
+        self._fd, self.row, self.frontends = fd, row, frontends  # the descriptor holds the row's lock
+        self._map = mmap.mmap(fd, self.ROWS * 8)
+        self.table = memoryview(self._map).cast("q")
+        self.table[row] = 0
+        self.shed_at = 0.0
+
+    @classmethod
+    def open(cls, path: str, frontends: int) -> "ConnectionBoard | None":
+        import fcntl
+
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size < cls.ROWS * 8:
+                os.ftruncate(fd, cls.ROWS * 8)  # zeros; the same size whichever front-end comes first
+            mine, free = None, []
+            for row in range(cls.ROWS):
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, row)
+                except OSError:
+                    continue
+                if mine is None:
+                    mine = row
+                else:
+                    free.append(row)
+            if mine is not None:
+                board = cls(fd, mine, frontends)
+                for row in free:  # no live process holds it: whatever it says is stale
+                    board.table[row] = 0
+                    fcntl.lockf(fd, fcntl.LOCK_UN, 1, row)
+                return board
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+    def set(self, connections: int) -> None:
+        self.table[self.row] = connections
+
+    def over(self, connections: int, now: float) -> bool:
+        """Whether a front-end holding `connections` should shed one now (and, if so, that it has)."""
+        if now - self.shed_at < self.SHED_INTERVAL_S:
+            return False
+        share = sum(self.table) / self.frontends
+        if connections <= share + max(self.SLACK, self.SLACK_FRACTION * share):
+            return False
+        self.shed_at = now
+        return True
 
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
@@ -176,6 +252,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     client holds memory with headers of any size (read before authentication), and descriptors with connections
     that send a byte a second, or nothing."""
 
+    _board: "ConnectionBoard | None | bool" = False  # this process's, opened at its first connection (False: not yet)
+
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self.limits: ConnectionLimits = config.connection_limits
@@ -185,8 +263,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._in_headers = True  # reading a request line and headers (or waiting for one)
 
+    @classmethod
+    def board(cls, limits: ConnectionLimits) -> "ConnectionBoard | None":
+        if cls._board is False:
+            cls._board = ConnectionBoard.open(*limits.balance) if limits.balance is not None else None
+        return cls._board
+
     def connection_made(self, transport):
         super().connection_made(transport)
+        if (board := self.board(self.limits)) is not None:
+            board.set(len(self.connections))
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, f"more than {self.limits.max_connections} connections to this process",
                          retry_after=True)
@@ -196,6 +282,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc):
         self._cancel()
         super().connection_lost(exc)
+        if (board := self.board(self.limits)) is not None:
+            board.set(len(self.connections))
 
     def _cancel(self):
         if self._timer is not None:
@@ -282,6 +370,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._arm(self.limits.body_timeout_s)
         super().on_headers_complete()
+        board = self.board(self.limits)
+        if board is not None and self.cycle is not None and board.over(len(self.connections), self.loop.time()):
+            self.cycle.keep_alive = False  # answered with `Connection: close`: the client reconnects elsewhere
 
     def on_body(self, body):
         if self._refused is None:
