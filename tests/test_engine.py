@@ -476,8 +476,9 @@ def test_the_warm_up_compiles_what_videos_and_odd_sized_packs_meet(tiny):
     """Triton compiles a kernel anew per specialisation of its integer arguments (1, divisible by 16, neither): a
     first video or a first pack of equal odd-length segments compiled for seconds while every request waited (the
     soak's stalls). On a GPU the warm-up runs, per length class, a lone image and a full pack of one size for a
-    patch count divisible by 16 and one that is not, a two-frame video alone, two in a row, and among images; each
-    pack is one the tower encodes."""
+    patch count divisible by 16 and one that is not, a few images of the first (a pack that does not fill the GPU,
+    of several segments: a 4-GPU node's packs of five 448 px images compiled mid-traffic), a two-frame video alone,
+    two in a row, and among images; each pack is one the tower encodes."""
     from service.engine.build import _warm_packs
     from service.settings import Settings
 
@@ -499,6 +500,9 @@ def test_the_warm_up_compiles_what_videos_and_odd_sized_packs_meet(tiny):
     for counts in (lone, uniform):
         sizes = {t * h * w for kind, (t, h, w) in counts if kind == "image"}
         assert any(n % 16 == 0 for n in sizes) and any(n % 16 for n in sizes), sizes
+    few = {(len(p), p[0]) for p in packs if 1 < len(p) < max(len(q) for q in packs if q[0] == p[0])
+           and len(set(p)) == 1 and p[0][0] == "image" and p[0][1][1] * p[0][1][2] % 16 == 0}
+    assert {n for n, _ in few} >= {2, 3}, few
     videos = [p for p in packs if any(kind == "video" and grid[0] == 2 for kind, grid in p)]
     assert any(len(p) == 1 for p in videos)  # alone
     assert any(len(p) == 2 and p[0] == p[1] for p in videos)  # two in a row: one patchify run of two

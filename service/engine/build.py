@@ -174,8 +174,10 @@ def _warm_packs(enc: Encoder, settings: Settings) -> None:
     arguments (equal to 1, divisible by 16, neither), and a pack's row counts, segment lengths and frame counts are
     such arguments: a first video, or a first pack of equal segments of an odd length, compiled for seconds while
     every request waited (the soak's stalls). So each length class runs with a side whose patch count is divisible
-    by 16 and one whose count is not, alone, as a full pack of one size and mixed; and a two-frame video (four
-    frames) alone, two in a row and among images."""
+    by 16 and one whose count is not, alone, as a full pack of one size and mixed, and a few of the first, which
+    is a pack that does not fill the GPU (`kernels.attention.tiles.load_class`) of several segments whose rows are
+    divisible by 16 (a front-end-bound node sends 448 px images five at a time: a second's compile mid-traffic);
+    and a two-frame video (four frames) alone, two in a row and among images."""
     from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
     rng = np.random.default_rng(0)
@@ -204,7 +206,7 @@ def _warm_packs(enc: Encoder, settings: Settings) -> None:
             enc.encode([item])
             continue
         packs = [[item], [smaller], [item] * full(side * side), [smaller] * full((side - 2) ** 2), [item, smaller],
-                 [item, smaller] * (full(side * side) // 2)]
+                 [item, smaller] * (full(side * side) // 2), [item] * 2, [item] * 3]
         if 2 * 2 * (side - 2) ** 2 + side * side <= settings.max_batch_patches:
             clip = video(side - 2)
             packs += [[clip], [clip, clip], [item, clip], [clip, item, clip]]
