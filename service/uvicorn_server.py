@@ -208,21 +208,18 @@ class ConnectionBoard:
         try:
             if os.fstat(fd).st_size < cls.ROWS * 8:
                 os.ftruncate(fd, cls.ROWS * 8)  # zeros; the same size whichever front-end comes first
-            mine, free = None, []
+            board = None
             for row in range(cls.ROWS):
                 try:
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, row)
                 except OSError:
                     continue
-                if mine is None:
-                    mine = row
-                else:
-                    free.append(row)
-            if mine is not None:
-                board = cls(fd, mine, frontends)
-                for row in free:  # no live process holds it: whatever it says is stale
-                    board.table[row] = 0
+                if board is None:
+                    board = cls(fd, row, frontends)
+                else:  # no live process holds it: whatever it says is stale (held for this moment only, so that
+                    board.table[row] = 0  # front-ends opening the board at once each find a row)
                     fcntl.lockf(fd, fcntl.LOCK_UN, 1, row)
+            if board is not None:
                 return board
         except OSError:
             pass
@@ -252,7 +249,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     client holds memory with headers of any size (read before authentication), and descriptors with connections
     that send a byte a second, or nothing."""
 
-    _board: "ConnectionBoard | None | bool" = False  # this process's, opened at its first connection (False: not yet)
+    _boards: dict = {}  # this process's `ConnectionBoard` by its file, opened at its first connection (or None)
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -265,9 +262,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     @classmethod
     def board(cls, limits: ConnectionLimits) -> "ConnectionBoard | None":
-        if cls._board is False:
-            cls._board = ConnectionBoard.open(*limits.balance) if limits.balance is not None else None
-        return cls._board
+        if limits.balance is None:
+            return None
+        if limits.balance not in cls._boards:
+            cls._boards[limits.balance] = ConnectionBoard.open(*limits.balance)
+        return cls._boards[limits.balance]
 
     def connection_made(self, transport):
         super().connection_made(transport)

@@ -66,6 +66,23 @@ def test_a_front_end_claims_a_free_row_and_clears_the_rows_of_the_dead(tmp_path)
         holders[0][0].communicate("\n", timeout=30)
 
 
+def test_front_ends_opening_the_board_at_once_each_get_a_row_of_their_own(tmp_path):
+    """A front-end opens the board at its first connection, and a load that starts with hundreds of connections
+    opens it in every front-end at once: each finds a row (a scan holds at most one row besides its own), no two
+    the same."""
+    path = str(tmp_path / "board")
+    holders = [subprocess.Popen([sys.executable, "-c", _HOLDER, path, str(n + 1)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, cwd=os.getcwd()) for n in range(8)]
+    try:
+        rows = [int(p.stdout.readline()) for p in holders]
+        assert sorted(rows) == list(range(8))
+        with open(path, "rb") as f:
+            assert sorted(memoryview(f.read()).cast("q")[:8]) == list(range(1, 9))
+    finally:
+        for p in holders:
+            p.communicate("\n", timeout=30)
+
+
 def _frontend_connections(server_pid: int, port: int) -> dict[int, int]:
     out = {}
     for p in psutil.Process(server_pid).children(recursive=True):
