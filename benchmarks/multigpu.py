@@ -307,13 +307,13 @@ def fault(binary: str, url: str, bodies: Path, work: Path, seconds: float, clien
 
 
 def start_phases(log: Path) -> dict:
-    """Where a start's time went, from the server's log: from the engines' launch to every engine ready, to the last
-    front-end's modules imported and to the last front-end's connection to an engine after that (wall); per engine
+    """Where a start's time went, from the server's log: the main process's own start until it launches the engines
+    (and the device count within it); from the engines' launch to every engine ready, to the last front-end's
+    modules imported and to the last front-end's connection to an engine after that (wall); per engine
     its modules' import, its device binding, the model's load and the warm-up, and per front-end its modules' import
     (seconds, as each process logs them, in the order they were logged)."""
     stamps: dict[str, float] = {}
-    per: dict[str, list[float]] = {"imported_s": [], "device_s": [], "loaded_s": [], "warmed_s": [],
-                                   "frontend_imported_s": []}
+    per: dict = {"imported_s": [], "device_s": [], "loaded_s": [], "warmed_s": [], "frontend_imported_s": []}
     for line in log.read_text(errors="replace").splitlines():
         parts = line.split(" ", 2)
         try:
@@ -323,6 +323,10 @@ def start_phases(log: Path) -> dict:
             continue
         if "service.server: engine processes on" in line:
             stamps.setdefault("launched", t)
+            if "after the server's launch" in line:  # the main process's own start, before it launches engines
+                words = line.replace("(", " ").replace(";", " ").split()
+                per["main_process_s"] = float(words[words.index("after") - 2])
+                per["devices_counted_s"] = float(words[words.index("counted") + 2].rstrip(")"))
         elif "engines ready" in line and "service.server" in line:
             stamps.setdefault("all_ready", t)
         elif "front-end process: modules imported in" in line:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
+import time
 
 from pydantic import ValidationError
 
@@ -21,6 +23,17 @@ from .runtime import configure_process, settle_process
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+def seconds_since_launch() -> float:
+    """Seconds since this process started (Linux: /proc), for the start-up's log; NaN elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime: clock ticks after boot
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
 
 
 def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> socket.socket:
@@ -38,7 +51,6 @@ def listening_socket(config, reuse_port: bool = True, listen: bool = True) -> so
 
 
 def _frontends_class():
-    import os
     import threading
 
     from uvicorn.config import STARTUP_FAILURE
@@ -197,7 +209,6 @@ def run_with_engine_process(settings: Settings) -> int:
     restarting it if it dies (service.engine.supervisor). SIGTERM/SIGINT: the front-ends drain, then the engines
     finish their queues and exit; 0 when all of that went cleanly. When every engine has given up: 2 if the model
     could not be loaded, 3 if the engines crash-looped."""
-    import os
     import shutil
     import tempfile
     import threading
@@ -217,7 +228,9 @@ def run_with_engine_process(settings: Settings) -> int:
     else:
         metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(workdir, "metrics")
         os.makedirs(metrics_dir)
+    counting = time.perf_counter()
     devices = settings.resolved_devices()
+    counted_s = time.perf_counter() - counting
     try:
         device_envs = [engine_environment(device) for device in devices]
     except ValueError as e:
@@ -265,7 +278,8 @@ def run_with_engine_process(settings: Settings) -> int:
             backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
             window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
             on_restart=restarts.labels(device).inc, on_give_up=gave_up, name=device))
-    log.info("engine processes on %s", ", ".join(devices))
+    log.info("engine processes on %s (%.2f s after the server's launch; devices counted in %.2f s)", ", ".join(devices),
+             seconds_since_launch(), counted_s)
     for engine in engines:
         engine.start()
 
