@@ -10,6 +10,10 @@
 #   bash benchmarks/device_run.sh wait 540
 # Follow a start only with `wait` calls, never a bare `sleep`: a call that comes later than 30 s after the last one
 # lands on a fresh machine, where `wait` says so at once and a sleep spends its whole length for nothing.
+# Machines went back between two calls issued back to back (twice on 2026-11-27, with the run half done): where the
+# steps allow, prefer calls that each run whole steps in the foreground within the 600 s limit
+# (`bash benchmarks/gpu_suite.sh multigpu-fp8` in one call, `multigpu-bf16-scaling multigpu-startup` in the next), so
+# that a lost machine costs a fresh start and not the run in progress.
 set -uo pipefail
 RUN_DIR=${RUN_DIR:-/tmp/device_run}
 case ${1:-} in
