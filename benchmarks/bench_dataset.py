@@ -33,7 +33,7 @@ SHARD = 1000
 
 
 def tree_cpu_s(root: int) -> float:
-    """CPU seconds (user + system) of `root` and every live descendant (psutil, as `multigpu.cpu_seconds`)."""
+    """CPU seconds (user + system) of `root` and every live descendant (psutil, as `multigpu.server_cpu`)."""
     import psutil
 
     try:

@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 from pathlib import Path
 
 import httpx
@@ -111,11 +112,29 @@ def engines(url: str) -> list[dict]:
     return httpx.get(f"{url}/info", timeout=10).json()["engine"]["engines"]
 
 
-def cpu_seconds(server: subprocess.Popen, engine_pids: set[int]) -> tuple[float, float, float]:
-    """CPU seconds so far of the server's HTTP front-ends (the processes listening on its port), of its engines, and
-    of the rest: the main process, standby engines, the front-ends' video sandboxes (whose start-up imports follow
-    readiness)."""
-    front = eng = other = 0.0
+class ServerCpu(NamedTuple):
+    """CPU seconds so far of a server's processes: each HTTP front-end's (a process listening on its port), with its
+    client connections open now; its engines'; and the rest's: the main process, standby engines, the front-ends'
+    video sandboxes (whose start-up imports follow readiness)."""
+
+    frontends: dict[int, tuple[float, int]]
+    engines: float
+    other: float
+
+    @property
+    def front(self) -> float:
+        return sum(cpu for cpu, _ in self.frontends.values())
+
+    @property
+    def total(self) -> float:
+        return self.front + self.engines + self.other
+
+
+def server_cpu(server: subprocess.Popen, engine_pids: set[int]) -> ServerCpu:
+    """`ServerCpu` now. The kernel spreads connections over the front-ends by a hash of their addresses, so a closed
+    loop's clients are not spread evenly, and the busiest front-end saturates first: hence each one's own."""
+    front: dict[int, tuple[float, int]] = {}
+    eng = other = 0.0
     procs = [psutil.Process(server.pid)]
     try:
         procs += psutil.Process(server.pid).children(recursive=True)
@@ -124,38 +143,18 @@ def cpu_seconds(server: subprocess.Popen, engine_pids: set[int]) -> tuple[float,
     for p in procs:
         try:
             t = p.cpu_times()
-            listening = p.pid not in engine_pids and any(c.status == psutil.CONN_LISTEN
-                                                         for c in p.net_connections("tcp"))
+            conns = p.net_connections("tcp") if p.pid not in engine_pids and p.pid != server.pid else []
         except psutil.NoSuchProcess:
             continue
         s = t.user + t.system
+        ports = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
         if p.pid in engine_pids:
             eng += s
-        elif listening and p.pid != server.pid:
-            front += s
+        elif ports:
+            front[p.pid] = (s, sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port in ports for c in conns))
         else:
             other += s
-    return front, eng, other
-
-
-def frontends(server: subprocess.Popen, engine_pids: set[int]) -> dict[int, tuple[float, int]]:
-    """Each HTTP front-end's (CPU seconds so far, client connections open now): the kernel spreads connections over
-    the front-ends by a hash of their addresses, so a closed loop's clients are not spread evenly, and the busiest
-    front-end saturates first."""
-    out = {}
-    for p in psutil.Process(server.pid).children(recursive=True):
-        if p.pid in engine_pids:
-            continue
-        try:
-            conns = p.net_connections("tcp")
-            ports = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
-            if ports:
-                t = p.cpu_times()
-                out[p.pid] = (t.user + t.system, sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port in ports
-                                                     for c in conns))
-        except psutil.NoSuchProcess:
-            continue
-    return out
+    return ServerCpu(front, eng, other)
 
 
 def settle(server: subprocess.Popen, engine_pids: set[int], idle_cores: float = 1.0, timeout_s: float = 60.0) -> float:
@@ -163,10 +162,10 @@ def settle(server: subprocess.Popen, engine_pids: set[int], idle_cores: float = 
     less than `idle_cores`, over one second: the load then measures the server as it serves, not its last seconds
     of start-up. Seconds waited."""
     t0 = time.perf_counter()
-    last = sum(cpu_seconds(server, engine_pids))
+    last = server_cpu(server, engine_pids).total
     while time.perf_counter() - t0 < timeout_s:
         time.sleep(1.0)
-        now = sum(cpu_seconds(server, engine_pids))
+        now = server_cpu(server, engine_pids).total
         if now - last < idle_cores:
             break
         last = now
@@ -230,10 +229,10 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
                                                               clients)))
     gen.start()
     time.sleep(warmup_s)
-    t0, e0, c0, f0 = time.perf_counter(), engines(url), cpu_seconds(server, pids), frontends(server, pids)
+    t0, e0, c0 = time.perf_counter(), engines(url), server_cpu(server, pids)
     spies = profile(server, pids, seconds - 1, profile_out, tag) if profile_out is not None else []
     time.sleep(seconds)
-    t1, e1, c1, f1 = time.perf_counter(), engines(url), cpu_seconds(server, pids), frontends(server, pids)
+    t1, e1, c1 = time.perf_counter(), engines(url), server_cpu(server, pids)
     memory = gpu_memory()
     gen.join()
     for spy in spies:
@@ -253,14 +252,15 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
         "images_per_s": round(len(ok) / seconds, 1), "p50_ms": round(float(np.percentile(lat, 50)), 1),
         "p99_ms": round(float(np.percentile(lat, 99)), 1), "statuses": statuses, "engines": per_engine,
         "images_per_forward": round(len(ok) / max(1, sum(e["forwards"] for e in per_engine)), 1),
-        "frontend_cpu_s_per_image": round((c1[0] - c0[0]) / max(1, images), 5),
-        "engine_cpu_s_per_image": round((c1[1] - c0[1]) / max(1, images), 5),
-        "other_cpu_s_per_image": round((c1[2] - c0[2]) / max(1, images), 5),
-        "frontend_cores": round((c1[0] - c0[0]) / wall, 2),
+        "frontend_cpu_s_per_image": round((c1.front - c0.front) / max(1, images), 5),
+        "engine_cpu_s_per_image": round((c1.engines - c0.engines) / max(1, images), 5),
+        "other_cpu_s_per_image": round((c1.other - c0.other) / max(1, images), 5),
+        "frontend_cores": round((c1.front - c0.front) / wall, 2),
         "settled_after_s": settled_s,
-        # each front-end's cores and client connections, busiest first
-        "per_frontend": sorted(([round((f1[pid][0] - f0[pid][0]) / wall, 2), f1[pid][1]] for pid in f1 if pid in f0),
-                               reverse=True),
+        # each front-end's cores over the window and its client connections at its start (the load is running
+        # then; at its end the generator may be closing them), busiest first
+        "per_frontend": sorted(([round((c1.frontends[pid][0] - cpu) / wall, 2), conns]
+                                for pid, (cpu, conns) in c0.frontends.items() if pid in c1.frontends), reverse=True),
         "generator": {"achieved_requests_per_s": round(box["achieved_per_s"], 1),
                       "cpu_cores": round(box["generator_cpu_s"] / box["wall_s"], 2),
                       "clients": clients, "host_cores": os.cpu_count(), "statuses_all": box["statuses"]},
