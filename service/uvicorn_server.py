@@ -1,6 +1,6 @@
 """uvicorn's server and front-end process as `serve` runs them: a shutdown that loses no request, the one-process
-server's drain on SIGTERM. A module of its own (no imports from the service): the front-end process object is
-pickled into the spawned child, which finds its class here."""
+server's drain on SIGTERM. A module of its own (of the service it imports only `shared_rows`, standard library
+alone): the front-end process object is pickled into the spawned child, which finds its class here."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import time
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.supervisors.multiprocess import Process
+
+from .shared_rows import claim_row
 
 
 def accept_queue(sock) -> int | None:
@@ -179,9 +181,9 @@ class ConnectionBoard:
     front-end holding more than its share (`over`) answers a request with `Connection: close`, one every
     `SHED_INTERVAL_S` at most; the client reconnects, and its new connection lands by the hash on any front-end.
 
-    A front-end claims the first row no live process holds (a lock on the row's byte, released however its holder
-    exits), and zeroes the rows no live process holds, a dead predecessor's count among them. Where the file cannot
-    be made or every row is held, `open` returns None and connections stay where the kernel put them."""
+    A front-end claims a row (`shared_rows.claim_row`) and zeroes the others no live process holds, a dead
+    predecessor's count among them. Where the file cannot be made or every row is held, `open` returns None and
+    connections stay where the kernel put them."""
 
     ROWS = 128  # the most front-ends (64), twice over: a restarted one may start before its predecessor is gone
     SHED_INTERVAL_S = 0.05
@@ -194,37 +196,15 @@ class ConnectionBoard:
         self._fd, self.row, self.frontends = fd, row, frontends  # the descriptor holds the row's lock
         self._map = mmap.mmap(fd, self.ROWS * 8)
         self.table = memoryview(self._map).cast("q")
-        self.table[row] = 0
         self.shed_at = 0.0
 
     @classmethod
     def open(cls, path: str, frontends: int) -> "ConnectionBoard | None":
-        import fcntl
-
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # rows no live process holds are zeroed: a dead front-end's count would stay in the share
+            claimed = claim_row(path, cls.ROWS, 8, clear_stale=True)
         except OSError:
             return None
-        try:
-            if os.fstat(fd).st_size < cls.ROWS * 8:
-                os.ftruncate(fd, cls.ROWS * 8)  # zeros; the same size whichever front-end comes first
-            board = None
-            for row in range(cls.ROWS):
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, row)
-                except OSError:
-                    continue
-                if board is None:
-                    board = cls(fd, row, frontends)
-                else:  # no live process holds it: whatever it says is stale (held for this moment only, so that
-                    board.table[row] = 0  # front-ends opening the board at once each find a row)
-                    fcntl.lockf(fd, fcntl.LOCK_UN, 1, row)
-            if board is not None:
-                return board
-        except OSError:
-            pass
-        os.close(fd)
-        return None
+        return cls(*claimed, frontends) if claimed is not None else None
 
     def set(self, connections: int) -> None:
         self.table[self.row] = connections

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import itertools
 import logging
 import mmap
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from .. import errors
+from ..shared_rows import claim_row
 from ..model.results import EncodeResult
 from ..model.preprocess import Preprocessed
 from .api import (BatchListener, BatchStats, ChangeListener, Decoder, DeviceStats, Encoded, EngineStats, ModelInfo,
@@ -42,9 +42,8 @@ class LoadBoard:
     queue depth an engine last reported to it are a stale fraction of that, and with a few dozen requests per GPU
     that left one GPU idle while another queued.
 
-    A front-end claims the first row no live process holds (a lock on the row's byte, released when its holder
-    exits however it exits) and zeroes it. Where the file cannot be made or every row is held, `open` returns None
-    and the front-end routes by what it alone sees."""
+    A front-end claims the first row no live process holds and zeroes it (`shared_rows.claim_row`). Where the file
+    cannot be made or every row is held, `open` returns None and the front-end routes by what it alone sees."""
 
     ROWS = 128  # the most front-ends (64), twice over: a restarted one may start before its predecessor is gone
 
@@ -52,28 +51,15 @@ class LoadBoard:
         self._fd, self.row = fd, row  # the descriptor holds the row's lock: kept open for the process's life
         self._map = mmap.mmap(fd, self.ROWS * engines * 8)
         self.table = np.ndarray((self.ROWS, engines), np.int64, self._map)
-        self.table[row] = 0
 
     @classmethod
     def open(cls, path: str, engines: int) -> "LoadBoard | None":
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            claimed = claim_row(path, cls.ROWS, engines * 8)
         except OSError as e:
             log.warning("no shared load board at %s (%s): requests are routed by this front-end's view", path, e)
             return None
-        try:
-            if os.fstat(fd).st_size < cls.ROWS * engines * 8:
-                os.ftruncate(fd, cls.ROWS * engines * 8)  # zeros; the same size whichever front-end comes first
-            for row in range(cls.ROWS):
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, row)
-                except OSError:
-                    continue
-                return cls(fd, row, engines)
-        except OSError as e:
-            log.warning("no shared load board at %s (%s): requests are routed by this front-end's view", path, e)
-        os.close(fd)
-        return None
+        return cls(*claimed, engines) if claimed is not None else None
 
     def set(self, engine: int, patches: int) -> None:
         self.table[self.row, engine] = patches
