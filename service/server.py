@@ -254,9 +254,8 @@ def run_with_engine_process(settings: Settings) -> int:
                             workers=settings.resolved_http_workers(), log_level="info", access_log=False,
                             timeout_graceful_shutdown=settings.graceful_shutdown_s)
     config.drain_s = settings.drain_s
-    workers = settings.resolved_http_workers()
-    limit_connections(config, settings, (os.path.join(workdir, "frontend-connections"), workers) if workers > 1
-                      else None)
+    limit_connections(config, settings, (os.path.join(workdir, "frontend-connections"), config.workers)
+                      if config.workers > 1 else None)
     try:
         frontends = _frontends_class()(config)
     except OSError as e:
