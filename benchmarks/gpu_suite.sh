@@ -89,5 +89,16 @@ for step in "${@:-all}"; do
     # 20 minutes and more: start it with benchmarks/device_run.sh (a session of its own) and collect soak.json with
     # its `wait`. Carry the generator, built here: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
     soak) python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 ;;
+    # on a machine of two GPUs: the soak on GPU 0 and, once it has measured its capacity (their compiles would lower
+    # it), the census, the start-up benchmark and the GPU tests (two processes) one after another on GPU 1
+    soak-beside) CUDA_VISIBLE_DEVICES=0 python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 &
+                 soak=$!
+                 until grep -q "^capacity" "$OUT/soak.log" || ! kill -0 $soak 2>/dev/null; do sleep 5; done
+                 export CUDA_VISIBLE_DEVICES=1
+                 python -m benchmarks.kernel_census --out "$OUT" > "$OUT/kernel_census.log" 2>&1
+                 python -m benchmarks.bench_service --startup-only --out "$OUT" > "$OUT/bench_service_startup.log" 2>&1
+                 python -m pytest -q -x -p no:cacheprovider ${XDIST/-n 4/-n 2} tests/gpu > "$OUT/gpu_tests.log" 2>&1
+                 unset CUDA_VISIBLE_DEVICES; wait $soak
+                 tail -n 3 "$OUT/kernel_census.log" "$OUT/bench_service_startup.log" "$OUT/gpu_tests.log" "$OUT/soak.log" ;;
   esac
 done
