@@ -70,7 +70,11 @@ if triton is not None:
         normalised = tl.load(TABLE + value * C + c[None, :], mask=mask)
         tl.store(OUT + rows64[:, None] * (C * TP * P * P) + cols[None, :], normalised, mask=mask)
 
-    @triton.jit
+    # The shape arguments are not specialised: Triton compiles a kernel anew for each integer argument's class
+    # (equal to 1, divisible by 16, neither), and here the classes follow the image's size, so a warm-up of a few
+    # sizes missed the most common one (448 px: 28 patches a row, 784 a frame) and its first request compiled for
+    # a quarter-second while every other waited. The loads are per-channel gathers: nothing vectorises on them.
+    @triton.jit(do_not_specialize=["n_rows", "n_frames", "height", "width", "grid_w", "rows_per_frame"])
     def _patchify_kernel(FRAMES, TABLE, OUT, n_rows, n_frames, height, width, grid_w, rows_per_frame,
                          C: tl.constexpr, TP: tl.constexpr, P: tl.constexpr, M: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):

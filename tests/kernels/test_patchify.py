@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
+from conftest import gpu
 from kernels.patchify import patchify, patchify_dims, reference_patchify
 
 
@@ -71,3 +74,44 @@ def test_patchify_refuses_what_does_not_fit():
     frames = torch.zeros(1, 1, 32, 48, 3, dtype=torch.uint8)  # 48 is not a multiple of patch * merge
     with pytest.raises(ValueError, match="do not fit"):
         patchify(frames, torch.zeros(256, 3), torch.empty(6, 1536), 2, 16, 2)
+
+
+def test_the_kernel_compiles_once_whatever_the_items_shape():
+    """Triton compiles a kernel anew for each class of its integer arguments (equal to 1, divisible by 16,
+    neither). The kernel's are all shapes (rows, frames, height, width, grid width, rows a frame): were they
+    specialised, an image size the warm-up never ran compiled on its first request while every other waited (the
+    soak at cfe8cd5: 448 px, 28 patches a row, 266 ms). None of them may be."""
+    from kernels.patchify import _patchify_kernel
+
+    jit = getattr(_patchify_kernel, "kwargs", None)  # the interpreter keeps the decorator's arguments
+    names = (jit.get("do_not_specialize") or []) if jit is not None else \
+        [p.name for p in _patchify_kernel.params if p.do_not_specialize]
+    arguments = list(inspect.signature(getattr(_patchify_kernel, "fn", _patchify_kernel)).parameters)
+    ints = [a for a in arguments[:arguments.index("C")] if a not in ("FRAMES", "TABLE", "OUT")]
+    assert ints and set(ints) <= set(names), (ints, names)
+
+
+@gpu
+def test_no_image_or_video_shape_compiles_the_kernel_after_the_first():
+    """On the GPU, through the launcher the engine uses: after one image, images of other sizes (divisible by 16
+    patches a row and not), a run of three, and videos of one, two and three frames compile nothing more."""
+    from kernels.runtime import LAUNCHER
+
+    def run(batch, frames, height, width):
+        pixels = torch.randint(0, 256, (batch, frames, height, width, 3), dtype=torch.uint8, device="cuda")
+        table = torch.randn(256, 3, device="cuda", dtype=torch.bfloat16)
+        rows = batch * -(-frames // 2) * (height // 16) * (width // 16)
+        out = torch.empty(rows, 3 * 2 * 16 * 16, dtype=torch.bfloat16, device="cuda")
+        got = patchify(pixels, table, out, 2, 16, 2, use_triton=True)
+        assert torch.equal(got, reference_patchify(pixels, table, torch.empty_like(out), 2, 16, 2))
+
+    run(1, 1, 512, 512)
+    before, serving = LAUNCHER.compiles_while_serving, LAUNCHER.serving
+    LAUNCHER.serving = True
+    try:
+        for shape in [(1, 1, 448, 448), (1, 1, 480, 640), (3, 1, 224, 224), (1, 1, 96, 4096), (1, 2, 448, 448),
+                      (1, 3, 320, 544), (2, 4, 64, 64)]:
+            run(*shape)
+    finally:
+        LAUNCHER.serving = serving
+    assert LAUNCHER.compiles_while_serving == before
