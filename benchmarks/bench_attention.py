@@ -7,7 +7,7 @@ Baselines, each given its preferred layout outside the timed region:
   varlen_attn: torch.nn.attention.varlen.varlen_attn on packed (T, H, D);
   flex: compiled FlexAttention with a document mask.
 Ours reads q/k/v as strided views of one fused (T, 3, H, D) QKV buffer, as the tower produces them (Q and K
-rotated by the QKV projection's epilogue); on Hopper the tuner picks between the TMA and Gluon kernels.
+rotated by the QKV projection's epilogue); on Hopper the Gluon kernel, its tile picked by the tuner.
 
 Usage: python -m benchmarks.bench_attention [--head-dims 64 72] [--cases 1x16384 mixed8] [--no-flex]
 Prints a table, then one JSON line; writes attention.json (+ attention.png) under $OUT or benchmarks/results.

@@ -49,7 +49,7 @@ for step in "${@:-all}"; do
     # the served path's forward against the eager one on the same packs, kernel by kernel (profile_served.json)
     profile-served) python -m tools.profile_served --out "$OUT" 2>&1 | tee "$OUT/profile_served.log" ;;
     profile) python -m tools.profile_tower --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_tower.log" ;;
-    sweep) for g in ${SWEEP_GROUPS:-baseline ptr tma tma-ws}; do
+    sweep) for g in ${SWEEP_GROUPS:-baseline ptr gluon}; do
              timeout ${SWEEP_TIMEOUT:-240} python -m tools.sweep_attention --group $g --out "$OUT/sweep.jsonl" \
                ${SWEEP_ARGS:-} > "$OUT/sweep_$g.log" 2>&1 || echo "sweep group $g: exit $?"
            done ;;
@@ -59,28 +59,18 @@ for step in "${@:-all}"; do
     service-fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 \
                    | tee "$OUT/bench_service_fp8.log" ;;
     kernels) python -m benchmarks.bench_kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" ;;
-    # which attention implementation wins each served shape, by how much (kernel_census.json; run on H100 and H200)
-    census) python -m benchmarks.kernel_census --out "$OUT" 2>&1 | tee "$OUT/kernel_census.log" ;;
     # device_multigpu.sh's steps (multigpu-tests, multigpu-startup, multigpu-bf16, multigpu-fp8, ...), so that one
     # device_run.sh start chains them with the single-GPU steps on a multi-GPU machine
     multigpu-*) bash benchmarks/device_multigpu.sh "${step#multigpu-}" ;;
     startup) python -m benchmarks.bench_service --startup-only --out "$OUT" > "$OUT/bench_service_startup.log" 2>&1
              tail -n 3 "$OUT/bench_service_startup.log" ;;
-    # the starts, the recoveries and a fresh server's single image (service_startup.json) on GPU 0, beside the census
-    # on GPU 1: two single-GPU measurements at once on a multi-GPU machine
-    startup-census) CUDA_VISIBLE_DEVICES=0 python -m benchmarks.bench_service --startup-only --out "$OUT" \
-                      > "$OUT/bench_service_startup.log" 2>&1 &
-                    CUDA_VISIBLE_DEVICES=1 python -m benchmarks.kernel_census --out "$OUT" > "$OUT/kernel_census.log" 2>&1
-                    wait; tail -n 3 "$OUT/bench_service_startup.log" "$OUT/kernel_census.log" ;;
-    # on a machine of two or more GPUs: the GPU tests on GPU 0, the kernels' on GPU 1 (in 12 processes: compiling is
-    # most of their time) and the census on the last GPU, at once
-    tests-census) n=$(nvidia-smi -L | wc -l)
-                  CUDA_VISIBLE_DEVICES=$((n - 1)) python -m benchmarks.kernel_census --out "$OUT" > "$OUT/kernel_census.log" 2>&1 &
-                  CUDA_VISIBLE_DEVICES=1 python -m pytest -q -x -p no:cacheprovider -n 12 --dist load -m gpu tests/kernels \
-                    > "$OUT/gpu_kernel_tests.log" 2>&1 &
-                  CUDA_VISIBLE_DEVICES=0 python -m pytest -q -x -p no:cacheprovider $XDIST tests/gpu tests/test_video.py \
-                    > "$OUT/gpu_tests.log" 2>&1
-                  wait; tail -n 4 "$OUT/gpu_tests.log" "$OUT/gpu_kernel_tests.log" "$OUT/kernel_census.log" ;;
+    # on a machine of two or more GPUs: the GPU tests on GPU 0 and the kernels' on GPU 1 (in 12 processes: compiling
+    # is most of their time), at once
+    tests-2gpu) CUDA_VISIBLE_DEVICES=1 python -m pytest -q -x -p no:cacheprovider -n 12 --dist load -m gpu tests/kernels \
+                  > "$OUT/gpu_kernel_tests.log" 2>&1 &
+                CUDA_VISIBLE_DEVICES=0 python -m pytest -q -x -p no:cacheprovider $XDIST tests/gpu tests/test_video.py \
+                  > "$OUT/gpu_tests.log" 2>&1
+                wait; tail -n 4 "$OUT/gpu_tests.log" "$OUT/gpu_kernel_tests.log" ;;
     # the vLLM layout beside the tokens under the compiled generator, at 256 and 64 MiB of shared memory (epd.json)
     epd) python -m benchmarks.bench_epd --out "$OUT" 2>&1 | tee "$OUT/bench_epd.log" ;;
     # issue 57's open loop: 90% of the closed-loop capacity, images only, 2 minutes (openloop_p99.json)
@@ -90,15 +80,14 @@ for step in "${@:-all}"; do
     # its `wait`. Carry the generator, built here: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
     soak) python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 ;;
     # on a machine of two GPUs: the soak on GPU 0 and, once it has measured its capacity (their compiles would lower
-    # it), the census, the start-up benchmark and the GPU tests (two processes) one after another on GPU 1
+    # it), the start-up benchmark and the GPU tests (two processes) one after another on GPU 1
     soak-beside) CUDA_VISIBLE_DEVICES=0 python -m benchmarks.soak --out "$OUT" ${SOAK_ARGS:-} > "$OUT/soak.log" 2>&1 &
                  soak=$!
                  until grep -q "^capacity" "$OUT/soak.log" || ! kill -0 $soak 2>/dev/null; do sleep 5; done
                  export CUDA_VISIBLE_DEVICES=1
-                 python -m benchmarks.kernel_census --out "$OUT" > "$OUT/kernel_census.log" 2>&1
                  python -m benchmarks.bench_service --startup-only --out "$OUT" > "$OUT/bench_service_startup.log" 2>&1
                  python -m pytest -q -x -p no:cacheprovider ${XDIST/-n 4/-n 2} tests/gpu > "$OUT/gpu_tests.log" 2>&1
                  unset CUDA_VISIBLE_DEVICES; wait $soak
-                 tail -n 3 "$OUT/kernel_census.log" "$OUT/bench_service_startup.log" "$OUT/gpu_tests.log" "$OUT/soak.log" ;;
+                 tail -n 3 "$OUT/bench_service_startup.log" "$OUT/gpu_tests.log" "$OUT/soak.log" ;;
   esac
 done

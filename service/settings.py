@@ -106,9 +106,6 @@ class Settings(BaseSettings):
     residual_in_gemm: bool | None = Field(None, description="the output projections add the residual in their GEMM's "
                                           "epilogue and the norm after them only normalises; None: on for Qwen3-VL, "
                                           "off for Qwen2.5-VL (whose bf16 error it raises)")
-    tma_descriptors: Literal["auto", "host", "device"] = Field(
-        "auto", description="where the Hopper attention kernel encodes its K/V tensor descriptors; auto: on the "
-                            "device for small eager calls that no launch plan replays, on the host otherwise")
     launch_plans: bool = Field(True, description="record each attention call layout's launch once and replay it "
                                                  "(a fraction of the full path's host time per call)")
     lean_launch: bool = Field(True, description="launch compiled Triton kernels through this project's launcher (the "

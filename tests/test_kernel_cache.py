@@ -19,8 +19,8 @@ def test_tuning_cache_round_trip(tmp_path, monkeypatch, caplog):
     from service.engine.build import load_tuning, save_tuning, tuning_cache
     from service.settings import Settings
 
-    key = ("tma", 1, 1, 72, False, True, torch.bfloat16, torch.device("cuda", 0))
-    other = ("ptr", 0, 0, 64, True, True, torch.float16, torch.device("cuda", 0))
+    key = ("gluon", 1, 1, 72, torch.bfloat16, torch.device("cuda", 0))
+    other = ("ptr", 0, 0, 64, torch.float16, torch.device("cuda", 0))
     monkeypatch.setattr(runtime.TUNER, "choices", {key: GluonTile(128, 64, 8, 2)})
     path = tmp_path / "tuning" / "x.pkl"
     save_tuning(path)

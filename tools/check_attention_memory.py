@@ -1,26 +1,21 @@
-"""Every Triton attention configuration we may launch (the TMA kernel's with RoPE in the kernel, the Gluon kernel's
-without), on small awkward packs, for compute-sanitizer:
+"""Every Hopper attention configuration we may launch (the Gluon kernel's candidates), on small awkward packs, for
+compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python -m tools.check_attention_memory [--kernels tma gluon]
+    compute-sanitizer --tool memcheck python -m tools.check_attention_memory
 
 Each launch is also checked against the fp32 reference; prints one line per (head_dim, config)."""
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 
 from kernels.rope import apply_vision_rope, vision_rope_cos_sin, vision_rope_inv_freq
 from kernels.attention.launch import triton_varlen_attention
 from kernels.attention.reference import reference_varlen_attention
-from kernels.attention.tiles import gluon_candidates, tma_candidates
+from kernels.attention.tiles import gluon_candidates
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", nargs="+", choices=["tma", "gluon"], default=["tma", "gluon"])
-    kernels = ap.parse_args().kernels
     lengths = [1, 7, 131, 200, 64, 65, 17]
     for head_dim in (64, 72, 80):
         g = torch.Generator().manual_seed(head_dim)
@@ -39,9 +34,7 @@ def main():
             print(f"d{head_dim} {cfg}: rel err {err:.2e}", flush=True)
             assert err < 1e-2, err
 
-        for cfg in tma_candidates(head_dim) if "tma" in kernels else []:
-            check(cfg, triton_varlen_attention(q, k, v, cu, max(lengths), config=cfg))
-        for cfg in gluon_candidates(head_dim) if "gluon" in kernels else []:
+        for cfg in gluon_candidates(head_dim):
             check(cfg, triton_varlen_attention(q, k, v, cu, max(lengths), config=cfg))
 
 

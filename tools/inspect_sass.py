@@ -1,15 +1,13 @@
-"""What ptxas makes of the Hopper attention kernel, on any machine (no GPU needed): registers, spills,
-programs per SM, whether ptxas serialised the wgmmas, and the main loop's SASS instruction mix.
+"""What ptxas makes of the Hopper attention kernel (`kernels/attention/gluon.py`), on any machine (no GPU needed):
+registers, spills, programs per SM, whether ptxas serialised the wgmmas, and the main loop's SASS instruction mix.
 
-The kernel is compiled for sm90 with the specialisation Triton's JIT gives the benchmark's 8x1024 call: 16-byte
-aligned pointers, the strides of the fused QKV layout marked divisible by 16 where they are (not the head strides
-at 72), no RoPE, host tensor descriptors. Without those
-divisibility hints the same source compiles to a different kernel (2-byte loads of Q, ~30 more registers),
-so numbers read off a plain `triton.compile` are not the ones the GPU runs.
+Each tile is compiled for sm90 with the specialisation Triton's JIT gives a fused QKV buffer and a contiguous output
+(the integer arguments marked divisible by 16 where they are: not O's head stride at 72). Without those hints the
+same source compiles to a different kernel, so numbers read off a plain `triton.compile` are not the ones the GPU
+runs.
 
-Usage: python -m tools.inspect_sass [--head-dims 64 72] [--tiles 64/128/4/2 ...] [--json]
-       python -m tools.inspect_sass --head-dims 64 --gluon [128/128/8/2/128 ...] [--uniform]  (the Gluon kernel)
-       python -m tools.inspect_sass --dump-gluon-sass DIR  (every Gluon candidate's SASS, both variants, one file
+Usage: python -m tools.inspect_sass [--head-dims 64 72] [--gluon [128/128/8/2/128 ...]] [--uniform] [--json]
+       python -m tools.inspect_sass --dump-gluon-sass DIR  (every candidate's SASS, both variants, one file
        each: diff two such directories to see whether a change to the kernel's source changed what the GPU runs)
 (with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled)
 """
@@ -27,54 +25,18 @@ import tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kernels.attention import gluon as ga
 from kernels.attention import tiles
-from kernels.attention.tma import _varlen_attn_fwd_tma
 
 SM90_REGS = 65536
 SM90_SMEM = 227 * 1024  # per SM, usable by CTAs (each also reserves 1 KB)
-POINTERS = ("Q", "O", "CU_SEQLENS", "K", "V", "R")  # 16-byte aligned: the JIT marks them divisible by 16
-
-
-def _int_args(head_dim: int, heads: int, lengths: list[int]) -> dict[str, int]:
-    """The integer arguments of a call on a fused `(T, 3, H, D)` QKV buffer (the benchmark's layout), contiguous
-    output: the JIT marks those divisible by 16 (at 72, the head strides are 72)."""
-    total = sum(lengths)
-    return {"stride_qt": 3 * heads * head_dim, "stride_qh": head_dim, "stride_ot": heads * head_dim,
-            "stride_oh": head_dim, "stride_kt": 3 * heads * head_dim, "stride_vt": 3 * heads * head_dim,
-            "stride_r": -(-total // 8) * 8 + 8 * len(lengths), "total_tokens": total}
-
-
 def _tool(name: str) -> str:
     if name == "ptxas":  # the one Triton itself runs for sm90 (3.9 ships two)
         from triton.backends.nvidia.compiler import get_ptxas
 
         return get_ptxas(90).path
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def compile_tile(config: tiles.TmaTile, head_dim: int, heads: int = 16, lengths: list[int] = (1024,) * 8) -> dict:
-    d0, d1, _ = tiles.head_dim_split(head_dim)
-    w1 = max(d1, 16)
-    bn = config.block_n
-    fn = _varlen_attn_fwd_tma
-    sig = {name: "i32" for name in fn.arg_names}
-    sig.update({name: "*bf16" for name in POINTERS})
-    sig.update(CU_SEQLENS="*i32", qk_scale="fp32", k_desc=f"tensordesc<bf16[{bn},{d0}]>",
-               v_desc=f"tensordesc<bf16[{bn},{d0}]>", r_desc=f"tensordesc<bf16[{w1},{bn}]>" if d1 else "constexpr")
-    constants = dict(HEAD_DIM=head_dim, D0=d0, W1=w1, HEADS=heads, BLOCK_M=config.block_m, BLOCK_N=bn,
-                     WS=config.ws, TAIL_IN_LOOP=config.tail_in_loop, DEVICE_DESC=False, TAIL_N=config.tail_n,
-                     Q_TAIL=config.q_tail, SUM_MMA=config.sum_mma, R_ROWS=tiles.remainder_rows(head_dim))
-    if not d1:
-        constants["r_desc"] = None
-    sig.update({name: "constexpr" for name in constants})
-    divisible = list(POINTERS) + [n for n, value in _int_args(head_dim, heads, list(lengths)).items() if value % 16 == 0]
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
-    kernel = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 128),
-                            options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    return _report(kernel, config.num_warps, config.block_m * bn)
 
 
 def gluon_fields(config: tiles.GluonTile) -> tuple[int, ...]:
@@ -167,9 +129,8 @@ def _opcode(instruction: str) -> str:
 
 def _main_loop(sass: str, needs=("HGMMA", "MUFU", "UTMALDG")) -> list[str]:
     """The steady-state step of the full tile: of the backward branches whose span holds a wgmma, an exp2 and (in
-    `needs`; not where a loader partition issues them) a TMA load, the longest unmasked one (a `q_tail` kernel also
-    has the half-height tile's loop; ptxas may place other blocks inside a loop's address span, so spans are told
-    apart by their content)."""
+    `needs`; not where a loader partition issues them) a TMA load, the longest unmasked one (ptxas may place other
+    blocks inside a loop's address span, so spans are told apart by their content)."""
     instructions, labels, pending = [], {}, None
     for line in sass.splitlines():
         line = line.strip()
@@ -194,11 +155,10 @@ def _main_loop(sass: str, needs=("HGMMA", "MUFU", "UTMALDG")) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 72])
-    ap.add_argument("--tiles", nargs="*", default=None, help="block_m/block_n/warps/stages (default: the candidates)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
-    ap.add_argument("--gluon", nargs="*", default=None,
-                    help="the Gluon kernel instead: its tiles, or block_m/block_n/warps/ring/register cap"
-                         "[/remainder copied[/sum_mma[/ws]]]")
+    ap.add_argument("--gluon", nargs="*", default=[],
+                    help="tiles as block_m/block_n/warps/ring/register cap[/remainder copied[/sum_mma[/ws]]] "
+                         "(default: the candidates)")
     ap.add_argument("--uniform", action="store_true", help="the Gluon kernel's variant for packs of equal lengths")
     ap.add_argument("--dump-gluon-sass", metavar="DIR", help="write every Gluon candidate's SASS under DIR")
     args = ap.parse_args()
@@ -212,30 +172,14 @@ def main():
                     with open(os.path.join(args.dump_gluon_sass, name + ".sass"), "w") as f:
                         f.write(compile_gluon_tile(tile, head_dim, uniform)["sass"])
         return
-    if args.gluon is not None:
-        for head_dim in args.head_dims:
-            listed = [gluon_fields(c) for c in tiles.GLUON_TILES.get(head_dim, [])]
-            for tile in [tuple(map(int, t.split("/"))) for t in args.gluon] or listed:
-                report = compile_gluon_tile(tile, head_dim, args.uniform)
-                del report["sass"]
-                name = "/".join(map(str, map(int, tile)))
-                print(json.dumps({"head_dim": head_dim, "tile": name, **report}) if args.json
-                      else f"gluon d{head_dim} {name} {report}", flush=True)
-        return
     for head_dim in args.head_dims:
-        configs = tiles.tma_candidates(head_dim)
-        if args.tiles:
-            configs = [tiles.TmaTile(bm, bn, w, s, tail_n=tiles.TAIL_N, q_tail=bm >= 128)
-                       for bm, bn, w, s in (map(int, t.split("/")) for t in args.tiles)]
-        for config in configs:
-            tile = f"{config.block_m}/{config.block_n}/{config.num_warps}/{config.num_stages}"
-            report = compile_tile(config, head_dim)
+        listed = [gluon_fields(c) for c in tiles.GLUON_TILES.get(head_dim, [])]
+        for tile in [tuple(map(int, t.split("/"))) for t in args.gluon] or listed:
+            report = compile_gluon_tile(tile, head_dim, args.uniform)
             del report["sass"]
-            if args.json:
-                print(json.dumps({"head_dim": head_dim, "tile": tile, **report}), flush=True)
-            else:
-                print(f"d{head_dim} {tile}", report, flush=True)
-
+            name = "/".join(map(str, map(int, tile)))
+            print(json.dumps({"head_dim": head_dim, "tile": name, **report}) if args.json
+                  else f"gluon d{head_dim} {name} {report}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,14 @@
 """Tile-configuration sweep for the varlen attention kernels, against the best PyTorch path.
 
-For each case of the attention benchmark and each kernel variant (pointer or TMA kernel, tile sizes,
-warps, pipeline depth, warp specialisation) it checks the
+For each case of the attention benchmark and each kernel variant (the pointer kernel autotuned, the Gluon kernel's
+tiles: sizes, warps, ring depth, register cap, remainder copied or in place, persistent programs) it checks the
 output against batched SDPA on the same data and times it (median, CUDA events). One JSON object per
 (variant, case) is appended to the output file as it is measured, so a variant that crashes the
 process (a miscompile) loses only itself: run risky groups in their own process.
 
-Usage: python -m tools.sweep_attention --group tma --head-dims 64 72 --out $OUT/sweep.jsonl
-Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), tma (TMA kernel grid),
-tma-ws (warp-specialised TMA), tma-tail (the TMA candidates with each tail mode), tma-qtail (the TMA
-candidates with and without half-height last query tiles), spec:<config> (one TMA configuration, see
-parse_spec).
+Usage: python -m tools.sweep_attention --group gluon --head-dims 64 72 --out $OUT/sweep.jsonl
+Groups: baseline (PyTorch paths), ptr (the pointer kernel, autotuned), gluon (the Gluon kernel's candidates, and
+each with the remainder copied and in place), spec:<config> (one Gluon configuration, see parse_spec).
 """
 
 from __future__ import annotations
@@ -26,15 +24,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import ATTENTION_CASES, attention_flops, bench, packed_qkv
 from kernels.attention import sdpa_varlen_attention, triton_varlen_attention
-from kernels.attention.tiles import TmaTile, tma_candidates
+from kernels.attention.tiles import GluonTile, gluon_candidates
 
 
-def parse_spec(spec: str) -> TmaTile:
-    """'bm/bn/warps/stages[/ws][/tail]', e.g. 128/64/4/2/tail (TMA kernel)."""
-    parts = spec.split("/")
-    bm, bn, w, s = (int(x) for x in parts[:4])
-    flags = parts[4:]
-    return TmaTile(bm, bn, w, s, ws="ws" in flags, tail_in_loop="tail" in flags)
+def parse_spec(spec: str) -> GluonTile:
+    """'bm/bn/warps/ring[/register cap[/remainder copied[/sum_mma[/persistent]]]]', e.g. 128/128/8/2/128 (the
+    order of `tools.inspect_sass --gluon`)."""
+    fields = [int(x) for x in spec.split("/")]
+    bm, bn, w, ring, cap, rem_copy, sum_mma, persistent = fields + [0, 1, 1, 0][len(fields) - 4:]
+    return GluonTile(bm, bn, w, ring, persistent=persistent, maxnreg=cap, rem_copy=bool(rem_copy),
+                     sum_mma=bool(sum_mma))
 
 
 def variants(group: str, head_dim: int):
@@ -43,17 +42,9 @@ def variants(group: str, head_dim: int):
         return [cfg]
     if group == "ptr":
         return [None]
-    if group == "tma":
-        tiles = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3),
-                 (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 2), (256, 64, 8, 3), (256, 128, 8, 2)]
-        return [TmaTile(bm, bn, w, s) for bm, bn, w, s in tiles]
-    if group == "tma-tail":  # the TMA candidates with a segment's last keys in one masked tile or narrow steps
-        return [dataclasses.replace(c, tail_n=t) for c in tma_candidates(head_dim) for t in (0, 16, 32)]
-    if group == "tma-qtail":  # the TMA candidates with a segment's last query rows in a full or half tile
-        return [dataclasses.replace(c, q_tail=q) for c in tma_candidates(head_dim) for q in (False, True)]
-    if group == "tma-ws":
-        return [TmaTile(bm, bn, w, s, ws=True)
-                for bm, bn, w, s in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3)]]
+    if group == "gluon":
+        return list(dict.fromkeys(dataclasses.replace(c, rem_copy=r) for c in gluon_candidates(head_dim)
+                                  for r in (False, True)))
     raise ValueError(group)
 
 

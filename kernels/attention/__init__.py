@@ -5,9 +5,11 @@ everywhere else (CPU, older GPUs, no Triton). Both take exactly the same argumen
 The choice is made once per device (`resolve_backend`); the caller may force one (the service's
 `Settings.attention_backend`).
 
-Modules, one kernel each: `pointer.py` (portable), `tma.py` (Hopper, `tl.dot`), `gluon.py` (Hopper, Gluon);
-their shared `@triton.jit` helpers in `common.py`; the launch configurations in `tiles.py`; checks, kernel choice
-and launch plans in `launch.py`; the reference and the SDPA fallback in `reference.py`.
+Modules: the kernels `pointer.py` (portable) and `gluon.py` (Hopper, the tower's fused QKV layout), the latter's
+remainder copy and layout check in `remainder.py`; the pointer kernel's `@triton.jit` helpers in `common.py`; the
+launch configurations in `tiles.py`; checks, kernel choice and launch plans in `launch.py`; the reference and the
+SDPA fallback in `reference.py`. (A third, a Hopper kernel in `tl.dot` with TMA descriptors, won none of the
+served shapes on H100 or H200 and was removed: docs/PERFORMANCE.md, "Attention kernels".)
 """
 
 from __future__ import annotations

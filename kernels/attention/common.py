@@ -1,6 +1,5 @@
-"""`@triton.jit` helpers shared by the pointer kernel (`pointer.py`) and the Hopper TMA kernel (`tma.py`):
-the program prologue, tile loads, the online-softmax step, the normalised store, and
-the alignment hints both kernels give the compiler."""
+"""`@triton.jit` helpers of the pointer kernel (`pointer.py`) and the remainder copy (`remainder.py`): the program
+prologue, tile loads, the online-softmax step, the normalised store, and the alignment hints given the compiler."""
 
 import triton
 import triton.language as tl
@@ -28,16 +27,13 @@ def load_tile(BASE, rows, cols, stride_t, row_mask, MASK_ROWS: tl.constexpr):
     return tl.load(ptrs)
 
 @triton.jit
-def softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i, SUM_MMA: tl.constexpr = False):
+def softmax_update(qk, qk_scale, acc0, acc1, l_i, m_i):
     """Online-softmax step on raw scores: the running max is kept in scaled base-2 units, so each
-    score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32).
-    SUM_MMA: the caller sums P's rows on the tensor cores (a row of ones in V's transposed remainder,
-    into acc1), so l_i is left alone: no add per score, no cross-thread reduction."""
+    score costs one FMA before the exp2. Returns the rescaled accumulators and P (float32)."""
     m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
     alpha = tl.math.exp2(m_i - m_ij)
-    if not SUM_MMA:
-        l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
     return acc0 * alpha[:, None], acc1 * alpha[:, None], l_i, m_ij, p
 
 @triton.jit
@@ -45,7 +41,7 @@ def store_out(o_rows, acc0, acc1, l_i, m_mask, HEAD_DIM: tl.constexpr, D0: tl.co
                REM_COL: tl.constexpr, W1: tl.constexpr):
     """Normalise and store: chunk 0 (columns [0, D0)), then the remainder accumulator's columns
     [REM_COL, REM_COL + W1) that are neither in chunk 0 nor past the head (the pointer kernel's
-    remainder is the last W1 columns, the TMA kernel's starts at D0)."""
+    remainder is the last W1 columns)."""
     inv_l = 1.0 / l_i
     tl.store(o_rows + tl.arange(0, D0)[None, :], (acc0 * inv_l[:, None]).to(o_rows.dtype.element_ty),
              mask=m_mask[:, None])
@@ -63,7 +59,7 @@ def multiple_of_8(x):
 
 @triton.jit
 def r_start(tok0, seg):
-    """R's column of a segment's first token: 16-byte aligned (a TMA box's start in the contiguous dim
-    must be; an unaligned one is an illegal instruction), and past the previous segment's
+    """R's column of a segment's first token (`remainder.kv_remainder_t`): 16-byte aligned (a TMA box's start in the
+    contiguous dim must be; an unaligned one is an illegal instruction), and past the previous segment's
     columns: round_up(tok0, 8) + 8 * seg, written so that the compiler sees a multiple of 8."""
     return 8 * ((tok0 + 7) // 8 + seg)

@@ -1,6 +1,6 @@
 """Hopper varlen attention in Gluon (Triton's explicit-layout dialect).
 
-The contract of `kernels.varlen_attention`'s TMA kernel, narrowed to the tower's layout: q, k, v `(total_tokens,
+The contract of `kernels.varlen_attention`, narrowed to the tower's layout: q, k, v `(total_tokens,
 heads, head_dim)` views that are the three parts of one buffer's rows, each token's heads side by side (the fused
 QKV buffer; `qkv_columns`), read through descriptors over q's rows; int32 `cu_seqlens`, one program per (query
 tile, head, segment); tiles past a segment's end exit at once. Q, K and V arrive by TMA (K and V in NBUF-deep
@@ -13,7 +13,7 @@ D0 = 64. Q's remainder is a [BLOCK_M, 16] box whose columns past the head are ze
 V's come two ways, picked per size class by the tuner:
 - in place: [BLOCK_N, 16] boxes from column D0 of the head. At 72 they run into the next head's first columns (or
   TMA's zero fill), which Q's zeros cancel in QK^T and which land in accumulator columns never stored in PV;
-- copied (REM_T): R, K's and V's remainder transposed (`tma.kv_remainder_t`), [16, BLOCK_N] boxes of
+- copied (REM_T): R, K's and V's remainder transposed (`remainder.kv_remainder_t`), [16, BLOCK_N] boxes of
   one column per token. At 72 R has a row of ones after V's rows, so PV's remainder wgmma also sums P's rows and the
   softmax sums none. That pays from 1x4096 up; on packs of short segments the copy does not.
 
@@ -600,7 +600,7 @@ def _template(rows: int, cols: int, dtype: torch.dtype) -> dict:
 def _descriptor(t: torch.Tensor, shape: list[int], stride: int, rows: int, cols: int):
     """A host descriptor over `t`'s rows (`shape`, row stride `stride`), [rows, cols] boxes. Its constructor's checks
     (alignment, shape, dtype) cost host time per descriptor, up to four per launch at 72; the launcher has
-    checked the same (16-byte aligned base and rows: `tma.tma_layout_ok`), so the fields of a
+    checked the same (16-byte aligned base and rows: `remainder.hopper_layout_ok`), so the fields of a
     validated descriptor with the same box are reused and only the tensor, shape and strides set."""
     return unvalidated(TensorDescriptor, {**_template(rows, cols, t.dtype), "base": t, "shape": shape,
                                           "strides": [stride, 1]})

@@ -9,10 +9,9 @@ the call says `padded`: rows past the segments are padding, as in a CUDA graph c
 Every token attends to every token of its own segment (non-causal), never across segments.
 
 Which kernel runs:
-- on Hopper, with K and V in the fused QKV layout: the tuner picks among the TMA kernel's tiles (`tma.py`) and, at
-  head dims 64, 72 and 80 with q, k and v parts of one buffer's rows, the Gluon kernel's (`gluon.py`), per size
-  class (`tiles.py`);
-- everywhere else (older GPUs, other layouts, the interpreter): the pointer kernel (`pointer.py`).
+- on Hopper, at head dims 64, 72 and 80 with q, k and v parts of one buffer's rows (the tower's fused QKV
+  projection): the Gluon kernel (`gluon.py`), its tile picked by the tuner per size class (`tiles.py`);
+- everywhere else (older GPUs, other head dims and layouts, the interpreter): the pointer kernel (`pointer.py`).
 
 Launch plans: the automatic path's one launch per call is recorded (`runtime.Replay`) under a key of everything its
 checks and choices read, and replayed on later calls with the same key at the tensors' new addresses. A small
@@ -23,55 +22,40 @@ starts over.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from ..runtime import cdiv, choose, interpreting, is_hopper, launch, record
 from .gluon import REM_WIDTH as GLUON_REM_WIDTH
 from .gluon import launch_gluon, qkv_columns
 from .pointer import _varlen_attn_fwd
 from .reference import check_inputs
-from .tiles import (GluonTile, PtrTile, Tile, TmaTile, head_dim_split, hopper_candidates, load_class, ptr_candidates,
+from .remainder import hopper_layout_ok, kv_remainder_t
+from .tiles import (GluonTile, PtrTile, Tile, head_dim_split, hopper_candidates, load_class, ptr_candidates,
                     remainder_rows, seq_bucket)
-from .tma import TensorDescriptor, _varlen_attn_fwd_tma, kv_remainder_t, tma_layout_ok
-
-TMA_DESCRIPTORS = ("auto", "host", "device")
 
 
 @dataclass(frozen=True)
 class LaunchOptions:
     """Process-wide launch options (`configure`; the service sets them from its Settings).
 
-    tma_descriptors: where the TMA kernel's K/V descriptors are encoded. Host: TensorDescriptor arguments, which
-    Triton's launcher encodes at every call (host time). Device: every program builds its own (GPU time, growing with
-    the number of programs); docs/PERFORMANCE.md has both costs. Auto: device descriptors for small calls launched
-    eagerly that no plan replays, host ones otherwise (and always under CUDA-graph capture, where host time is paid
-    once).
     launch_plans: record each call layout's launch once and replay it (False: every call takes the full path)."""
 
-    tma_descriptors: str = "auto"
     launch_plans: bool = True
 
 
 _options = LaunchOptions()
-# total_tokens * max_seqlen * heads * head_dim up to which `auto` encodes descriptors on the device: 1x1024 d64 is
-# 2**30, where host encoding costs more than the kernel's GPU time
-DEVICE_DESC_MAX_WORK = 2 * 2**30
 _plans: dict[tuple, object] = {}
 PLANS_MAX = 256
 
 
-def configure(*, tma_descriptors: str = "auto", launch_plans: bool = True) -> None:
+def configure(*, launch_plans: bool = True) -> None:
     """Set the launch options for this process (and forget recorded plans, which were made under the old ones)."""
     global _options
-    if tma_descriptors not in TMA_DESCRIPTORS:
-        raise ValueError(f"tma_descriptors={tma_descriptors!r}: use one of {TMA_DESCRIPTORS}")
-    _options = LaunchOptions(tma_descriptors, bool(launch_plans))
+    _options = LaunchOptions(bool(launch_plans))
     _plans.clear()
 
 
@@ -120,9 +104,10 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=No
     call = _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, config, padded)
     if config is not None:
         _check_pinned(call, config)
-        hopper = not isinstance(config, PtrTile)
+        hopper = isinstance(config, GluonTile)
     else:
-        hopper = block_m is None and _tma_default(q) and tma_layout_ok(q, k, v, call.out)
+        hopper = (block_m is None and call.columns is not None and _hopper_default(q)
+                  and hopper_layout_ok(q, k, v, call.out) and bool(hopper_candidates(q.shape[2])))
     if hopper:
         run = functools.partial(_run_hopper, call)
         if config is None:
@@ -159,28 +144,23 @@ def _prepare(q, k, v, cu_seqlens, max_seqlen, softmax_scale, out, config, padded
 
 
 def _check_pinned(call: _Call, config: Tile):
-    if not isinstance(config, PtrTile) and not tma_layout_ok(call.q, call.k, call.v, call.out):
-        raise ValueError("the TMA kernel needs K/V in the fused QKV layout and 16-byte aligned rows and heads in q "
-                         "and out")
+    if isinstance(config, PtrTile):
+        return
+    if not hopper_layout_ok(call.q, call.k, call.v, call.out):
+        raise ValueError("the Gluon kernel needs half-precision K/V in the fused QKV layout and 16-byte aligned rows "
+                         "and heads in q and out")
     head_dim = call.q.shape[2]
     past_power = head_dim - head_dim_split(head_dim)[0]
-    if isinstance(config, GluonTile) and (past_power > GLUON_REM_WIDTH or call.columns is None):
+    if past_power > GLUON_REM_WIDTH or call.columns is None:
         raise ValueError(f"the Gluon kernel needs at most {GLUON_REM_WIDTH} head-dim columns past a power of two, "
                          "and q, k, v as parts of one buffer's rows (the fused QKV layout)")
 
 
-def _choose_hopper(call: _Call, run, plan: tuple | None) -> TmaTile | GluonTile:
-    """The tuner's pick among the TMA and Gluon candidates, timed with the descriptors this call uses: a small call
-    with host descriptors spends more host time than GPU time, and the timings would rank launch overhead, not
-    tiles."""
+def _choose_hopper(call: _Call, run, plan: tuple | None) -> GluonTile:
+    """The tuner's pick among the Gluon candidates for this call's size class."""
     total, heads, head_dim = call.q.shape
-    device_desc = _device_descriptors(total * call.max_seqlen * heads * head_dim, plan is not None)
-    gluon = call.columns is not None
-    key = ("tma", seq_bucket(call.max_seqlen), load_class(total, heads), head_dim, gluon, call.q.dtype, call.q.device)
-
-    def candidates():
-        return [_with_descriptors(c, device_desc) for c in hopper_candidates(head_dim, gluon, call.max_seqlen)]
-    return _with_descriptors(choose(key, candidates, _replaying(run, plan, call.roles)), device_desc)
+    key = ("gluon", seq_bucket(call.max_seqlen), load_class(total, heads), head_dim, call.q.dtype, call.q.device)
+    return choose(key, lambda: hopper_candidates(head_dim, call.max_seqlen), _replaying(run, plan, call.roles))
 
 
 def _run_pointer(call: _Call, c: PtrTile):
@@ -194,67 +174,19 @@ def _run_pointer(call: _Call, c: PtrTile):
         DV1=max(dv1, 16), BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
-def _run_hopper(call: _Call, c: TmaTile | GluonTile):
-    """One Hopper launch of configuration `c`, after the remainder's copy where it reads one: the tuner then times a
+def _run_hopper(call: _Call, c: GluonTile):
+    """One launch of the Gluon kernel, after the remainder's copy where it reads one: the tuner then times a
     candidate that reads the copy with the copy, against one that reads the remainder in place."""
-    q, k, v, out = call.q, call.k, call.v, call.out
-    total, heads, head_dim = q.shape
-    d0, d1, _ = head_dim_split(head_dim)
-    r_rows = remainder_rows(head_dim)
-    gluon = isinstance(c, GluonTile)
-    rem = kv_remainder_t(k, v, call.cu_seqlens, call.max_seqlen) if d1 and (not gluon or c.rem_copy) else None
-    if gluon:
-        launch_gluon(q, out, call.cu_seqlens, call.max_seqlen, call.scale, call.columns, c.block_m, c.block_n,
-                     c.num_warps, c.ring, c.maxnreg, rem, r_rows, c.sum_mma, ws=c.persistent, padded=call.padded)
-        return
-    rem = q if rem is None else rem  # q: a placeholder without a remainder
-    if c.device_desc:
-        _set_scratch_allocator()
-        descs = [None] * 3
-    else:
-        # R's descriptor only exists where the kernel reads it (None is a constexpr there): each descriptor costs
-        # host time at every launch
-        descs = [TensorDescriptor(t, [total, heads * head_dim], [t.stride(0), 1], [c.block_n, d0]) for t in (k, v)]
-        descs.append(TensorDescriptor(rem, list(rem.shape), [rem.stride(0), 1], [d1, c.block_n]) if d1 else None)
-    launch(
-        _varlen_attn_fwd_tma, (cdiv(call.max_seqlen, c.block_m), heads, call.cu_seqlens.numel() - 1), q, *descs, out,
-        call.cu_seqlens, q.stride(0), q.stride(1), out.stride(0), out.stride(1), call.scale, k, v, rem, k.stride(0),
-        v.stride(0), rem.stride(0), total, HEAD_DIM=head_dim, D0=d0, W1=max(d1, 16), HEADS=heads, BLOCK_M=c.block_m,
-        BLOCK_N=c.block_n, WS=bool(c.ws), TAIL_IN_LOOP=c.tail_in_loop, DEVICE_DESC=c.device_desc, TAIL_N=c.tail_n,
-        Q_TAIL=c.q_tail, SUM_MMA=c.sum_mma, R_ROWS=r_rows, num_warps=c.num_warps, num_stages=c.num_stages)
+    head_dim = call.q.shape[2]
+    rem = None
+    if head_dim_split(head_dim)[1] and c.rem_copy:
+        rem = kv_remainder_t(call.k, call.v, call.cu_seqlens, call.max_seqlen)
+    launch_gluon(call.q, call.out, call.cu_seqlens, call.max_seqlen, call.scale, call.columns, c.block_m, c.block_n,
+                 c.num_warps, c.ring, c.maxnreg, rem, remainder_rows(head_dim), c.sum_mma, ws=c.persistent,
+                 padded=call.padded)
 
 
-@functools.lru_cache(maxsize=None)
-def _with_descriptors(config: TmaTile | GluonTile, device_desc: bool) -> TmaTile | GluonTile:
-    """`config` encoding its descriptors where `device_desc` says; a Gluon configuration as it is (that kernel
-    encodes them on the host either way, and a field it ignores would mislead the logged choice)."""
-    if isinstance(config, GluonTile) or config.device_desc == device_desc:
-        return config
-    return dataclasses.replace(config, device_desc=device_desc)
-
-
-def _device_descriptors(work: int, replayable: bool = False) -> bool:
-    """Where `tma_descriptors` is auto: device descriptors for a small eager call that no launch plan will replay
-    (a replay encodes host descriptors once, not per call; and device ones need scratch, which replays refuse)."""
-    mode = _options.tma_descriptors
-    if mode != "auto":
-        return mode == "device"
-    return not replayable and work <= DEVICE_DESC_MAX_WORK and not torch.cuda.is_current_stream_capturing()
-
-
-def _scratch(size: int, alignment: int, stream):
-    """Global scratch for device-side tensor descriptors, from PyTorch's caching allocator (stream-ordered,
-    and taken from the graph pool under CUDA-graph capture)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _set_scratch_allocator():
-    """Triton keeps its allocator in a ContextVar, so each thread that launches (the service's engine
-    thread, warm-up threads, ...) must set it itself; setting it is a ContextVar write, done per launch."""
-    triton.set_allocator(_scratch)
-
-
-def _tma_default(q) -> bool:
+def _hopper_default(q) -> bool:
     if interpreting() or not q.is_cuda:
         return False
     return is_hopper(q.device)
@@ -264,7 +196,7 @@ def _plan_key(q, k, v, cu_seqlens, max_seqlen: int, softmax_scale, out, padded: 
               ) -> tuple[tuple, list[int]]:
     """A call's plan key and its roles' addresses (q, k, v, out or 0, cu_seqlens): shapes, strides, dtypes, devices,
     k's and v's offsets from q, scalars and every address modulo 16 (Triton specialises pointers on 16-byte
-    alignment, and the TMA kernels need it)."""
+    alignment, and the Gluon kernel's descriptors need it)."""
     q_ptr, k_ptr, v_ptr, cu_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens.data_ptr()
     out_ptr = 0 if out is None else out.data_ptr()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,

@@ -5,7 +5,8 @@ once per query tile; full tiles run unmasked, only a segment's last tile is mask
 split into a power-of-two chunk D0 and a remainder read as the *last* columns of each row (for 72: QK^T over
 [0, 64) + [56, 72), PV over [0, 64) + [8, 72)); the overlap is zeroed in Q's registers and not stored from the
 output, so no load needs a column mask (`tiles.head_dim_split` says why PV's remainder is 64 wide).
-It runs on every sm80+ GPU and under Triton's interpreter; on Hopper `tma.py` and `gluon.py` are faster.
+It runs on every sm80+ GPU and under Triton's interpreter; on Hopper, for the fused QKV layout at head dims 64, 72
+and 80, `gluon.py` is faster.
 """
 
 import triton

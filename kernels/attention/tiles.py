@@ -1,7 +1,6 @@
 """Launch configurations of the attention kernels, and the size classes the tuner keys them by.
 
-Each kernel has its own launch configuration type (`PtrTile`, `TmaTile`, `GluonTile`: only the fields that kernel
-reads). Its candidates are a short named list: the tuner (`kernels.runtime.choose`) times them once per key
+Each kernel has its own launch configuration type (`PtrTile`, `GluonTile`: only the fields that kernel reads). Its candidates are a short named list: the tuner (`kernels.runtime.choose`) times them once per key
 (kernel, length class, load class, head dim, dtype, device) and every later call launches the choice. The lists
 hold the tiles that won somewhere in the sweeps (docs/PERFORMANCE.md); a tile that never wins is not
 listed.
@@ -23,9 +22,9 @@ def head_dim_split(head_dim: int) -> tuple[int, int, int]:
 
     The pointer kernel reads the last D1 / DV1 columns of each row; DV1 is at least 64 because Triton 3.6
     on sm90 miscompiles a PV dot whose V operand has rows narrower than 64 columns (out-of-range
-    shared-memory accesses, for N = 16 and 32). The Hopper kernel avoids narrow rows
-    altogether: it reads the remainder of K and V transposed (`kv_remainder_t`), 16 rows of one column
-    per token, so 72 costs 64 + 16 lanes in both QK^T and PV.
+    shared-memory accesses, for N = 16 and 32). The Hopper (Gluon) kernel reads a 16-column remainder, in
+    place or from K's and V's transposed copy (`remainder.kv_remainder_t`), so 72 costs 64 + 16 lanes in both
+    QK^T and PV.
     """
     if head_dim < 16 or head_dim > 256 or head_dim % 8:
         raise ValueError(f"head_dim must be a multiple of 8 in [16, 256]; got {head_dim}")
@@ -72,22 +71,6 @@ class PtrTile:
 
 
 @dataclass(frozen=True)
-class TmaTile:
-    """A launch of the Hopper TMA kernel (`tma.py`: K and V by tensor descriptors, `tl.dot`)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-    ws: bool = False  # Triton's warp specialisation of the K/V loop
-    tail_in_loop: bool = False  # every K/V step masked, one code path (no peeled last step)
-    device_desc: bool = False  # descriptors built on the device (no host encoding per launch)
-    tail_n: int = 0  # width of the narrow steps over a segment's last keys (0: one masked full tile)
-    q_tail: bool = False  # a segment's last query rows, if at most block_m / 2, as a half-height tile
-    sum_mma: bool = True  # P's row sums by the tensor cores where the remainder has a spare column (72)
-
-
-@dataclass(frozen=True)
 class GluonTile:
     """A launch of the Hopper Gluon kernel (`gluon.py`)."""
 
@@ -101,17 +84,11 @@ class GluonTile:
     sum_mma: bool = True  # with the copy: P's row sums from its row of ones, where it has one (72), by the tensor cores
 
 
-Tile = PtrTile | TmaTile | GluonTile  # what the tuner chooses among and a launch runs
+Tile = PtrTile | GluonTile  # what the tuner chooses among and a launch runs
 
 
 def _ptr(block_m: int, block_n: int, warps: int, stages: int) -> PtrTile:
     return PtrTile(block_m, block_n, warps, stages)
-
-
-def _tma(block_m: int, block_n: int, warps: int, stages: int) -> TmaTile:
-    # 128-row tiles run a segment's last query rows as a 64-row tile where they fit one (`q_tail`); 64-row tiles
-    # do not (a 32-row tile is slower per row)
-    return TmaTile(block_m, block_n, warps, stages, tail_n=TAIL_N, q_tail=block_m >= 128)
 
 
 def _gluon(block_m: int, block_n: int, warps: int, ring: int, *, maxnreg: int = 0, rem_copy: bool = False,
@@ -128,20 +105,6 @@ def ptr_candidates(head_dim: int) -> list[PtrTile]:
     """The pointer kernel's candidates for `head_dim`; above 128 only 64-wide K tiles (registers: the fp32
     P tile plus a 256-wide accumulator)."""
     return [c for c in PTR_TILES if head_dim <= 128 or c.block_n <= 64]
-
-
-# A segment's last keys, where they fill at most half a K tile, go in narrow steps of TAIL_N keys.
-TAIL_N = 16
-TMA_TILES = (_tma(64, 128, 4, 2), _tma(64, 64, 4, 3), _tma(128, 64, 4, 3), _tma(128, 64, 8, 3), _tma(128, 128, 4, 3),
-             _tma(128, 64, 4, 2))
-
-
-def tma_candidates(head_dim: int) -> list[TmaTile]:
-    """Every configuration the automatic TMA path may pick for `head_dim` (the GPU tests run each). Head dims past a
-    power of two leave out the 128x128 tile on 4 warps: with the remainder's accumulator it needs more than 255
-    registers and ptxas serialises its wgmmas (half the best tile's speed at 72)."""
-    rem = head_dim_split(head_dim)[1] > 0
-    return [c for c in TMA_TILES if not (rem and c.block_m == c.block_n == 128 and c.num_warps == 4)]
 
 
 # The Gluon kernel's candidates per head dim (`ring`: the K/V ring's depth; `persistent`: programs per SM of the
@@ -168,12 +131,11 @@ def gluon_candidates(head_dim: int) -> list[GluonTile]:
     return list(GLUON_TILES[head_dim])
 
 
-def hopper_candidates(head_dim: int, gluon: bool, max_seqlen: int | None = None) -> list[TmaTile | GluonTile]:
-    """Every configuration the automatic Hopper path may pick: the TMA kernel's, and with `gluon` (no RoPE in the
-    kernel, q, k and v parts of one buffer's rows: `gluon.qkv_columns`) the Gluon kernel's. With `max_seqlen` up to
-    1024, no Gluon candidate copies the remainder: the copy pays only from 1x4096 up, and its second launch and
-    descriptor cost host time, which small calls are bound by."""
-    own = gluon_candidates(head_dim) if gluon else []
+def hopper_candidates(head_dim: int, max_seqlen: int | None = None) -> list[GluonTile]:
+    """Every configuration the automatic Hopper path may pick (q, k and v parts of one buffer's rows:
+    `gluon.qkv_columns`). With `max_seqlen` up to 1024, none copies the remainder: the copy pays only from 1x4096
+    up, and its second launch and descriptor cost host time, which small calls are bound by."""
+    own = gluon_candidates(head_dim)
     if max_seqlen is not None and seq_bucket(max_seqlen) < 2:
         own = [c for c in own if not (c.rem_copy and head_dim_split(head_dim)[1])]
-    return tma_candidates(head_dim) + own
+    return own

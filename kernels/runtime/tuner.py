@@ -29,7 +29,7 @@ class Tuner:
                  capturing: Callable[[], bool] = lambda: torch.cuda.is_current_stream_capturing()):
         self.choices: dict[tuple, object] = {}
         # what each key's choice rested on: (candidate, median ms) of every candidate, first with the short timings,
-        # then of those re-timed longer (the same list where none was); for benchmarks (`benchmarks.kernel_census`)
+        # then of those re-timed longer (the same list where none was); for benchmarks that ask what a choice rested on
         self.timings: dict[tuple, tuple[list, list]] = {}
         self.timer = timer
         self.capturing = capturing

@@ -32,7 +32,7 @@ def configure_runtime(settings: Settings) -> None:
     """Process-wide switches of the kernels, Triton and cuBLAS, before the model's first forward: Triton compiles
     into `cache_dir` (unless TRITON_CACHE_DIR names another place)."""
     set_cublaslt_workspace(settings.cublaslt_workspace_kib)
-    configure_attention(tma_descriptors=settings.tma_descriptors, launch_plans=settings.launch_plans)
+    configure_attention(launch_plans=settings.launch_plans)
     allow_lean_launch(settings.lean_launch)
     if settings.cache_dir and "TRITON_CACHE_DIR" not in os.environ:
         os.environ["TRITON_CACHE_DIR"] = _writable_dir(Path(settings.cache_dir) / "triton")

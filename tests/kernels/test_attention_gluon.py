@@ -22,25 +22,24 @@ from conftest import GPU_LENGTHS as LENGTHS, check_attention_configs, gpu, make_
 
 
 def test_gluon_kernel_only_where_it_applies():
-    """The automatic Hopper path offers the Gluon kernel only at the head dims it was measured at, without RoPE in
-    the kernel and with q in the fused QKV layout (its Q arrives by TMA too); a pinned Gluon configuration outside
-    those is refused, not misread."""
+    """The automatic Hopper path offers the Gluon kernel only at the head dims it was measured at, and only its
+    candidates (the TMA kernel that competed with it won none of the served shapes: removed); a pinned Gluon
+    configuration outside those head dims or layouts is refused, not misread."""
     from kernels.attention.gluon import gluon_available
-    from kernels.attention.tiles import GLUON_HEAD_DIMS, gluon_candidates, hopper_candidates, tma_candidates
+    from kernels.attention.tiles import GLUON_HEAD_DIMS, gluon_candidates, hopper_candidates
 
     if not gluon_available():
         pytest.skip("this Triton has no Gluon Hopper API")
     assert GLUON_HEAD_DIMS == (64, 72, 80)
     for head_dim in GLUON_HEAD_DIMS:
-        assert hopper_candidates(head_dim, True) == tma_candidates(head_dim) + gluon_candidates(head_dim)
+        assert hopper_candidates(head_dim) == gluon_candidates(head_dim)
         assert gluon_candidates(head_dim) and all(isinstance(c, GluonTile) for c in gluon_candidates(head_dim))
-        assert hopper_candidates(head_dim, False) == tma_candidates(head_dim)
     # at 72 both ways of reading the remainder are candidates: copied (large segments) and in place (short ones)
     assert {c.rem_copy for c in gluon_candidates(72)} == {True, False}
-    assert {c.rem_copy for c in hopper_candidates(72, True, 4096) if isinstance(c, GluonTile)} == {True, False}
-    assert {c.rem_copy for c in hopper_candidates(72, True, 1024) if isinstance(c, GluonTile)} == {False}
-    assert hopper_candidates(64, True, 256) == hopper_candidates(64, True)
-    assert hopper_candidates(96, True) == tma_candidates(96) and not gluon_candidates(128)
+    assert {c.rem_copy for c in hopper_candidates(72, 4096)} == {True, False}
+    assert {c.rem_copy for c in hopper_candidates(72, 1024)} == {False}
+    assert hopper_candidates(64, 256) == hopper_candidates(64)
+    assert not hopper_candidates(96) and not hopper_candidates(128)
     for head_dim in (64, 72, 96):
         q, k, v, cu = make_inputs([7, 33], 2, head_dim, torch.float16)
         config = gluon_candidates(min(head_dim, 72))[0]
@@ -117,7 +116,7 @@ def test_gluon_kernel_compiles_to_a_wgmma_pipeline(head_dim, tile, uniform):
 
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                            reason="TMA kernel: Hopper only")
+                            reason="Hopper only")
 
 
 @gpu

@@ -143,7 +143,7 @@ def test_both_backends_agree_through_public_function():
 
 
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                            reason="TMA kernel: Hopper only")
+                            reason="Hopper only")
 
 
 @gpu
@@ -152,17 +152,14 @@ hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_devi
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [64] * 100], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
     """The lean launch (compiled kernels by the binder's specialisation) gives bit-identical results to Triton's
-    own JIT launch, for the TMA kernel with host and device descriptors, the pointer kernel, (72) the remainder copy
-    and the Gluon kernel, and the second call takes the lean path: on the Triton this machine has, which must be
+    own JIT launch, for the pointer kernel, (72) the remainder copy and the Gluon kernel, and the second call takes the lean path: on the Triton this machine has, which must be
     one of the releases `triton_internals` reads (pyproject's range), the fast path is on."""
     from kernels import runtime
     from kernels.runtime import triton_internals
 
     q, k, v, cu = make_inputs(lengths, 16, head_dim, torch.bfloat16, seed=7, device="cuda")
     m = max(lengths)
-    calls = [dict(config=dataclasses.replace(c, device_desc=d)) for c in tiles.tma_candidates(head_dim)[:2]
-             for d in (False, True)] + [dict(block_m=64, block_n=64)]
-    calls += [dict(config=c) for c in tiles.gluon_candidates(head_dim)]
+    calls = [dict(block_m=64, block_n=64)] + [dict(config=c) for c in tiles.gluon_candidates(head_dim)]
     lean, jit = [], []
     for kwargs in calls:
         for _ in range(2):  # the first call with a specialisation compiles through the JIT, the second is lean
@@ -179,29 +176,30 @@ def test_lean_launch_equals_jit_launch(lengths, head_dim, monkeypatch):
 
 @gpu
 @hopper
-@pytest.mark.parametrize("kernel", ["gluon", "tma", "pointer"])
+@pytest.mark.parametrize("kernel", ["gluon", "gluon-copy", "pointer"])
 @pytest.mark.parametrize("head_dim", [64, 72])
 @pytest.mark.parametrize("lengths", [[1024], [1, 7, 131, 1023], [256] * 64], ids=lambda l: f"{len(l)}seg_max{max(l)}")
 def test_replayed_launch_equals_full_path(lengths, head_dim, kernel, monkeypatch):
     """The automatic path's launch plan (kernels.runtime.Replay), for each kernel it may pick: once recorded, a call
     with the same layout launches through it, bit-identical to the full path; on a buffer at another address
     (descriptors re-encoded) and back; into a caller's poisoned `out`; with cu_seqlens 4 bytes off 16 (another key,
-    its own plan); under CUDA-graph capture; and through the JIT where a launch hook is installed. The TMA kernel at
-    72 launches twice per call (the remainder's copy first) and is never replayed."""
+    its own plan); under CUDA-graph capture; and through the JIT where a launch hook is installed. The Gluon kernel
+    reading the remainder's copy at 72 launches twice per call (the copy first) and is never replayed."""
     import triton
 
     from kernels import runtime
 
     monkeypatch.setattr(runtime.TUNER, "choices", {})
     monkeypatch.setattr(launch_mod, "_plans", {})
-    if kernel == "gluon":
-        monkeypatch.setattr(launch_mod, "hopper_candidates", lambda d, gluon, m=None: tiles.gluon_candidates(d)[-1:])
-    elif kernel == "tma":
-        monkeypatch.setattr(launch_mod, "hopper_candidates", lambda d, gluon, m=None: tiles.tma_candidates(d)[:1])
-        monkeypatch.setattr(launch_mod, "_options", launch_mod.LaunchOptions(tma_descriptors="host"))  # device ones need scratch: not replayable
+    if kernel == "gluon":  # in place
+        monkeypatch.setattr(launch_mod, "hopper_candidates", lambda d, m=None: [
+            dataclasses.replace(tiles.gluon_candidates(d)[-1], rem_copy=False)])
+    elif kernel == "gluon-copy":  # the remainder copied where the head dim has one
+        monkeypatch.setattr(launch_mod, "hopper_candidates", lambda d, m=None: [
+            dataclasses.replace(tiles.gluon_candidates(d)[-1], rem_copy=True)])
     else:
-        monkeypatch.setattr(launch_mod, "_tma_default", lambda q: False)
-    replayable = not (kernel == "tma" and head_dim == 72)
+        monkeypatch.setattr(launch_mod, "_hopper_default", lambda q: False)
+    replayable = not (kernel == "gluon-copy" and head_dim == 72)
     replays = []
     replay_call = runtime.Replay.__call__
     monkeypatch.setattr(runtime.Replay, "__call__", lambda self, a: replays.append(1) or replay_call(self, a))
@@ -271,10 +269,10 @@ def test_kernel_matches_sdpa_fallback(head_dim):
 
 def test_each_hopper_tile_type_launches_its_own_kernel_with_its_own_fields(monkeypatch):
     """`_run_hopper` on the CPU, the launches captured: a `GluonTile` reaches `launch_gluon` with its ring, register
-    cap, persistence and remainder choice; a `TmaTile` reaches the TMA kernel with its own flags; a `PtrTile` is the
-    pointer kernel's. (The GPU tests run the kernels; this guards the dispatch where no GPU is.)"""
+    cap, persistence and remainder choice; a `PtrTile` is the pointer kernel's. (The GPU tests run the kernels; this
+    guards the dispatch where no GPU is.)"""
     from kernels.attention.launch import _Call, _run_hopper, _run_pointer
-    from kernels.attention.tiles import GluonTile, PtrTile, TmaTile
+    from kernels.attention.tiles import GluonTile, PtrTile
 
     calls = []
     monkeypatch.setattr(launch_mod, "launch_gluon", lambda *a, **kw: calls.append(("gluon", a, kw)))
@@ -289,17 +287,6 @@ def test_each_hopper_tile_type_launches_its_own_kernel_with_its_own_fields(monke
     assert kind == "gluon" and args[6:11] == (128, 64, 8, 3, 160) and args[11] is None  # no remainder at 64
     assert args[13] is False  # sum_mma
     assert kw == {"ws": 2, "padded": True}
-
-    _run_hopper(call, TmaTile(64, 128, 4, 3, ws=True, tail_n=16, q_tail=True, sum_mma=False))
-    kind, grid, kw = calls.pop()
-    assert kind == "_varlen_attn_fwd_tma" and grid == (1, 2, 2)
-    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (64, 128, 4, 3)
-    assert (kw["WS"], kw["TAIL_N"], kw["Q_TAIL"], kw["SUM_MMA"], kw["DEVICE_DESC"]) == (True, 16, True, False, False)
-
-    # the Hopper candidates with the call's descriptor placement: the TMA tiles take it, the Gluon ones keep theirs
-    from kernels.attention.launch import _with_descriptors
-    assert _with_descriptors(TmaTile(64, 128), True) == TmaTile(64, 128, device_desc=True)
-    assert _with_descriptors(GluonTile(64, 128), True) == GluonTile(64, 128)
 
     _run_pointer(call, PtrTile(32, 16, 4, 3))
     kind, grid, kw = calls.pop()

@@ -37,7 +37,7 @@ def test_close_candidates_are_retimed_longer():
     assert [c for c, _ in calls[:3 * R]] == ["a", "b", "c"] * R
     # chosen once: later calls with the key neither list nor time candidates
     assert tuner.choose(("k", 1), lambda: pytest.fail("re-listed"), lambda c: pytest.fail("re-timed")) == "a"
-    # what the choice rested on, for the kernel census: every candidate's short median, then the re-timed ones'
+    # what the choice rested on, for benchmarks: every candidate's short median, then the re-timed ones'
     first, final = tuner.timings[("k", 1)]
     assert first == [("a", 1.02), ("b", 1.00), ("c", 1.20)] and final == [("a", 0.98), ("b", 1.01)]
 
