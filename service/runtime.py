@@ -20,11 +20,13 @@ ENGINE_TORCH_THREADS = 4
 # the interpreter's switch interval where a batcher runs: its forward thread dispatches hundreds of CUDA ops per
 # pack, and with the default 5 ms it and the event loop wait that long for the GIL at every hand-off between them
 BATCHER_SWITCH_INTERVAL_S = 0.0005
-# blocks of at least this many bytes are mapped for themselves and unmapped when freed, and free memory at the heap's
-# top past it goes back to the system: glibc's own thresholds grow with each large block freed (up to 32 MiB), and a
-# request's decoded images (megabytes each) then stay in the process's heaps after it, 0.8 GB after 64 large GIFs.
-# 4 MiB: at 1 MiB a CPU forward's blocks of 1-4 MiB are mapped and unmapped at every request, which a lone request
-# pays in full (README, "Images"); at 16 MiB the decoded images stay again.
+# In the processes that decode (front-ends, the single-process server), blocks of at least this many bytes are mapped
+# for themselves and unmapped when freed, and free memory at the heap's top past it goes back to the system: glibc's
+# own thresholds grow with each large block freed (up to 32 MiB), and a request's decoded images (megabytes each) then
+# stay in the decoding threads' heaps after it, 0.8 GB after 64 large GIFs. 4 MiB: at 1 MiB a CPU forward's blocks of
+# 1-4 MiB are mapped and unmapped at every request, which a lone request pays in full (README, "Images"); at 16 MiB
+# the decoded images stay again. An engine process decodes nothing and keeps glibc's thresholds: there a forward's
+# blocks mapped and unmapped at every pack cost a CPU server 12-24% of its throughput.
 MALLOC_RETURN_BYTES = 4 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 
@@ -47,7 +49,8 @@ def configure_process(role: str) -> None:
         raise ValueError(f"unknown process role {role!r}: one of {ROLES}")
     import torch
 
-    return_freed_memory()
+    if role != "engine":  # an engine decodes nothing (MALLOC_RETURN_BYTES)
+        return_freed_memory()
     if role == "engine":
         torch.set_num_threads(ENGINE_TORCH_THREADS)
     elif role == "frontend":

@@ -171,21 +171,26 @@ def test_process_wide_state_is_set_only_where_a_process_starts():
     assert not setters, setters
 
 
-@pytest.mark.parametrize("role,threads,interval,crc32", [("engine", 4, 0.0005, True), ("frontend", 1, None, False),
-                                                         ("local", None, 0.0005, False)])
-def test_each_kind_of_process_gets_its_state(role, threads, interval, crc32):
+@pytest.mark.parametrize("role,threads,interval,crc32,returns", [("engine", 4, 0.0005, True, False),
+                                                                 ("frontend", 1, None, False, True),
+                                                                 ("local", None, 0.0005, False, True)])
+def test_each_kind_of_process_gets_its_state(role, threads, interval, crc32, returns):
+    """Each role's threads, switch interval and save options; glibc's thresholds fixed (`return_freed_memory`) where
+    the process decodes, not in an engine, whose forwards' blocks would be mapped and unmapped at every pack."""
     import subprocess
     import sys
 
-    code = ("import sys, torch; from service.runtime import configure_process; default = sys.getswitchinterval(); "
-            "n = torch.get_num_threads(); configure_process(%r); "
+    code = ("import sys, torch; import service.runtime as runtime; default = sys.getswitchinterval(); "
+            "n = torch.get_num_threads(); fixed = []; "
+            "runtime.return_freed_memory = lambda *a: fixed.append(1) or True; runtime.configure_process(%r); "
             "print(torch.get_num_threads(), n, sys.getswitchinterval(), default, "
-            "torch.serialization.get_crc32_options())" % role)
+            "torch.serialization.get_crc32_options(), bool(fixed))" % role)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    got_threads, default_threads, got_interval, default_interval, got_crc32 = out.split()
+    got_threads, default_threads, got_interval, default_interval, got_crc32, got_returns = out.split()
     assert int(got_threads) == (threads if threads is not None else int(default_threads))
     assert float(got_interval) == (interval if interval is not None else float(default_interval))
     assert got_crc32 == str(crc32)
+    assert got_returns == str(returns)
 
 
 def test_settle_process_collects_start_up_s_garbage_and_freezes_the_rest():

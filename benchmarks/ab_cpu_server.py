@@ -1,0 +1,101 @@
+"""Two revisions of the server on the CPU machine, side by side: images per second of the same load, each revision
+started twice, alternated (a 2-core machine's throughput drifts; alternating spreads the drift over both).
+
+Each start: `random:tiny`, two front-ends and one engine, the embedding cache off; 16 closed-loop clients of
+`tools/openloop` post 96 px JPEGs (400 distinct), 6 s of warm-up, then two rounds of 10 s. A revision is a git
+revision (checked out in a worktree under the work directory) or `.` (this working tree).
+
+Usage: python -m benchmarks.ab_cpu_server REV_A REV_B [--name NAME] [--out DIR]   (build .bin/openloop first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from benchmarks.common import environment, wait_until_ready, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bodies(directory: Path, n: int = 400) -> None:
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (96, 96, 3), dtype=np.uint8)).save(buf, "JPEG", quality=90)
+        (directory / f"{i:05d}.jpg").write_bytes(buf.getvalue())
+
+
+def rounds(tree: Path, port: int, work: Path) -> list[float]:
+    env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_PORT": str(port), "QWEN3VL_HOST": "127.0.0.1",
+           "QWEN3VL_CACHE_DIR": "", "QWEN3VL_HTTP_WORKERS": "2", "QWEN3VL_EMBEDDING_CACHE_MIB": "0",
+           "PYTHONPATH": str(tree)}
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, cwd=tree,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not wait_until_ready(url, server, timeout_s=300, interval_s=0.2):
+            raise RuntimeError(f"the server at {tree} did not become ready")
+        got = []
+        for seconds in (6, 10, 10):
+            done = subprocess.run([str(ROOT / ".bin" / "openloop"), "-url", f"{url}/embed?format=safetensors&"
+                                   "deepstack=false", "-bodies", str(work / "bodies"), "-out", str(work / "rows.csv"),
+                                   "-duration", f"{seconds}s", "-concurrency", "16"],
+                                  capture_output=True, text=True, check=True)
+            got.append(json.loads(done.stdout)["achieved_per_s"])
+        return got[1:]
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("revisions", nargs=2)
+    ap.add_argument("--name", default="ab_cpu_server")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ab-"))
+    (work / "bodies").mkdir()
+    bodies(work / "bodies")
+    trees = {}
+    for rev in args.revisions:
+        if rev == ".":
+            trees[rev] = ROOT
+        else:
+            trees[rev] = work / rev
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(trees[rev]), rev],
+                           check=True, capture_output=True)
+    results = {rev: [] for rev in args.revisions}
+    named = {rev: "working tree" if rev == "." else subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True).stdout.strip()
+        for rev in args.revisions}
+    try:
+        for start in range(2):
+            for i, rev in enumerate(args.revisions):
+                results[rev] += rounds(trees[rev], 18800 + 2 * start + i, work)
+                print(rev, [round(x) for x in results[rev]], flush=True)
+    finally:
+        for rev, tree in trees.items():
+            if tree != ROOT:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    medians = {rev: statistics.median(v) for rev, v in results.items()}
+    a, b = args.revisions
+    payload = {"benchmark": args.name, "env": environment(), "revisions": named, "req_per_s": results,
+               "median": medians, "ratio_b_over_a": medians[b] / medians[a]}
+    print(json.dumps({"median": medians, "ratio_b_over_a": payload["ratio_b_over_a"]}))
+    write_results(args.name, payload, args.out)
+
+
+if __name__ == "__main__":
+    main()
