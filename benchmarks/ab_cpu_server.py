@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image
 
 from benchmarks.common import environment, wait_until_ready, write_results
+from benchmarks.soak import openloop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,14 +47,9 @@ def rounds(tree: Path, port: int, work: Path) -> list[float]:
     try:
         if not wait_until_ready(url, server, timeout_s=300, interval_s=0.2):
             raise RuntimeError(f"the server at {tree} did not become ready")
-        got = []
-        for seconds in (6, 10, 10):
-            done = subprocess.run([str(ROOT / ".bin" / "openloop"), "-url", f"{url}/embed?format=safetensors&"
-                                   "deepstack=false", "-bodies", str(work / "bodies"), "-out", str(work / "rows.csv"),
-                                   "-duration", f"{seconds}s", "-concurrency", "16"],
-                                  capture_output=True, text=True, check=True)
-            got.append(json.loads(done.stdout)["achieved_per_s"])
-        return got[1:]
+        endpoint = f"{url}/embed?format=safetensors&deepstack=false"
+        return [openloop(str(ROOT / ".bin" / "openloop"), endpoint, work / "bodies", work / "rows.csv", seconds,
+                         concurrency=16)["achieved_per_s"] for seconds in (6, 10, 10)][1:]
     finally:
         server.terminate()
         server.wait(60)
