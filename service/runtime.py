@@ -25,7 +25,7 @@ BATCHER_SWITCH_INTERVAL_S = 0.0005
 # own thresholds grow with each large block freed (up to 32 MiB), and a request's decoded images (megabytes each) then
 # stay in the decoding threads' heaps after it, 0.8 GB after 64 large GIFs (16 MiB keeps them too). Below the
 # threshold a block comes from the heap, its pages already faulted in: at 4 MiB a 2B vLLM-layout reply (4.3 MB, its
-# buffers mapped and zeroed afresh at every reply) cost a front-end 10.4 ms of CPU, at 8 MiB 3.5
+# buffers mapped and zeroed afresh at every reply) cost a front-end 10.2 ms of CPU, at 8 MiB 3.5
 # (`benchmarks/bench_reply_malloc.py`). An engine process decodes nothing and keeps glibc's thresholds: there a
 # forward's blocks mapped and unmapped at every pack cost a CPU server 12-24% of its throughput.
 MALLOC_RETURN_BYTES = 8 << 20
@@ -50,8 +50,6 @@ def configure_process(role: str) -> None:
         raise ValueError(f"unknown process role {role!r}: one of {ROLES}")
     import torch
 
-    if role != "engine":  # an engine decodes nothing (MALLOC_RETURN_BYTES)
-        return_freed_memory()
     if role == "engine":
         torch.set_num_threads(ENGINE_TORCH_THREADS)
     elif role == "frontend":
@@ -60,7 +58,8 @@ def configure_process(role: str) -> None:
         torch.set_num_threads(1)
     if role in ("engine", "local"):
         sys.setswitchinterval(BATCHER_SWITCH_INTERVAL_S)
-    if role in ("frontend", "local"):
+    if role in ("frontend", "local"):  # the processes that decode and reply (an engine does neither)
+        return_freed_memory()  # MALLOC_RETURN_BYTES
         # `torch.save` of vLLM's features (`http.output.torch_saved`) without the zip records' CRC-32s, which
         # `torch.load` does not need and which take most of the time of saving; nothing else here saves with torch
         torch.serialization.set_crc32_options(False)

@@ -1,9 +1,9 @@
 """Launch configurations of the attention kernels, and the size classes the tuner keys them by.
 
-Each kernel has its own launch configuration type (`PtrTile`, `GluonTile`: only the fields that kernel reads). Its candidates are a short named list: the tuner (`kernels.runtime.choose`) times them once per key
-(kernel, length class, load class, head dim, dtype, device) and every later call launches the choice. The lists
-hold the tiles that won somewhere in the sweeps (docs/PERFORMANCE.md); a tile that never wins is not
-listed.
+Each kernel has its own launch configuration type (`PtrTile`, `GluonTile`: only the fields that kernel reads). Its
+candidates are a short named list: the tuner (`kernels.runtime.choose`) times them once per key (kernel, length
+class, load class, head dim, dtype, device) and every later call launches the choice. The lists hold the tiles that
+won somewhere in the sweeps (docs/PERFORMANCE.md); a tile that never wins is not listed.
 """
 
 from __future__ import annotations
