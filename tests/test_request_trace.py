@@ -39,3 +39,41 @@ def test_a_lone_frame_without_pixel_rows_launches_from_the_start_of_the_launch()
     assert got["engine: queue to launch, pixels to the GPU"] == pytest.approx(0.2)
     assert got["launching the forward"] == pytest.approx(0.27)
     assert got["frames to the engine process"] == pytest.approx(0.3)
+
+
+def test_the_tracer_wraps_every_step_of_this_revision(tmp_path):
+    """The tracer (`sitecustomize.py`) wraps the service's steps by name as their modules are imported: each name it
+    looks for exists in this revision's code and is wrapped (a renamed class once kept the traced server from
+    starting)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = """
+import importlib, sitecustomize
+checks = {
+    "service.http.middleware": ["ObserveMiddleware.__call__"],
+    "service.http.app": ["Service.encode", "embed_response", "openai_response", "parse_embed", "parse_openai"],
+    "service.engine.remote": ["EnginePool.preprocess", "RemoteEngine.submit"],
+    "service.model.preprocess": ["Preprocessor.__call__"],
+    "service.engine.batching": ["Batcher.submit", "Batcher._launch", "Batcher._finish", "Batcher._complete"],
+    "service.model.encoder": ["Encoder.launch", "Encoder.finish", "Encoder.pixels"],
+    "service.model.graphs": ["BucketedTower.frame"],
+}
+missing = []
+for module, names in checks.items():
+    m = importlib.import_module(module)
+    for name in names:
+        obj = m
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        if not hasattr(obj, "__wrapped__"):
+            missing.append(f"{module}.{name}")
+print(missing)
+"""
+    env = {**os.environ, "TRACE_FILE": str(tmp_path / "trace"),
+           "PYTHONPATH": os.pathsep.join([os.path.join(root, "tools", "request_trace"), root])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -8,7 +8,7 @@ took them.
 `--root` runs another checkout's server (an A/B of two revisions on one machine, in turn).
 
 Usage: python -m tools.request_trace.run NAME [--root DIR] [--out DIR]
-(CUDA; writes NAME.json, and the marks in NAME.trace, NAME.embed.trace and NAME.v1.trace)
+(CUDA or CPU; writes NAME.json, and the marks in NAME.trace, NAME.embed.trace and NAME.v1.trace)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REQUESTS = 40  # measured per route, after 5 unmeasured
 
 
 def steps(path: str, skip: int = 5) -> tuple[list[tuple[str, str, float]], float]:
@@ -53,7 +54,7 @@ def steps(path: str, skip: int = 5) -> tuple[list[tuple[str, str, float]], float
 
 
 def main():
-    from benchmarks.bench_service import curl_p50, photo_jpegs, wait_until_ready
+    from benchmarks.bench_service import curl_p50, photo_jpegs, unique, wait_until_ready
 
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
@@ -61,15 +62,22 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     root = os.path.abspath(args.root)
+    os.makedirs(args.out, exist_ok=True)
     jpeg = photo_jpegs([(448, 448)])[0]
+    work = tempfile.mkdtemp()
     bodies = {}
-    for route, path, ctype, body in (
-            ("embed", "/embed?embeddings=false&pooling=mean", "image/jpeg", jpeg),
-            ("v1", "/v1/embeddings", "application/json",
-             json.dumps({"input": "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()}).encode())):
-        with tempfile.NamedTemporaryFile(delete=False) as f:
-            f.write(body)
-        bodies[route] = (path, ctype, f.name)
+    # each request's bytes its own, as `bench_service`'s lone image: none is answered from the embedding cache
+    for r, (route, path, ctype) in enumerate((("embed", "/embed?embeddings=false&pooling=mean", "image/jpeg"),
+                                              ("v1", "/v1/embeddings", "application/json"))):
+        files = []
+        for i in range(REQUESTS + 5):
+            data = unique(jpeg, 8_000_000 + 1000 * r + i)
+            if route == "v1":
+                data = json.dumps({"input": "data:image/jpeg;base64," + base64.b64encode(data).decode()}).encode()
+            files.append(os.path.join(work, f"{route}{i}"))
+            with open(files[-1], "wb") as f:
+                f.write(data)
+        bodies[route] = (path, ctype, files)
     trace = os.path.join(args.out, args.name + ".trace")
     env = {**os.environ, "QWEN3VL_PORT": "18999", "QWEN3VL_HOST": "127.0.0.1", "TRACE_FILE": trace,
            "PYTHONPATH": os.pathsep.join([HERE, root, os.environ.get("PYTHONPATH", "")])}
@@ -82,10 +90,10 @@ def main():
             raise RuntimeError("server did not become ready")
         result["ready_s"] = time.perf_counter() - start
         time.sleep(2)
-        for route, (path, ctype, body_file) in bodies.items():
+        for route, (path, ctype, body_files) in bodies.items():
             open(trace, "w").close()  # start-up marks, and the previous route's, are not this route's requests (the
             # processes append to this file: it is truncated, never replaced)
-            curl = curl_p50("http://127.0.0.1:18999", path, body_file, ctype)
+            curl = curl_p50("http://127.0.0.1:18999", path, body_files, ctype, REQUESTS)
             shutil.copyfile(trace, os.path.join(args.out, f"{args.name}.{route}.trace"))
             table, total = steps(os.path.join(args.out, f"{args.name}.{route}.trace"))
             print(f"-- {path}")
@@ -96,6 +104,7 @@ def main():
     finally:
         server.terminate()
         server.wait()
+        shutil.rmtree(work, ignore_errors=True)
     from benchmarks.common import environment
 
     with open(os.path.join(args.out, args.name + ".json"), "w") as out:

@@ -40,7 +40,9 @@ if os.environ.get("TRACE_FILE"):
 
     def after(owner, name, label):
         """Mark when `owner.name` (a coroutine function) returns."""
-        f = getattr(owner, name)
+        f = getattr(owner, name, None)
+        if f is None:
+            return
 
         async def g(*a, **k):
             result = await f(*a, **k)
@@ -49,12 +51,20 @@ if os.environ.get("TRACE_FILE"):
         setattr(owner, name, g)
 
     def before(owner, name, label):
-        f = getattr(owner, name)
+        f = getattr(owner, name, None)
+        if f is None:
+            return
 
         def g(*a, **k):
             mark(label)
             return f(*a, **k)
         setattr(owner, name, g)
+
+    def batcher(cls):
+        """The batcher's steps (`Batcher`; `Engine` in earlier revisions)."""
+        for name, label in (("submit", "esubmit"), ("_launch", "elaunch"), ("_finish", "efinish"),
+                            ("_complete", "complete")):
+            wrap(cls, name, label)
 
     PATCHES = {
         "service.http.middleware": lambda m: wrap(m.ObserveMiddleware, "__call__", "http"),
@@ -67,9 +77,7 @@ if os.environ.get("TRACE_FILE"):
         "service.model.preprocess": lambda m: wrap(m.Preprocessor, "__call__", "decode"),
         "service.engine.process": lambda m: (after(m, "read_message", "e-read"),
                                              before(m, "write_message", "e-write")),
-        "service.engine.batching": lambda m: (wrap(m.Engine, "submit", "esubmit"), wrap(m.Engine, "_launch", "elaunch"),
-                                              wrap(m.Engine, "_finish", "efinish"),
-                                              wrap(m.Engine, "_complete", "complete")),
+        "service.engine.batching": lambda m: batcher(getattr(m, "Batcher", None) or getattr(m, "Engine")),
         "service.model.encoder": lambda m: (wrap(m.Encoder, "launch", "launch"), wrap(m.Encoder, "finish", "finish"),
                                             wrap(m.Encoder, "pixels", "pixels")),
         "service.model.graphs": lambda m: wrap(m.BucketedTower, "frame", "frame"),
