@@ -62,7 +62,7 @@ class Service:
         self.wiring = wiring
         self._own_cache_dir = bool(settings.embedding_cache_mib and not wiring.cache_dir)
         self.settings = settings
-        self.cache = EncoderCache(wiring.cache_dir, settings.embedding_cache_mib << 20)
+        self.cache = EncoderCache(wiring.cache_dir, settings.embedding_cache_mib << 20, metrics.cache_bytes.set)
         self.engine: Engine = open_engine(settings, wiring, encoder, on_batch=metrics.observe_batch,
                                           on_change=self._engine_changed)
         self._lag_watch: asyncio.Task | None = None
@@ -76,7 +76,8 @@ class Service:
         followed in the background (/health answers at once, /ready is 503 until one is connected)."""
         self.metrics.engines.set(self.engine.capacity[1])
         if self._own_cache_dir:
-            self.cache = EncoderCache(make_cache_dir(), self.settings.embedding_cache_mib << 20)
+            self.cache = EncoderCache(make_cache_dir(), self.settings.embedding_cache_mib << 20,
+                                      self.metrics.cache_bytes.set)
         self._lag_watch = asyncio.create_task(self.watch_loop_lag(), name="event-loop-lag")
         await self.engine.start()
 
@@ -220,7 +221,6 @@ class Service:
             for i, item, result in zip(misses, items, results):
                 served[i] = (item, result)
                 self.cache.finish(keys[i], (CachedItem(item.meta), result))
-            self.metrics.cache_bytes.set(self.cache.bytes)
         retried = 0
         for i, future in waits.items():
             try:
