@@ -463,19 +463,27 @@ def curl_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40
             "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
 
 
+def lone_bodies(directory: str, jpeg: bytes, n: int) -> tuple[list[str], list[str]]:
+    """`n` request bodies of `jpeg` for each route, every one with bytes of its own (`unique`: none answered from
+    the cache; the two routes' results would be the same cache entries, so theirs differ too), as files in
+    `directory`: (the raw JPEGs for `/embed`, the OpenAI JSON bodies for `/v1/embeddings`)."""
+    jpgs, jsons = [], []
+    for i in range(n):
+        jpgs.append(os.path.join(directory, f"{i}.jpg"))
+        with open(jpgs[-1], "wb") as f:
+            f.write(unique(jpeg, 7_000_000 + i))
+        jsons.append(os.path.join(directory, f"{i}.json"))
+        with open(jsons[-1], "wb") as f:
+            body = base64.b64encode(unique(jpeg, 7_500_000 + i)).decode()
+            f.write(json.dumps({"input": "data:image/jpeg;base64," + body}).encode())
+    return jpgs, jsons
+
+
 def single_image(url: str, jpeg: bytes, n: int = 40) -> dict:
-    """One client posting one JPEG at a time, each request's bytes its own (`unique`: none answered from the cache):
-    `curl_p50` of `/v1/embeddings` and of the pooled-only `/embed`."""
+    """One client posting one JPEG at a time, each request's bytes its own (`lone_bodies`): `curl_p50` of
+    `/v1/embeddings` and of the pooled-only `/embed`."""
     with tempfile.TemporaryDirectory() as d:
-        jpgs, jsons = [], []
-        for i in range(n + 5):  # the two routes' results would be the same cache entries: bytes of their own too
-            jpgs.append(os.path.join(d, f"{i}.jpg"))
-            with open(jpgs[-1], "wb") as f:
-                f.write(unique(jpeg, 7_000_000 + i))
-            jsons.append(os.path.join(d, f"{i}.json"))
-            with open(jsons[-1], "wb") as f:
-                body = base64.b64encode(unique(jpeg, 7_500_000 + i)).decode()
-                f.write(json.dumps({"input": "data:image/jpeg;base64," + body}).encode())
+        jpgs, jsons = lone_bodies(d, jpeg, n + 5)
         return {"v1_embeddings": curl_p50(url, "/v1/embeddings", jsons, "application/json", n),
                 "embed_pooled": curl_p50(url, "/embed?embeddings=false&pooling=mean", jpgs, "image/jpeg", n)}
 

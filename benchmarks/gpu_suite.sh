@@ -71,7 +71,9 @@ for step in "${@:-all}"; do
     ab) for round in 1 2; do
           for tree in .ab/*.tar head; do
             name=$(basename "$tree" .tar); dir=$PWD
-            if [ "$name" != head ]; then dir=/tmp/ab/$name; mkdir -p "$dir" && tar -xf "$tree" -C "$dir"; fi
+            if [ "$name" != head ]; then
+              dir=/tmp/ab/$name; [ -d "$dir" ] || { mkdir -p "$dir" && tar -xf "$tree" -C "$dir"; }
+            fi
             mkdir -p "$OUT/ab/$name/$round"
             (cd "$dir" && GIT_REVISION=${name/head/${GIT_REVISION:-head}} PYTHONPATH=$dir:${PYTHONPATH#*:} \
                python -m benchmarks.bench_service ${AB_ARGS:---startup-only} --out "$OUT/ab/$name/$round" \

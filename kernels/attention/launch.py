@@ -34,8 +34,8 @@ from .gluon import launch_gluon, qkv_columns
 from .pointer import _varlen_attn_fwd
 from .reference import check_inputs
 from .remainder import hopper_layout_ok, kv_remainder_t
-from .tiles import (GluonTile, PtrTile, Tile, head_dim_split, hopper_candidates, load_class, ptr_candidates,
-                    remainder_rows, seq_bucket)
+from .tiles import (GluonTile, PtrTile, Tile, gluon_candidates, head_dim_split, hopper_candidates, load_class,
+                    ptr_candidates, remainder_rows, seq_bucket)
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def triton_varlen_attention(q, k, v, cu_seqlens, max_seqlen, *, softmax_scale=No
         hopper = isinstance(config, GluonTile)
     else:
         hopper = (block_m is None and call.columns is not None and _hopper_default(q)
-                  and hopper_layout_ok(q, k, v, call.out) and bool(hopper_candidates(q.shape[2])))
+                  and hopper_layout_ok(q, k, v, call.out) and bool(gluon_candidates(q.shape[2])))
     if hopper:
         run = functools.partial(_run_hopper, call)
         if config is None:

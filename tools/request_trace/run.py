@@ -14,7 +14,6 @@ Usage: python -m tools.request_trace.run NAME [--root DIR] [--out DIR]
 from __future__ import annotations
 
 import argparse
-import base64
 import collections
 import json
 import os
@@ -54,7 +53,7 @@ def steps(path: str, skip: int = 5) -> tuple[list[tuple[str, str, float]], float
 
 
 def main():
-    from benchmarks.bench_service import curl_p50, photo_jpegs, unique, wait_until_ready
+    from benchmarks.bench_service import curl_p50, lone_bodies, photo_jpegs, wait_until_ready
 
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
@@ -65,19 +64,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     jpeg = photo_jpegs([(448, 448)])[0]
     work = tempfile.mkdtemp()
-    bodies = {}
-    # each request's bytes its own, as `bench_service`'s lone image: none is answered from the embedding cache
-    for r, (route, path, ctype) in enumerate((("embed", "/embed?embeddings=false&pooling=mean", "image/jpeg"),
-                                              ("v1", "/v1/embeddings", "application/json"))):
-        files = []
-        for i in range(REQUESTS + 5):
-            data = unique(jpeg, 8_000_000 + 1000 * r + i)
-            if route == "v1":
-                data = json.dumps({"input": "data:image/jpeg;base64," + base64.b64encode(data).decode()}).encode()
-            files.append(os.path.join(work, f"{route}{i}"))
-            with open(files[-1], "wb") as f:
-                f.write(data)
-        bodies[route] = (path, ctype, files)
+    jpgs, jsons = lone_bodies(work, jpeg, REQUESTS + 5)  # as `bench_service`'s lone image: no cache hits
+    bodies = {"embed": ("/embed?embeddings=false&pooling=mean", "image/jpeg", jpgs),
+              "v1": ("/v1/embeddings", "application/json", jsons)}
     trace = os.path.join(args.out, args.name + ".trace")
     env = {**os.environ, "QWEN3VL_PORT": "18999", "QWEN3VL_HOST": "127.0.0.1", "TRACE_FILE": trace,
            "PYTHONPATH": os.pathsep.join([HERE, root, os.environ.get("PYTHONPATH", "")])}
