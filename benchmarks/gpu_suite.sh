@@ -55,9 +55,19 @@ for step in "${@:-all}"; do
            done ;;
     tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;&
     service|all) python -m benchmarks.bench_service --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/bench_service.log" ;;
+    # the bf16 server's uniform load against the forward, at the defaults (service_none.json), and with every graph
+    # bucket captured (service_all_buckets.json: the start-up's eager limit off), one after the other on one machine
+    service-uniform) python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 | tee "$OUT/bench_service_uniform.log" ;;
+    service-all-buckets) QWEN3VL_CUDA_GRAPH_EAGER_ABOVE=false python -m benchmarks.bench_service --uniform-only \
+                           --out "$OUT/all_buckets" 2>&1 | tee "$OUT/bench_service_all_buckets.log"
+                         cp "$OUT/all_buckets/service_none.json" "$OUT/service_all_buckets.json" ;;
     # the FP8 server's uniform load against the FP8 forward (service_fp8.json)
     service-fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 \
                    | tee "$OUT/bench_service_fp8.log" ;;
+    # where packs leave the graph buckets: the served path against the eager forward by pack size, bf16 and FP8
+    # (buckets.json, buckets_fp8.json)
+    buckets) python -m benchmarks.bench_buckets --out "$OUT" 2>&1 | tee "$OUT/bench_buckets.log"
+             QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_buckets --out "$OUT" 2>&1 | tee "$OUT/bench_buckets_fp8.log" ;;
     kernels) python -m benchmarks.bench_kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" ;;
     # device_multigpu.sh's steps (multigpu-tests, multigpu-startup, multigpu-bf16, multigpu-fp8, ...), so that one
     # device_run.sh start chains them with the single-GPU steps on a multi-GPU machine

@@ -148,3 +148,15 @@ def test_buckets_are_captured_up_to_the_first_that_holds_a_full_pack():
     assert Settings(**on, max_batch_patches=65536).graph_buckets() == (256, 1024, 4096, 16384)
     assert Settings(cuda_graphs=False).graph_buckets() == ()
     assert Settings(cuda_graphs=True).graph_buckets()[-1] >= Settings().max_batch_patches
+
+
+@pytest.mark.parametrize("tokens", [4, 800, 1024, 4608, 32768, 32772])
+def test_typical_grids_cover_the_tokens_in_valid_frames(tokens):
+    """The pack `eager_limit` times: frames of 32 x 32 patches and one smaller, every side a multiple of the merge
+    size, `tokens` patches in all."""
+    from service.model.graphs import typical_grids
+
+    grids = typical_grids(tokens, 2)
+    assert sum(t * h * w for t, h, w in grids) == tokens
+    assert all(t == 1 and h % 2 == 0 and w % 2 == 0 and h > 0 and w > 0 for t, h, w in grids)
+    assert sum(g == (1, 32, 32) for g in grids) == tokens // 1024

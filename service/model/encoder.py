@@ -37,11 +37,12 @@ def bind_thread(device: torch.device | str) -> None:
 
 
 class Encoder:
-    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, graph_buckets: tuple[int, ...] = ()):
+    def __init__(self, tower: VisionTower, preprocessor: Preprocessor, graph_buckets: tuple[int, ...] = (),
+                 eager_above: bool = True):
         """`graph_buckets`: the token counts whose CUDA graphs `capture_graphs` records (empty: every forward runs
-        eagerly)."""
+        eagerly); `eager_above`: `BucketedTower`'s."""
         self.tower = tower
-        self.forward = BucketedTower(tower, graph_buckets)
+        self.forward = BucketedTower(tower, graph_buckets, eager_above)
         self.preprocessor = preprocessor
         p = next(tower.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -59,9 +60,9 @@ class Encoder:
 
     @classmethod
     def load(cls, model: str, device="cpu", dtype="float32", options: TowerOptions = TowerOptions(),
-             graph_buckets: tuple[int, ...] = ()) -> "Encoder":
+             graph_buckets: tuple[int, ...] = (), eager_above: bool = True) -> "Encoder":
         tower, pre_cfg = load_tower(model, device, dtype, options)
-        return cls(tower, Preprocessor(pre_cfg), graph_buckets)
+        return cls(tower, Preprocessor(pre_cfg), graph_buckets, eager_above)
 
     def capture_graphs(self) -> None:
         """Record the CUDA graphs of every token bucket (start-up, after the kernels are compiled and tuned)."""

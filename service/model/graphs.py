@@ -10,6 +10,8 @@ lone frame. Only for CUDA towers.
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from collections import OrderedDict
 
 import torch
@@ -28,6 +30,13 @@ Signature = tuple[tuple[int, int, int], ...]
 # its latency (docs/PERFORMANCE.md); above it the launches hide behind
 # the GPU's work.
 WHOLE_MAX_TOKENS = 4096
+
+# A bucket above WHOLE_MAX_TOKENS is captured only while a forward of its size takes the GPU less than this multiple
+# of an eager forward's host time. Past that, an eager forward keeps the GPU as busy (the host issues its launches
+# faster than the GPU runs them) without the bucket's padding rows and the graph launches between its pieces: on an
+# H100, 23 images of 448 px ran in 25.9 ms eagerly against 26.9 ms bucketed. The margin covers the engine's other
+# threads taking the GIL from the launching one.
+EAGER_MARGIN = 1.25
 
 class _Statics:
     """The graphs' inputs and the buffers around the eager attention, sized for the largest bucket; each bucket
@@ -175,6 +184,59 @@ class _Bucket:
                 self.deepstack[:, :n // unit].clone() if deepstack else None)
 
 
+def typical_grids(tokens: int, merge: int) -> list[tuple[int, int, int]]:
+    """Grids of `tokens` patches as 32 x 32-patch frames (a 512 px image's) and one smaller: a pack of photos, whose
+    attention costs what a served pack's does (one frame of all the tokens would cost quadratically more)."""
+    side = 32
+    grids = [(1, side, side)] * (tokens // (side * side))
+    rest = tokens % (side * side)
+    if rest:
+        grids.append((1, merge, rest // merge))
+    return grids
+
+
+def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
+    """(host ms, GPU ms) of `forward()` run eagerly, medians of `reps`: the time the host takes to issue its
+    launches, and the time the GPU takes to run them, measured with them queued behind a wait long enough for the
+    host to issue them all (so that no launch gap is counted)."""
+    forward()
+    torch.cuda.synchronize(device)
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        forward()
+        host.append((time.perf_counter() - start) * 1000)
+    torch.cuda.synchronize(device)
+    host_ms = statistics.median(host)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 1 << 22
+    begin.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    wait = int(cycles * 2 * host_ms / max(begin.elapsed_time(end), 1e-3)) + 1
+    gpu = []
+    for _ in range(reps):
+        torch.cuda._sleep(wait)
+        begin.record()
+        forward()
+        end.record()
+        end.synchronize()
+        gpu.append(begin.elapsed_time(end))
+    return host_ms, statistics.median(gpu)
+
+
+def eager_limit(tower: VisionTower, tokens: int) -> tuple[int, float, float]:
+    """(limit, host ms, GPU ms): the pack size in tokens from which an eager forward is as fast as a bucketed one
+    (`EAGER_MARGIN`), scaled from one eager forward of a typical pack of `tokens` (`eager_costs`)."""
+    cfg = tower.config
+    plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
+    pixels = torch.randn((tokens, cfg.patch_dim), dtype=tower.dtype, device=tower.device)
+    host_ms, gpu_ms = eager_costs(lambda: tower(pixels, plan), tower.device)
+    return int(tokens * EAGER_MARGIN * host_ms / gpu_ms), host_ms, gpu_ms
+
+
 def signature(grids) -> Signature:
     return tuple(tuple(int(x) for x in g) for g in grids)
 
@@ -193,15 +255,18 @@ class BucketedTower:
     token-count bucket (`capture`, at start-up): a pack is padded to the smallest bucket that holds it, its plan is
     copied into the bucket's static inputs, and the graph pieces replay with the attention run eagerly between
     them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS` replays one graph of the whole forward
-    instead. Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly
-    (such a pack keeps the GPU busier than its launches take to issue). Plans of recent signatures are kept, so a
-    repeated layout skips building its plan."""
+    instead. Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly (such a pack keeps
+    the GPU busier than its launches take to issue). With `eager_above`, `capture` measures where that starts
+    (`eager_limit`) and captures no bucket above it. Plans of recent signatures are kept, so a repeated layout skips
+    building its plan."""
 
     plan_cache_size = 256
 
-    def __init__(self, tower: VisionTower, buckets: tuple[int, ...] = ()):
+    def __init__(self, tower: VisionTower, buckets: tuple[int, ...] = (), eager_above: bool = True):
         self.tower = tower
         self.buckets = tuple(sorted(buckets))
+        self.eager_above = eager_above
+        self.limit: tuple[int, float, float] | None = None  # `eager_limit`'s measurement, where `capture` made one
         self._buckets: dict[int, _Bucket] = {}
         self._plans: OrderedDict[Signature, PackPlan] = OrderedDict()
         self.padded_tokens = 0  # tokens computed as padding, for the benchmarks
@@ -221,10 +286,18 @@ class BucketedTower:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's pieces (on CUDA); elsewhere set the buckets up to run their pieces eagerly."""
+        """Capture every bucket's pieces (on CUDA; with `eager_above`, those up to where an eager forward is as fast);
+        elsewhere set the buckets up to run their pieces eagerly."""
         tower = self.tower
         offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
+        if pool is not None and self.eager_above and self.buckets[-1] > WHOLE_MAX_TOKENS:
+            self.limit = limit, host_ms, gpu_ms = eager_limit(tower, self.buckets[-1])
+            kept = tuple(b for b in self.buckets if b <= max(limit, WHOLE_MAX_TOKENS))
+            if len(kept) < len(self.buckets):
+                log.info("packs over %d tokens run eagerly: an eager forward's launches take %.1f ms of host time, a "
+                         "forward of %d tokens %.1f ms of GPU time", kept[-1], host_ms, self.buckets[-1], gpu_ms)
+                self.buckets = kept
         statics = self._statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
             # a whole forward needs the Triton kernel on a GPU (SDPA reads the segments back to the host)

@@ -158,3 +158,40 @@ def test_bucketed_graphs_equal_eager_for_any_mix(name):
             assert err <= 2 * e_err and ds_err <= 2 * e_ds_err, grids
     assert bucketed.eager == 1 and bucketed.bucketed == len(packs) - 1  # only the 4096-token pack is beyond 2048
     assert bucketed.whole_forwards == 5  # the lone images within a bucket ran as one graph
+
+
+def test_capture_stops_where_an_eager_forward_is_as_fast():
+    """`BucketedTower.capture` with `eager_above` measures one eager forward (`eager_costs`: its host time issuing
+    the launches, and the GPU's time running them, queued behind a wait) and keeps only the buckets up to the pack
+    size whose GPU time is `EAGER_MARGIN` times the host's (never fewer than the whole-forward ones); larger packs
+    run eagerly and compute what the eager forward does. The GPU time is the GPU's, not the host's: within a third
+    of the same pack's graph replay (the bucket that holds it exactly)."""
+    from triton.testing import do_bench
+
+    from service.model.graphs import EAGER_MARGIN, WHOLE_MAX_TOKENS, BucketedTower, typical_grids
+
+    cfg = preset("qwen3-vl-2b")
+    tower = random_tower(cfg, "cuda", torch.bfloat16, seed=5)
+    buckets = (1024, 4096, 8192, 16384, 32768)
+    measured, every = BucketedTower(tower, buckets), BucketedTower(tower, buckets, eager_above=False)
+    with torch.inference_mode():
+        measured.capture()
+        every.capture()
+        limit, host_ms, gpu_ms = measured.limit
+        print(f"eager forward of 32768 tokens: host {host_ms:.1f} ms, GPU {gpu_ms:.1f} ms -> limit {limit} tokens")
+        assert host_ms > 0 and gpu_ms > 0
+        assert limit == int(32768 * EAGER_MARGIN * host_ms / gpu_ms)
+        assert measured.buckets == tuple(b for b in buckets if b <= max(limit, WHOLE_MAX_TOKENS))
+        assert every.buckets == buckets
+        grids = typical_grids(32768, cfg.spatial_merge_size)
+        pixels = torch.randn(32768, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
+        replay_ms = do_bench(lambda: every(pixels, grids), warmup=20, rep=200, return_mode="median")
+        assert 0.67 * replay_ms <= gpu_ms <= 1.5 * replay_ms, (gpu_ms, replay_ms)
+        grids = typical_grids(20000, cfg.spatial_merge_size)
+        pixels = pixels[:20000]
+        merged, ds = measured(pixels, grids)
+        e_merged, e_ds = tower(pixels, tower.plan(grids))
+        if measured.bucket_for(20000) is None:
+            assert torch.equal(merged, e_merged) and torch.equal(ds, e_ds)
+        else:
+            assert rel_err(merged.float(), e_merged.float()) < 2e-2
