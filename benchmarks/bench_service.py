@@ -502,12 +502,17 @@ def cache_latency(url: str, jpeg: bytes, n: int = 40) -> dict:
                 "miss": curl_p50(url, path, files, "image/jpeg", n, cache="miss")}
 
 
-def start_server(model: str, port: int, cache_dir: str):
+def start_server(model: str, port: int, cache_dir: str, tree: str | None = None):
+    """The server at its defaults (this tree's, or the one at `tree`: another revision's), its URL and seconds to
+    ready."""
     env = {**os.environ, "QWEN3VL_MODEL": model, "QWEN3VL_PORT": str(port), "QWEN3VL_HOST": "127.0.0.1",
            "QWEN3VL_CACHE_DIR": cache_dir}
     env = {k: v for k, v in env.items() if not k.startswith("TRITON_CACHE")}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree)] + [
+            p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != os.getcwd()])
     t0 = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env)
+    server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     if not wait_until_ready(url, server, timeout_s=600, interval_s=0.2):
         server.kill()

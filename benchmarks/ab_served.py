@@ -1,0 +1,75 @@
+"""The served throughput of other revisions beside this tree's on one machine: each revision's server at its
+defaults under this tree's compiled closed-loop generator (`bench_service.compiled`: 448 px JPEGs, each request's
+bytes its own, tokens only), one after another. A lease's host differs from the last, so only such a run says what
+a revision changed.
+
+    mkdir -p .ab && git archive REV > .ab/REV.tar     (here; carry .ab to the GPU machine)
+    python -m benchmarks.ab_served [--clients 64] [--rounds 1] [--out DIR]      (ab_served.json)
+
+Each `.ab/*.tar` is unpacked once under /tmp/ab; "head" is this tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+from benchmarks.bench_service import compiled, photo_jpegs, start_server, stop_server, write_bodies
+from benchmarks.common import environment, write_results
+
+
+def trees(folder: Path) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for archive in sorted(folder.glob("*.tar")):
+        root = Path("/tmp/ab") / archive.stem
+        if not root.exists():
+            root.mkdir(parents=True)
+            with tarfile.open(archive) as t:
+                t.extractall(root, filter="data")
+        out[archive.stem] = str(root)
+    out["head"] = None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="random:qwen3-vl-2b")
+    ap.add_argument("--ab", default=".ab")
+    ap.add_argument("--clients", default="64")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--warmup-s", type=float, default=6.0)
+    ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="qwen3vl-ab-"))
+    bodies = write_bodies(photo_jpegs([(448, 448)] * 256), work)
+    caches = {}  # a tuning cache per revision, kept across rounds
+    runs: dict[str, list] = {}
+    try:
+        for round_ in range(args.rounds):
+            for name, tree in trees(Path(args.ab)).items():
+                cache = caches.setdefault(name, tempfile.mkdtemp(prefix=f"qwen3vl-cache-{name}-"))
+                try:
+                    server, url, ready = start_server(args.model, 18790, cache, tree)
+                except RuntimeError as e:
+                    runs.setdefault(name, []).append({"error": str(e)})
+                    continue
+                try:
+                    row = {"round": round_, "ready_s": round(ready, 1)}
+                    for n in (int(c) for c in args.clients.split(",")):
+                        row[f"c{n}"] = compiled(url, bodies, n, args.warmup_s, args.seconds, work)
+                    print(name, row, flush=True)
+                    runs.setdefault(name, []).append(row)
+                finally:
+                    stop_server(server)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_results("ab_served", {"benchmark": "ab_served", "env": environment(), "model": args.model,
+                                "clients": args.clients, "runs": runs}, args.out)
+
+
+if __name__ == "__main__":
+    main()
