@@ -1,6 +1,6 @@
 """The served throughput of other revisions beside this tree's on one machine: each revision's server at its
 defaults under this tree's compiled closed-loop generator (`bench_service.compiled`: 448 px JPEGs, each request's
-bytes its own, tokens only), one after another. A lease's host differs from the last, so only such a run says what
+bytes its own, tokens only), one after another, with what tells a run's mode apart (`measured`). A lease's host differs from the last, so only such a run says what
 a revision changed.
 
     mkdir -p .ab && git archive REV > .ab/REV.tar     (here; carry .ab to the GPU machine)
@@ -12,13 +12,19 @@ Each `.ab/*.tar` is unpacked once under /tmp/ab; "head" is this tree.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tarfile
 import tempfile
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.bench_service import compiled, photo_jpegs, start_server, stop_server, write_bodies
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, read_forward_trace, write_results
+from benchmarks.multigpu import server_cpu
 
 
 def trees(folder: Path) -> dict[str, str | None]:
@@ -32,6 +38,42 @@ def trees(folder: Path) -> dict[str, str | None]:
         out[archive.stem] = str(root)
     out["head"] = None
     return out
+
+
+def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path,
+             trace: Path) -> dict:
+    """`compiled`'s row, with what tells a run's mode: each front-end's client connections and cores over the window
+    (the kernel's hash spreads the connections), and the engine's forwards in it (`FORWARD_TRACE`): images per
+    forward and launch-to-outputs ms (10th, 50th, 90th percentiles)."""
+    import httpx
+
+    engine_pids = {e["pid"] for e in httpx.get(f"{url}/info", timeout=10).json()["engine"].get("engines", [])
+                   if e.get("pid")}
+    t0 = time.time() + warmup_s
+    result: dict = {}
+
+    def sample():  # the front-ends over the measured window, sampled beside the generator
+        time.sleep(warmup_s)
+        a = server_cpu(server, engine_pids)
+        time.sleep(seconds)
+        b = server_cpu(server, engine_pids)
+        result["frontends"] = sorted(
+            ({"connections": conns, "cores": round((b.frontends[pid][0] - cpu) / seconds, 2)}
+             for pid, (cpu, conns) in a.frontends.items() if pid in b.frontends),
+            key=lambda f: -f["connections"])
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    row = compiled(url, bodies, clients, warmup_s, seconds, work)
+    sampler.join()
+    forwards = read_forward_trace(trace, t0, t0 + seconds)
+    if forwards:
+        items, wall = np.array([f[1] for f in forwards]), np.array([f[4] for f in forwards])
+        row["forwards"] = {"count": len(forwards),
+                           "images": [float(np.percentile(items, q)) for q in (10, 50, 90)],
+                           "launch_to_outputs_ms": [round(float(np.percentile(wall, q)), 1) for q in (10, 50, 90)]}
+    row.update(result)
+    return row
 
 
 def main() -> None:
@@ -52,6 +94,8 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, tree in trees(Path(args.ab)).items():
                 cache = caches.setdefault(name, tempfile.mkdtemp(prefix=f"qwen3vl-cache-{name}-"))
+                trace = work / f"forwards-{name}-{round_}.csv"
+                os.environ["QWEN3VL_FORWARD_TRACE"] = str(trace)
                 try:
                     server, url, ready = start_server(args.model, 18790, cache, tree)
                 except RuntimeError as e:
@@ -60,7 +104,7 @@ def main() -> None:
                 try:
                     row = {"round": round_, "ready_s": round(ready, 1)}
                     for n in (int(c) for c in args.clients.split(",")):
-                        row[f"c{n}"] = compiled(url, bodies, n, args.warmup_s, args.seconds, work)
+                        row[f"c{n}"] = measured(url, server, bodies, n, args.warmup_s, args.seconds, work, trace)
                     print(name, row, flush=True)
                     runs.setdefault(name, []).append(row)
                 finally:

@@ -344,12 +344,28 @@ def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: flo
     clock = sm_clock()
     summary = json.loads(gen.communicate()[0])
     with open(csv_path, newline="") as f:
-        done = [((int(r["due_ns"]) + int(r["latency_ns"])) / 1e9, int(r["bytes"])) for r in csv.DictReader(f)
-                if r["status"] == "200"]
-    inside = [size for t, size in done if warmup_s <= t < warmup_s + seconds]
-    return _row(len(inside) / seconds, a, b, clock, {"achieved_requests_per_s": summary["achieved_per_s"],
-                                                     "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"],
-                                                     "reply_bytes_per_s": sum(inside) / seconds})
+        done = [r for r in csv.DictReader(f) if r["status"] == "200"
+                and warmup_s <= (int(r["due_ns"]) + int(r["latency_ns"])) / 1e9 < warmup_s + seconds]
+    row = _row(len(done) / seconds, a, b, clock, {"achieved_requests_per_s": summary["achieved_per_s"],
+                                                  "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"],
+                                                  "reply_bytes_per_s": sum(int(r["bytes"]) for r in done) / seconds})
+    row["timing_p50_ms"] = request_times(done)
+    return row
+
+
+def request_times(rows: list[dict]) -> dict:
+    """Medians (ms) of the generator's latency and of the server's timing headers over `rows` (the compiled
+    generator's CSV rows), and of the part of each request outside the server's own account (latency minus its
+    total: the client, the connection, and the front-end's read of the body and write of the reply)."""
+    def median(values):
+        return round(float(np.median(values)), 2) if values else None
+
+    timed = [r for r in rows if r.get("server_ms")]
+    out = {"latency": median([int(r["latency_ns"]) / 1e6 for r in rows])}
+    for name in ("preprocess", "queue", "inference", "server"):
+        out[name] = median([float(r[f"{name}_ms"]) for r in timed])
+    out["outside_server"] = median([int(r["latency_ns"]) / 1e6 - float(r["server_ms"]) for r in timed])
+    return out
 
 
 def _row(images_per_s: float, a, b, clock: str, generator: dict) -> dict:

@@ -10,7 +10,8 @@
 // a JPEG comment segment holding the request's number follows the start-of-image marker, so no reply comes from
 // the server's embedding cache (what a stream of distinct photos gets) and the pixels are unchanged. Connections are kept alive, as real clients do.
 // Every request becomes one CSV row: due (ns from start), send delay (ns after due), latency (ns, due to the last
-// byte of the reply), status (0: no reply), reply bytes, kind, the X-Cache header, error. A JSON summary goes to stdout at the end:
+// byte of the reply), status (0: no reply), reply bytes, kind, the X-Cache header, error, and the server's timing
+// headers (preprocess, queue, inference and total ms; empty where absent). A JSON summary goes to stdout at the end:
 // offered and achieved rates (requests sent over the time it took to send them) and the generator's CPU seconds.
 //
 // Build: CGO_ENABLED=0 go build -o openloop tools/openloop/main.go (Go 1.19 or later, standard library only).
@@ -45,7 +46,11 @@ type row struct {
 	due, delay, latency time.Duration
 	status, size        int
 	kind, cache, err    string
+	timing              [len(timingHeaders)]string // the server's timing headers, as sent
 }
+
+// the server's own account of a request (milliseconds): decoding, waiting for a forward, the forward, and all of it
+var timingHeaders = [...]string{"X-Preprocess-Time-Ms", "X-Queue-Time-Ms", "X-Inference-Time-Ms", "X-Total-Time-Ms"}
 
 func loadBodies(dir string) (images, videos []body, err error) {
 	names, err := filepath.Glob(filepath.Join(dir, "*"))
@@ -130,10 +135,11 @@ func main() {
 	go func() {
 		b := bufio.NewWriterSize(f, 1<<20)
 		w := csv.NewWriter(b) // RFC 4180: an error's quotes and commas survive any CSV reader
-		w.Write([]string{"due_ns", "delay_ns", "latency_ns", "status", "bytes", "kind", "cache", "error"})
+		w.Write([]string{"due_ns", "delay_ns", "latency_ns", "status", "bytes", "kind", "cache", "error",
+			"preprocess_ms", "queue_ms", "inference_ms", "server_ms"})
 		for r := range rows {
-			w.Write([]string{fmt.Sprint(int64(r.due)), fmt.Sprint(int64(r.delay)), fmt.Sprint(int64(r.latency)),
-				fmt.Sprint(r.status), fmt.Sprint(r.size), r.kind, r.cache, r.err})
+			w.Write(append([]string{fmt.Sprint(int64(r.due)), fmt.Sprint(int64(r.delay)), fmt.Sprint(int64(r.latency)),
+				fmt.Sprint(r.status), fmt.Sprint(r.size), r.kind, r.cache, r.err}, r.timing[:]...))
 		}
 		w.Flush()
 		b.Flush()
@@ -160,6 +166,9 @@ func main() {
 			n, rerr := io.Copy(io.Discard, resp.Body)
 			resp.Body.Close()
 			r.status, r.size, r.cache = resp.StatusCode, int(n), resp.Header.Get("X-Cache")
+			for k, name := range timingHeaders {
+				r.timing[k] = resp.Header.Get(name)
+			}
 			err = rerr
 		}
 		if err != nil {
