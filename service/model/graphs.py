@@ -33,10 +33,11 @@ WHOLE_MAX_TOKENS = 4096
 
 # A bucket above WHOLE_MAX_TOKENS is captured only while a forward of its size takes the GPU less than this multiple
 # of an eager forward's host time. Past that, an eager forward keeps the GPU as busy (the host issues its launches
-# faster than the GPU runs them) without the bucket's padding rows and the graph launches between its pieces: on an
-# H100, 23 images of 448 px ran in 25.9 ms eagerly against 26.9 ms bucketed. The margin covers the engine's other
-# threads taking the GIL from the launching one.
+# faster than the GPU runs them) without the bucket's padding rows and the graph launches between its pieces
+# (docs/PERFORMANCE.md, "Large packs run eagerly"). The margin covers the engine's other threads taking the GIL from
+# the launching one, and a host time measured beside other start-up work.
 EAGER_MARGIN = 1.25
+
 
 class _Statics:
     """The graphs' inputs and the buffers around the eager attention, sized for the largest bucket; each bucket
