@@ -6,7 +6,8 @@ a revision changed.
     mkdir -p .ab && git archive REV > .ab/REV.tar     (here; carry .ab to the GPU machine)
     python -m benchmarks.ab_served [--clients 64] [--rounds 1] [--out DIR]      (ab_served.json)
 
-Each `.ab/*.tar` is unpacked once under /tmp/ab; "head" is this tree.
+Each `.ab/*.tar` is unpacked once under /tmp/ab; "head" is this tree; `--variant` adds this tree's server with
+other settings.
 """
 
 from __future__ import annotations
@@ -84,23 +85,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--warmup-s", type=float, default=6.0)
     ap.add_argument("--seconds", type=float, default=12.0)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="this tree's server again with these settings in its environment, as NAME "
+                         "(e.g. items22:QWEN3VL_MAX_BATCH_ITEMS=22)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    variants = {name: dict(kv.split("=", 1) for kv in spec.split(","))
+                for name, spec in (v.split(":", 1) for v in args.variant)}
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-ab-"))
     bodies = write_bodies(photo_jpegs([(448, 448)] * 256), work)
     caches = {}  # a tuning cache per revision, kept across rounds
     runs: dict[str, list] = {}
     try:
         for round_ in range(args.rounds):
-            for name, tree in trees(Path(args.ab)).items():
+            for name, tree in {**trees(Path(args.ab)), **dict.fromkeys(variants)}.items():
                 cache = caches.setdefault(name, tempfile.mkdtemp(prefix=f"qwen3vl-cache-{name}-"))
                 trace = work / f"forwards-{name}-{round_}.csv"
-                os.environ["QWEN3VL_FORWARD_TRACE"] = str(trace)
+                saved = dict(os.environ)
+                os.environ.update({"QWEN3VL_FORWARD_TRACE": str(trace), **variants.get(name, {})})
                 try:
                     server, url, ready = start_server(args.model, 18790, cache, tree)
                 except RuntimeError as e:
                     runs.setdefault(name, []).append({"error": str(e)})
                     continue
+                finally:
+                    os.environ.clear()
+                    os.environ.update(saved)
                 try:
                     row = {"round": round_, "ready_s": round(ready, 1)}
                     for n in (int(c) for c in args.clients.split(",")):
@@ -112,7 +122,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     write_results("ab_served", {"benchmark": "ab_served", "env": environment(), "model": args.model,
-                                "clients": args.clients, "runs": runs}, args.out)
+                                "clients": args.clients, "variants": variants, "runs": runs}, args.out)
 
 
 if __name__ == "__main__":
