@@ -293,7 +293,12 @@ class BucketedTower:
         offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
         if pool is not None and self.eager_above and self.buckets[-1] > WHOLE_MAX_TOKENS:
-            self.limit = limit, host_ms, gpu_ms = eager_limit(tower, self.buckets[-1])
+            try:
+                self.limit = limit, host_ms, gpu_ms = eager_limit(tower, self.buckets[-1])
+            except torch.OutOfMemoryError as e:  # no room for a full eager pack beside the rest: keep every bucket
+                log.warning("could not time an eager forward (%s); every graph bucket is captured", e)
+                torch.cuda.empty_cache()
+                limit = self.buckets[-1]
             kept = tuple(b for b in self.buckets if b <= max(limit, WHOLE_MAX_TOKENS))
             if len(kept) < len(self.buckets):
                 log.info("packs over %d tokens run eagerly: an eager forward's launches take %.1f ms of host time, a "

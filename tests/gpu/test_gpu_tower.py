@@ -195,3 +195,19 @@ def test_capture_stops_where_an_eager_forward_is_as_fast():
             assert torch.equal(merged, e_merged) and torch.equal(ds, e_ds)
         else:
             assert rel_err(merged.float(), e_merged.float()) < 2e-2
+
+
+def test_capture_keeps_every_bucket_when_the_eager_forward_cannot_be_timed(monkeypatch):
+    """An eager forward that runs out of memory while start-up times it leaves every bucket captured (the packs run as
+    before), not a failed start."""
+    from service.model import graphs
+
+    def oom(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(graphs, "eager_limit", oom)
+    tower = random_tower(preset("qwen3-vl-2b"), "cuda", torch.bfloat16, seed=6)
+    bucketed = graphs.BucketedTower(tower, (1024, 8192))
+    with torch.inference_mode():
+        bucketed.capture()
+    assert bucketed.buckets == (1024, 8192) and bucketed.captured and bucketed.limit is None
