@@ -74,13 +74,14 @@ for step in "${@:-all}"; do
     multigpu-*) bash benchmarks/device_multigpu.sh "${step#multigpu-}" ;;
     startup) python -m benchmarks.bench_service --startup-only --out "$OUT" > "$OUT/bench_service_startup.log" 2>&1
              tail -n 3 "$OUT/bench_service_startup.log" ;;
+    # the served throughput of the carried revisions' servers (.ab/REV.tar of `git archive REV service kernels`, or
+    # a whole tree as `ab` takes) and this tree's, under the compiled generator (ab_served.json; AB_SERVED_ARGS:
+    # --clients, --rounds, --variant)
+    ab-served) python -m benchmarks.ab_served --out "$OUT" ${AB_SERVED_ARGS:-} 2>&1 | tee "$OUT/ab_served.log" ;;
     # one benchmark at other revisions beside this tree's, alternated twice on one machine (a host's speed differs
     # from lease to lease, so only a comparison within one lease says what a revision changed): carry .ab, made
     # here with `mkdir -p .ab && git archive REV > .ab/REV.tar`; AB_ARGS are bench_service's (--startup-only: the
     # lone image and the start-up). Results under $OUT/ab/<revision or "head">/<round>.
-    # the served throughput of the carried revisions' servers (.ab/REV.tar of `git archive REV service kernels`)
-    # and this tree's, under the compiled generator (ab_served.json; AB_SERVED_ARGS: --clients, --rounds)
-    ab-served) python -m benchmarks.ab_served --out "$OUT" ${AB_SERVED_ARGS:-} 2>&1 | tee "$OUT/ab_served.log" ;;
     ab) for round in 1 2; do
           for tree in .ab/*.tar head; do
             name=$(basename "$tree" .tar); dir=$PWD
