@@ -539,3 +539,25 @@ def test_a_client_flooding_the_queue_is_refused_while_another_still_gets_in(tiny
     other, done = asyncio.run(go())
     assert rel_err(other.results[0].embeds, tiny.encode(items[:1])[0].embeds) <= 1e-5
     assert sum(len(d.results) for d in done) == 12
+
+
+def test_a_requests_timing_says_how_many_items_shared_its_pack(tiny):
+    """`Timing.pack_items`: the most items in a pack that computed one of the request's (what the engine process's
+    latency policy reads to copy a lone pack's result on its loop): 1 for a request alone, the pack's size for
+    requests that shared one."""
+    items = [tiny.preprocess(img) for img in random_pngs(4, seed=3)]
+
+    async def go():
+        batcher = _engine(tiny, max_wait_ms=50)
+        await batcher.start()
+        try:
+            alone = await batcher.submit(items[:1], timeout_s=30)
+            together = await asyncio.gather(batcher.submit(items[1:3], timeout_s=30),
+                                            batcher.submit(items[3:], timeout_s=30))
+        finally:
+            await batcher.stop()
+        return alone, together
+
+    alone, together = asyncio.run(go())
+    assert alone.timing.pack_items == 1
+    assert [e.timing.pack_items for e in together] == [3, 3]

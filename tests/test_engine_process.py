@@ -847,3 +847,68 @@ def test_a_submit_on_a_connection_the_engine_just_closed_is_a_503_not_a_crash(lo
         server.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("pack_items, on_loop", [(1, True), (2, False), (31, False)])
+def test_a_packs_results_are_copied_by_the_copier_threads_and_a_lone_ones_on_the_loop(monkeypatch, pack_items,
+                                                                                       on_loop):
+    """`LatencyPolicy.copy_inline`: a result of a pack of one item is written into its front-end's arena on the
+    engine's event loop (no hand-off for a lone request); a pack's results, which land together, by the copier
+    threads, so the loop reads the next submissions meanwhile. Either way the front-end reads what was sent."""
+    from types import SimpleNamespace
+
+    from service.engine import process
+    from service.engine.api import Encoded, ModelInfo, Timing
+    from service.engine.protocol import tensor_at
+    from service.engine.shm import SHM_DIR, Arena
+    from service.model.preprocess import Preprocessor, PreprocessConfig
+    from service.model.results import EncodeResult
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip(f"no {SHM_DIR}")
+    pre = Preprocessor(PreprocessConfig())
+    item = pre(encode_bytes(Image.fromarray(np.zeros((64, 64, 3), np.uint8)), "PNG"))
+    embeds = torch.randn(16, 8)
+    writers = []
+    write_tensors = process.write_tensors
+
+    def recording(*args):
+        writers.append(threading.current_thread() is threading.main_thread())
+        return write_tensors(*args)
+
+    monkeypatch.setattr(process, "write_tensors", recording)
+
+    async def submit(items, deadline, **kwargs):
+        return Encoded([EncodeResult(embeds, torch.zeros(0, 16, 8), it.grid_thw, torch.ones(8), 16) for it in items],
+                       Timing(0.001, 0.002, pack_items))
+
+    batcher = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0)
+    engine = SimpleNamespace(batcher=batcher, submit=submit,
+                             model=ModelInfo(None, pre, torch.device("cpu"), torch.float32, "sdpa"))
+    server = process.EngineServer(engine)
+    arena = Arena(1 << 20)
+
+    async def go():
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=b)
+        served = asyncio.create_task(server._connection(reader, writer))
+        client_reader, client = await asyncio.open_connection(sock=a)
+        write_message(client, {"op": "hello", "id": 0, "arena": arena.path})
+        hello, _ = await asyncio.wait_for(read_message(client_reader), 5)
+        frames = np.ascontiguousarray(item.frames)
+        write_message(client, {"op": "submit", "id": 1, "timeout_s": 5, "deepstack": True, "tokens": True,
+                               "items": [(frames.shape, item.grid_thw, item.meta, None)], "out": (4096, 1 << 16)},
+                      [frames])
+        reply, _ = await asyncio.wait_for(read_message(client_reader), 5)
+        client.close()
+        await asyncio.wait_for(served, 5)
+        return hello, reply
+
+    try:
+        hello, reply = asyncio.run(go())
+        assert hello["arena"] is True and reply["op"] == "result" and reply["in_arena"] is True
+        got, _ = tensor_at(arena._map, 4096, (16, 8), torch.float32, align=True)
+        assert torch.equal(got, embeds)
+    finally:
+        arena.unlink()
+    assert writers == [on_loop]

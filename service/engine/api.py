@@ -65,6 +65,7 @@ class ModelInfo:
 class Timing:
     queue_s: float = 0.0  # the longest wait of the request's items for a forward
     inference_s: float = 0.0  # the longest forward that computed one of them
+    pack_items: int = 1  # the most items in a pack that computed one of them (1: each went alone)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class ItemDone:
     result: EncodeResult
     queue_s: float
     inference_s: float
+    pack_items: int = 1  # items in the pack that computed it
 
 
 @dataclass(frozen=True)

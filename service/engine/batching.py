@@ -208,7 +208,8 @@ class Batcher:
         except BaseException:
             gone = True  # cancelled (client gone) or failed: the rest of its items are not computed
             raise
-        timing = Timing(queue_s=max(d.queue_s for d in results), inference_s=max(d.inference_s for d in results))
+        timing = Timing(queue_s=max(d.queue_s for d in results), inference_s=max(d.inference_s for d in results),
+                        pack_items=max(d.pack_items for d in results))
         # a pack computes what any of its requests asked for: each gets only what it asked for
         return Encoded([_asked(d.result, deepstack, tokens) for d in results], timing)
 
@@ -423,7 +424,7 @@ class Batcher:
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
-                w.future.set_result(ItemDone(r, start - w.enqueued, end - start))
+                w.future.set_result(ItemDone(r, start - w.enqueued, end - start, len(batch)))
 
     async def _polled(self, pending, items: int) -> bool:
         """Whether a lone forward finished while this loop polled it, once per turn, until other work came (False).

@@ -15,6 +15,11 @@ and has had none beside another for `QUIET_S`):
 3. Launching (engine): a pack formed while nothing else is queued or running is launched from the batcher's loop
    rather than its forward thread, and its end is polled (`launch_inline`; CUDA only, where a launch is
    asynchronous: on the CPU the launch is the whole forward).
+4. Answering (engine): the result of a pack of one item, up to `INLINE_RESULT_BYTES`, is copied into its
+   front-end's arena on the engine's event loop rather than by a copier thread (`copy_inline`). A pack's results
+   land together, and copied on the loop one after another they would hold it for milliseconds (31 images of
+   448 px: 25 MB) while the next pack's submissions wait to be read; the copier threads' copies let go of the
+   interpreter lock.
 
 Otherwise the decoding threads decode, the loops sleep until woken, and the forward thread launches. Nothing here
 changes what is computed, only which thread does it and when it is noticed.
@@ -39,6 +44,8 @@ INLINE_MAX_PIXELS = 640 * 640
 EXPECT_S = 0.01
 # how long after two requests were last served at once a process serves none alone (the module's docstring)
 QUIET_S = 0.5
+# the largest result a lone pack copies on the engine's loop (4.): a 448 px image's merged tokens are 0.8 MB
+INLINE_RESULT_BYTES = 1 << 20
 # the longest a lone request's reply is polled for (2.): a lone 448 px image's forward takes a few milliseconds, and
 # past this a wake-up's fraction of a millisecond is small beside the forward
 POLL_MAX_S = 0.05
@@ -82,6 +89,12 @@ class LatencyPolicy:
         """Whether the batcher launches a pack from its loop (3.): where that is `enabled` (CUDA, `Batcher`'s
         `inline_launch`), with nothing else queued or running."""
         return enabled and not others
+
+    @staticmethod
+    def copy_inline(nbytes: int, pack_items: int) -> bool:
+        """Whether the engine copies a request's result of `nbytes` into its front-end's arena on its event loop
+        (4.): the result of a pack of one item (`Timing.pack_items`), up to INLINE_RESULT_BYTES."""
+        return pack_items == 1 and nbytes <= INLINE_RESULT_BYTES
 
 
 def small_jpeg(pre: Preprocessor, data: bytes, min_pixels: int | None, max_pixels: int | None) -> bool:

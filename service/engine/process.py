@@ -33,18 +33,16 @@ from ..model.encoder import bind_thread
 from .local import LocalEngine
 from .protocol import error_header, raw_bytes, read_message, write_message, write_tensors
 from .shm import attach, page_lock, page_unlock
-from .latency import EXPECT_S
+from .latency import EXPECT_S, LatencyPolicy
 from .wiring import Wiring
 from ..runtime import configure_process, settle_process
 
 log = logging.getLogger(__name__)
 
 
-# results larger than this are copied into a front-end's arena by a worker thread (numpy's copy lets go of the
-# interpreter lock), not on the event loop: 16 images in vLLM's layout are 51 MB, milliseconds of copying during
-# which the loop would neither read submissions nor launch the next pack, and the GPU would idle. Smaller ones (a
-# 448 px image's merged tokens: 0.8 MB) are copied inline, where the hand-off would cost a lone request more.
-INLINE_RESULT_BYTES = 1 << 20
+# threads that copy results into the front-ends' arenas (numpy's copy lets go of the interpreter lock), so that the
+# event loop reads submissions and launches the next pack meanwhile; only a lone pack's small result is copied on
+# the loop (`LatencyPolicy.copy_inline`)
 RESULT_COPIERS = 2
 
 
@@ -189,11 +187,11 @@ class EngineServer:
             out = header.get("out")  # (offset, bytes): the region the front-end reserved in its arena for them
             written = False
             if out is not None and arena is not None and not abandoned():
-                if sum(t.nbytes for t in tensors) > INLINE_RESULT_BYTES:
+                if LatencyPolicy.copy_inline(sum(t.nbytes for t in tensors), done.timing.pack_items):
+                    written = write_tensors(arena, *out, tensors)
+                else:
                     written = await asyncio.get_running_loop().run_in_executor(self._copiers, write_tensors, arena,
                                                                                *out, tensors)
-                else:
-                    written = write_tensors(arena, *out, tensors)
             if written:
                 reply["in_arena"], buffers = True, []
             else:
