@@ -334,11 +334,12 @@ def test_abandoned_items_are_dropped_before_compute(tiny):
 
 
 def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_forward_thread(tiny):
-    """With `inline_launch` (on by default with CUDA, where a launch returns before the GPU is done), a pack with
-    nothing in flight and nothing queued behind it is dispatched from the event loop's thread, and the loop polls
-    for its end until other work arrives (then the finisher thread waits); while one is in flight, packs go to the
-    forward thread and the finisher thread. Results are the same either way."""
-    items = [tiny.preprocess(img) for img in random_pngs(4, seed=6)]
+    """With `inline_launch` (on by default with CUDA, where a launch returns before the GPU is done), a pack of one
+    item with nothing in flight and nothing queued behind it is dispatched from the event loop's thread, and the
+    loop polls for its end until other work arrives (then the finisher thread waits); while one is in flight, packs
+    go to the forward thread and the finisher thread, and so does a pack of several items on an idle GPU (its
+    launch would hold the loop). Results are the same either way."""
+    items = [tiny.preprocess(img) for img in random_pngs(6, seed=6)]
     device = SimulatedDevice(tiny, seconds=0.2)
     threads, finished_on = [], []
     launch, finish = device.launch, device.finish
@@ -361,15 +362,16 @@ def test_a_lone_pack_launches_on_the_event_loop_and_packs_behind_others_on_the_f
         alone = await eng.submit(items[:1], timeout_s=10)
         first = asyncio.create_task(eng.submit(items[1:2], timeout_s=10))
         await asyncio.sleep(0.05)
-        behind = await eng.submit(items[2:], timeout_s=10)  # arrives while `first` computes
+        behind = await eng.submit(items[2:4], timeout_s=10)  # arrives while `first` computes
         await first
+        several = await eng.submit(items[4:], timeout_s=10)  # two items on an idle GPU
         await eng.stop()
-        return alone, behind
+        return alone, behind, several
 
-    alone, behind = asyncio.run(go())
-    assert threads == [True, True, False]
-    assert finished_on == [True, False, False]  # `first` stopped being polled when `behind` arrived
-    for it, r in zip(items[:1] + items[2:], alone.results + behind.results):
+    alone, behind, several = asyncio.run(go())
+    assert threads == [True, True, False, False]
+    assert finished_on == [True, False, False, False]  # `first` stopped being polled when `behind` arrived
+    for it, r in zip(items[:1] + items[2:], alone.results + behind.results + several.results):
         assert rel_err(r.embeds, tiny.encode([it])[0].embeds) <= 1e-5
 
 

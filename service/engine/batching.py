@@ -337,7 +337,7 @@ class Batcher:
                 if not batch:
                     continue
                 self._in_flight += len(batch)
-                alone = LatencyPolicy.launch_inline(self.inline_launch, bool(finishing or self._queue))
+                alone = LatencyPolicy.launch_inline(self.inline_launch, bool(finishing or self._queue), len(batch))
                 launched = await self._launch(loop, batch, inline=alone)
                 if launched is None:
                     self._in_flight -= len(batch)

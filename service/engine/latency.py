@@ -12,9 +12,11 @@ and has had none beside another for `QUIET_S`):
 2. Waiting (front-end): the reply is awaited by turning the event loop over rather than sleeping in it, while the
    request is alone and for `POLL_MAX_S` at most (`reply_poll`), so the reply is read the moment it lands, on a
    core still running at speed; other tasks of the loop still run at each turn.
-3. Launching (engine): a pack formed while nothing else is queued or running is launched from the batcher's loop
-   rather than its forward thread, and its end is polled (`launch_inline`; CUDA only, where a launch is
-   asynchronous: on the CPU the launch is the whole forward).
+3. Launching (engine): a pack of one item formed while nothing else is queued or running is launched from the
+   batcher's loop rather than its forward thread, and its end is polled (`launch_inline`; CUDA only, where a launch
+   is asynchronous: on the CPU the launch is the whole forward). A larger pack goes to the forward thread even on
+   an idle GPU: its launch (an eager forward issues hundreds of kernels, milliseconds of host time) would hold the
+   loop while submissions wait, and a thread's hand-off is small beside its forward.
 4. Answering (engine): the result of a pack of one item, up to `INLINE_RESULT_BYTES`, is copied into its
    front-end's arena on the engine's event loop rather than by a copier thread (`copy_inline`). A pack's results
    land together, and copied on the loop one after another they would hold it for milliseconds (31 images of
@@ -85,10 +87,10 @@ class LatencyPolicy:
         return len(inputs) == 1 and self.alone() and small_jpeg(pre, inputs[0], min_pixels, max_pixels)
 
     @staticmethod
-    def launch_inline(enabled: bool, others: bool) -> bool:
-        """Whether the batcher launches a pack from its loop (3.): where that is `enabled` (CUDA, `Batcher`'s
-        `inline_launch`), with nothing else queued or running."""
-        return enabled and not others
+    def launch_inline(enabled: bool, others: bool, items: int) -> bool:
+        """Whether the batcher launches a pack of `items` from its loop (3.): where that is `enabled` (CUDA,
+        `Batcher`'s `inline_launch`), a pack of one item with nothing else queued or running."""
+        return enabled and not others and items == 1
 
     @staticmethod
     def copy_inline(nbytes: int, pack_items: int) -> bool:
