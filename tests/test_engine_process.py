@@ -551,6 +551,15 @@ def test_a_reply_is_awaited_polled_or_not_and_a_gone_client_or_a_silent_engine_c
     assert [s for s in seen if s[0] == "submit"] == [("submit", i) for i in range(1, 6)]
 
 
+async def _connected(server):
+    """An `EngineServer` serving one end of a socket pair: (its connection's task, the other end's reader, writer)."""
+    a, b = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=b)
+    served = asyncio.create_task(server._connection(reader, writer))
+    client_reader, client = await asyncio.open_connection(sock=a)
+    return served, client_reader, client
+
+
 def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(monkeypatch):
     """`EngineServer.expect`: an idle engine keeps its loop turning until the expected submit arrives (then stops at
     once, whatever is left of EXPECT_S) or until EXPECT_S passes without one; a busy engine does not spin."""
@@ -574,10 +583,7 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
     server = process.EngineServer(engine)
 
     async def go():
-        a, b = socket.socketpair()
-        reader, writer = await asyncio.open_connection(sock=b)
-        served = asyncio.create_task(server._connection(reader, writer))
-        client_reader, client = await asyncio.open_connection(sock=a)
+        served, client_reader, client = await _connected(server)
         monkeypatch.setattr(process, "EXPECT_S", 5.0)
         write_message(client, {"op": "expect", "id": -1})
         for _ in range(100):
@@ -637,10 +643,7 @@ def test_a_hello_is_answered_before_the_arena_is_page_locked_and_unlocked_after_
     arena = Arena(1 << 20)
 
     async def go():
-        a, b = socket.socketpair()
-        reader, writer = await asyncio.open_connection(sock=b)
-        served = asyncio.create_task(server._connection(reader, writer))
-        client_reader, client = await asyncio.open_connection(sock=a)
+        served, client_reader, client = await _connected(server)
         write_message(client, {"op": "hello", "id": 0, "arena": arena.path})
         reply, _ = await asyncio.wait_for(read_message(client_reader), 5)
         answered = list(events)
@@ -889,10 +892,7 @@ def test_a_packs_results_are_copied_by_the_copier_threads_and_a_lone_ones_on_the
     arena = Arena(1 << 20)
 
     async def go():
-        a, b = socket.socketpair()
-        reader, writer = await asyncio.open_connection(sock=b)
-        served = asyncio.create_task(server._connection(reader, writer))
-        client_reader, client = await asyncio.open_connection(sock=a)
+        served, client_reader, client = await _connected(server)
         write_message(client, {"op": "hello", "id": 0, "arena": arena.path})
         hello, _ = await asyncio.wait_for(read_message(client_reader), 5)
         frames = np.ascontiguousarray(item.frames)
