@@ -13,31 +13,15 @@ QWEN3VL_QUANTIZATION=fp8 measures the FP8 tower; QWEN3VL_CUDA_GRAPH_BUCKETS sets
 from __future__ import annotations
 
 import argparse
-import time
 
 from benchmarks.bench_service import photo_jpegs, served_encoder, sustained
 from benchmarks.common import bench, environment, write_results
 
 
-def host_ms(call, reps: int = 5) -> float:
-    """Median wall time of issuing `call` (the GPU synchronised before it, not after): its host time while the GPU
-    runs behind it."""
-    import torch
-
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1000)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     import torch
 
-    from service.model.graphs import BucketedTower, eager_limit
+    from service.model.graphs import BucketedTower, eager_limit, issue_ms
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="random:qwen3-vl-2b")
@@ -65,7 +49,7 @@ def main() -> None:
             for name, path in (("served", served), ("eager", eager)):
                 path(px, grids)
                 row[f"{name}_ms"] = round(bench(lambda: path(px, grids), warmup_ms=50, rep_ms=300), 3)
-                row[f"{name}_host_ms"] = round(host_ms(lambda: path(px, grids)), 3)
+                row[f"{name}_host_ms"] = round(issue_ms(lambda: path(px, grids), tower.device, 5), 3)
             if str(n) in args.sustained_sizes.split(","):
                 for name, path in (("served", served), ("eager", eager)):
                     run = sustained([lambda: path(px, grids)], n, warmup_s=2.0, seconds=args.seconds)

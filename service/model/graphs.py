@@ -196,20 +196,25 @@ def typical_grids(tokens: int, merge: int) -> list[tuple[int, int, int]]:
     return grids
 
 
-def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
-    """(host ms, GPU ms) of `forward()` run eagerly, medians of `reps`: the time the host takes to issue its
-    launches, and the time the GPU takes to run them, measured with them queued behind a wait long enough for the
-    host to issue them all (so that no launch gap is counted)."""
-    forward()
-    torch.cuda.synchronize(device)
+def issue_ms(call, device, reps: int = 3) -> float:
+    """Median milliseconds of `reps` calls of `call()`, the GPU idle before each and not waited for after: the host
+    time it takes to issue its launches while the GPU runs behind it."""
     host = []
     for _ in range(reps):
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        forward()
+        call()
         host.append((time.perf_counter() - start) * 1000)
     torch.cuda.synchronize(device)
-    host_ms = statistics.median(host)
+    return statistics.median(host)
+
+
+def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
+    """(host ms, GPU ms) of `forward()` run eagerly, medians of `reps`: the time the host takes to issue its
+    launches (`issue_ms`), and the time the GPU takes to run them, measured with them queued behind a wait long
+    enough for the host to issue them all (so that no launch gap is counted)."""
+    forward()
+    host_ms = issue_ms(forward, device, reps)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = 1 << 22
     begin.record()
