@@ -33,6 +33,10 @@ import torch
 
 from service.engine.batching import Batcher
 from service.model.results import EncodeResult
+from service.settings import Settings, parse_buckets
+
+
+PATCHES = 784  # a 448 px image's
 
 
 @dataclass
@@ -54,8 +58,8 @@ class SimulatedGPU:
     """`launch` takes `launch_s` of host time and queues the pack behind the ones before it; `finish` waits until
     it has run. Records each forward's (start, end) on the device."""
 
-    def __init__(self, a_s: float, b_s: float, launch_s: float):
-        self.a_s, self.b_s, self.launch_s = a_s, b_s, launch_s
+    def __init__(self, a_s: float, b_s: float, launch_s: float, buckets: tuple[int, ...] = ()):
+        self.a_s, self.b_s, self.launch_s, self.buckets = a_s, b_s, launch_s, buckets
         self.device = torch.device("cpu")
         self.free_at = 0.0
         self.forwards: list[tuple[float, float, int]] = []
@@ -66,7 +70,8 @@ class SimulatedGPU:
         time.sleep(self.launch_s)
         with self._lock:
             start = max(time.perf_counter(), self.free_at)
-            seconds = self.a_s + self.b_s * len(items)
+            # a bucketed pack computes its whole bucket: the padding rows cost as much as an image's
+            seconds = self.a_s + self.b_s * self.computed_tokens(sum(it.num_patches for it in items)) / PATCHES
             self.free_at = start + seconds
             self.forwards.append((start, self.free_at, len(items)))
         return _Pending(len(items), self.free_at, seconds)
@@ -76,13 +81,13 @@ class SimulatedGPU:
         return [self._result] * pending.n
 
     def computed_tokens(self, tokens: int) -> int:
-        return tokens
+        return next((b for b in self.buckets if b >= tokens), tokens)
 
 
 async def run(clients: int, frontends: int, frontend_s: float, network_s: float, gpu: SimulatedGPU,
               seconds: float, warmup_s: float, max_items: int, engine_loop_s: float = 0.0, sticky: bool = False,
               seed: int = 0, **batcher_args) -> dict:
-    batcher = Batcher(gpu, max_batch_patches=1 << 30, max_batch_items=max_items, max_wait_ms=0,
+    batcher = Batcher(gpu, max_batch_patches=32768, max_batch_items=max_items, max_wait_ms=0,
                       max_queue_items=4 * clients, **batcher_args)
     await batcher.start()
     locks = [asyncio.Lock() for _ in range(frontends)]
@@ -101,7 +106,7 @@ async def run(clients: int, frontends: int, frontend_s: float, network_s: float,
     async def client(c: int):
         while time.perf_counter() < stop:
             time.sleep(engine_loop_s / 2)  # the engine's loop reading the submission (holds the loop)
-            await batcher.submit([_Item(784)], timeout_s=60)
+            await batcher.submit([_Item(PATCHES)], timeout_s=60)
             time.sleep(engine_loop_s / 2)  # and answering it
             await round_trip(c)
 
@@ -132,6 +137,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=2.0)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--warmup-s", type=float, default=2.0)
+    ap.add_argument("--eager-above", default="0", help="graph buckets (the server's) up to this many tokens, packs "
+                    "above eager (bf16 on an H200: ~30,700 at EAGER_MARGIN 3, 12,800 at 1.25); 0: no buckets")
     ap.add_argument("--sticky", action="store_true", help="each client keeps one front-end (keep-alive)")
     ap.add_argument("--seeds", default="0", help="the clients' front-ends, drawn per seed (with --sticky)")
     ap.add_argument("--out", default=None)
@@ -139,16 +146,18 @@ def main() -> None:
     k = args.scale / 1000
     rows = []
     floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
-    for clients, fe_ms, max_items, loop_ms, launch_ms, seed in itertools.product(
+    served = parse_buckets(Settings().cuda_graph_buckets)
+    for clients, fe_ms, max_items, loop_ms, launch_ms, eager_above, seed in itertools.product(
             [int(c) for c in args.clients.split(",")], floats(args.frontend_ms),
             [int(m) for m in args.max_items.split(",")], floats(args.engine_loop_ms), floats(args.launch_ms),
-            [int(s) for s in args.seeds.split(",")]):
-        gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k)
+            [int(e) for e in args.eager_above.split(",")], [int(s) for s in args.seeds.split(",")]):
+        buckets = tuple(b for b in served if b <= eager_above)
+        gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k, buckets)
         r = asyncio.run(run(clients, args.frontends, fe_ms * k, args.network_ms * k, gpu, args.seconds * args.scale,
                             args.warmup_s * args.scale, max_items, loop_ms * k, args.sticky, seed))
         r["images_per_s"] = round(r["images_per_s"] * args.scale, 1)  # in the GPU's time, not the scaled one
         row = {"clients": clients, "frontends": args.frontends, "frontend_ms": fe_ms, "engine_loop_ms": loop_ms,
-               "launch_ms": launch_ms, "max_items": max_items, "seed": seed, **r}
+               "launch_ms": launch_ms, "eager_above": eager_above, "max_items": max_items, "seed": seed, **r}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:
