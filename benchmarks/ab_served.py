@@ -21,10 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 
 from benchmarks.bench_service import compiled, photo_jpegs, start_server, stop_server, write_bodies
-from benchmarks.common import environment, read_forward_trace, write_results
+from benchmarks.common import environment, forward_gaps, read_forward_trace, write_results
 from benchmarks.multigpu import server_cpu
 
 
@@ -69,10 +68,7 @@ def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seco
     sampler.join()
     forwards = read_forward_trace(trace, t0, t0 + seconds)
     if forwards:
-        items, wall = np.array([f[1] for f in forwards]), np.array([f[4] for f in forwards])
-        row["forwards"] = {"count": len(forwards),
-                           "images": [float(np.percentile(items, q)) for q in (10, 50, 90)],
-                           "launch_to_outputs_ms": [round(float(np.percentile(wall, q)), 1) for q in (10, 50, 90)]}
+        row["forwards"] = forward_gaps(forwards, seconds)
     row.update(result)
     return row
 

@@ -42,7 +42,7 @@ import numpy as np
 import psutil
 
 from benchmarks.bench_service import photo_jpegs
-from benchmarks.common import environment, wait_until_ready
+from benchmarks.common import environment, forward_gaps, read_forward_trace, wait_until_ready
 
 PARAMS = "format=safetensors&deepstack=false"  # tokens only, as bench_service's uniform load
 
@@ -89,9 +89,12 @@ def start(devices: str | None, cache: Path, port: int, log: Path,
                 "QWEN3VL_HOST": "127.0.0.1", "QWEN3VL_CACHE_DIR": str(cache)})
     if devices is not None:
         env["QWEN3VL_DEVICES"] = devices
+    trace = log.with_suffix(".forwards.csv")  # every engine's line per forward, for `forward_gaps`
+    env["QWEN3VL_FORWARD_TRACE"] = str(trace)
     t0 = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=open(log, "w"),
                               stderr=subprocess.STDOUT, start_new_session=True)
+    server.forward_trace = trace
     url = f"http://127.0.0.1:{port}"
     if not wait_until_ready(url, server, timeout_s=480, interval_s=0.1):
         server.kill()
@@ -229,11 +232,13 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
                                                               clients)))
     gen.start()
     time.sleep(warmup_s)
-    t0, e0, c0 = time.perf_counter(), engines(url), server_cpu(server, pids)
+    t0, e0, c0, unix0 = time.perf_counter(), engines(url), server_cpu(server, pids), time.time()
     spies = profile(server, pids, seconds - 1, profile_out, tag) if profile_out is not None else []
     time.sleep(seconds)
     t1, e1, c1 = time.perf_counter(), engines(url), server_cpu(server, pids)
     memory = gpu_memory()
+    trace = getattr(server, "forward_trace", None)
+    forwards = read_forward_trace(trace, unix0, unix0 + (t1 - t0)) if trace is not None else []
     gen.join()
     for spy in spies:
         spy.wait(30)
@@ -252,6 +257,8 @@ def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, w
         "images_per_s": round(len(ok) / seconds, 1), "p50_ms": round(float(np.percentile(lat, 50)), 1),
         "p99_ms": round(float(np.percentile(lat, 99)), 1), "statuses": statuses, "engines": per_engine,
         "images_per_forward": round(len(ok) / max(1, sum(e["forwards"] for e in per_engine)), 1),
+        # the engines' own account of the GPUs between forwards (CUDA events; `Settings.forward_trace`)
+        "forwards": forward_gaps(forwards, wall, len(per_engine)) if forwards else None,
         "frontend_cpu_s_per_image": round((c1.front - c0.front) / max(1, images), 5),
         "engine_cpu_s_per_image": round((c1.engines - c0.engines) / max(1, images), 5),
         "other_cpu_s_per_image": round((c1.other - c0.other) / max(1, images), 5),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -105,8 +106,8 @@ class SimulatedDevice:
     """A real encoder's results on a simulated device: `launch` returns at once, each pack computes for `seconds`
     after the previous one ends, and `finish` waits until it has."""
 
-    def __init__(self, inner: Encoder, seconds: float):
-        self.inner, self.seconds = inner, seconds
+    def __init__(self, inner: Encoder, seconds: float, download_s: float | None = None):
+        self.inner, self.seconds, self.download_s = inner, seconds, download_s
         self.packs: list[int] = []
         self.free_at = 0.0
 
@@ -116,7 +117,7 @@ class SimulatedDevice:
     def launch(self, items, deepstack=True, tokens=True):
         self.packs.append(len(items))
         self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
-        return SimulatedForward(self.inner.encode(items, deepstack, tokens), self.free_at, self.seconds)
+        return SimulatedForward(self.inner.encode(items, deepstack, tokens), self.free_at, self.seconds, self.download_s)
 
     def finish(self, pending):
         time.sleep(max(0.0, pending.done - time.perf_counter()))
@@ -128,6 +129,7 @@ class SimulatedForward:
     results: list
     done: float  # time.perf_counter() at which the simulated device has finished it
     gpu_s: float  # its simulated GPU time
+    download_s: float | None = None  # from its end to its outputs on the host (None: unknown, as on the CPU)
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.done
@@ -260,6 +262,36 @@ def test_the_forward_trace_has_a_line_per_forward_with_its_pack_and_times(tiny, 
     assert [int(r[2]) for r in rows] == device.packs == [2, 2, 1]
     assert sum(int(r[3]) for r in rows) == sum(it.num_patches for it in items)
     assert all(r[1] == "cpu" and float(r[4]) == 50.0 and float(r[5]) >= 45.0 for r in rows), rows
+
+
+def test_the_trace_says_how_long_the_gpu_idled_before_each_forward_and_how_late_its_end_was_predicted(tiny, tmp_path):
+    """Where the GPU's times can be read (CUDA events; here the simulated device's), a forward's trace line adds its
+    launch's host ms, the GPU's idle ms between the previous forward's end and its start, and how many ms after its
+    end the batcher had predicted at its launch that it would end: a forward launched on a GPU left idle for 0.2 s
+    shows that idle time, forwards queued behind one another show none, and with every forward taking the same time
+    each end is predicted late by about a launch's host time (this device computes from the moment a launch
+    begins; the batcher predicts from when it returns)."""
+    device = SimulatedDevice(tiny, seconds=0.05, download_s=0.0)
+    item = tiny.preprocess(random_pngs(1, seed=9)[0])
+    trace = tmp_path / "forwards.csv"
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0, max_batch_items=1, trace=str(trace))
+        await eng.start()
+        await eng.submit([item], timeout_s=10)  # the batcher learns a forward's time
+        await asyncio.sleep(0.2)  # the GPU idles
+        await eng.submit([item], timeout_s=10)
+        await eng.submit([item] * 4, timeout_s=10)  # four packs of one, each queued behind the one before
+        await eng.stop()
+
+    asyncio.run(go())
+    rows = [line.split(",") for line in trace.read_text().splitlines()]
+    assert len(rows) == len(device.packs) == 6 and all(len(r) == 9 for r in rows)
+    launch, idle, late = ([float(r[i]) for r in rows] for i in (6, 7, 8))
+    assert all(0 <= x < 50 for x in launch), launch
+    assert math.isnan(idle[0]) and 195 <= idle[1] <= 320, idle  # the first has no forward before it
+    assert all(-2 <= x <= 10 for x in idle[3:]), idle  # queued: started as the one before ended
+    assert all(min(launch[1:]) - 5 <= x <= max(launch[1:]) + 5 for x in late[1:]), (late, launch)
 
 
 def test_clients_take_turns_in_a_pack_so_a_large_request_cannot_hold_a_lone_image_behind_it(tiny):

@@ -118,6 +118,7 @@ class Batcher:
         self._launch_s = 0.0
         self._gpu_free_at = 0.0  # time.perf_counter() at which the forwards launched so far should be done
         self._last_done = 0.0
+        self._last_computed_at: float | None = None  # for the trace: when the GPU last finished a pack
         self.forwards = 0  # forward passes run, for tests and /info
         self.gpu_busy_s = 0.0  # the GPU's time in those forwards (CUDA events), for /info and the benchmarks
         # appended a line at a time (O_APPEND: the engines of a node may share one file)
@@ -385,12 +386,12 @@ class Batcher:
         self._launch_s = _ema(self._launch_s, now - start)
         patches = sum(w.item.num_patches for w in batch)
         self._gpu_free_at = max(now, self._gpu_free_at) + self._s_per_patch * patches
-        return start, pending
+        return _Launched(start, now, self._gpu_free_at, pending)
 
     async def _finish(self, loop, batch: list[_Work], launched, count: bool = True, poll: bool = False):
         """Wait for a launched pack's outputs in the finisher thread and answer its items; with `poll` (a pack launched
         alone), first by polling from this loop while nothing else arrives."""
-        start, pending = launched
+        start, pending = launched.start, launched.pending
         try:
             if poll and await self._polled(pending, len(batch)):
                 results, done, gpu_s = self._complete(pending)
@@ -418,13 +419,31 @@ class Batcher:
             self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))
         end = time.perf_counter()
         if self._trace is not None:
-            self._trace.write(f"{time.time():.4f},{self.encoder.device},{len(batch)},"
-                              f"{sum(w.item.num_patches for w in batch)},"
-                              f"{gpu_s * 1e3 if gpu_s is not None else float('nan'):.3f},{(done - start) * 1e3:.3f}\n")
+            self._write_trace(batch, launched, done, gpu_s, getattr(pending, "download_s", None))
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
                 w.future.set_result(ItemDone(r, start - w.enqueued, end - start, len(batch)))
+
+    def _write_trace(self, batch: list[_Work], launched: "_Launched", done: float, gpu_s, download_s) -> None:
+        """The forward's line in the trace (`Settings.forward_trace`): unix time, device, items, patches, GPU ms,
+        launch-to-outputs ms, the launch's host ms, and where the GPU's times could be read (CUDA events): the GPU's
+        idle ms between the previous forward's end and this one's start, and how many ms after the GPU finished it
+        the batcher had predicted at its launch it would (what the next pack's filling waits for)."""
+        computed_at = done - download_s if gpu_s is not None and download_s is not None else None
+        idle = error = None
+        if computed_at is not None:
+            if self._last_computed_at is not None:
+                idle = computed_at - gpu_s - self._last_computed_at
+            error = launched.predicted_end - computed_at
+            self._last_computed_at = computed_at
+
+        def ms(s):
+            return f"{s * 1e3:.3f}" if s is not None else "nan"
+
+        self._trace.write(f"{time.time():.4f},{self.encoder.device},{len(batch)},"
+                          f"{sum(w.item.num_patches for w in batch)},{ms(gpu_s)},{ms(done - launched.start)},"
+                          f"{ms(launched.returned - launched.start)},{ms(idle)},{ms(error)}\n")
 
     async def _polled(self, pending, items: int) -> bool:
         """Whether a lone forward finished while this loop polled it, once per turn, until other work came (False).
@@ -462,6 +481,17 @@ class Batcher:
         if self.on_batch is not None:
             self.on_batch(BatchStats(len(batch), sum(w.item.num_patches for w in batch),
                                      time.perf_counter() - start, ok))
+
+
+@dataclass
+class _Launched:
+    """A dispatched pack: when its launch began and returned, when the GPU was then predicted to finish it, and the
+    encoder's pending forward."""
+
+    start: float
+    returned: float
+    predicted_end: float
+    pending: object
 
 
 def _ema(average: float, sample: float, weight: float = 0.2) -> float:

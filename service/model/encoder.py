@@ -206,6 +206,7 @@ class Encoder:
         if pending.done is not None:
             pending.done.synchronize()  # releases the GIL while the GPU finishes
             pending.gpu_s = pending.started.elapsed_time(pending.computed) / 1000
+            pending.download_s = pending.computed.elapsed_time(pending.done) / 1000
             self._events += (pending.started, pending.computed, pending.done)
             pending.started = pending.computed = pending.done = None
         merged, ds, pooled = pending.merged, pending.deepstack, pending.pooled
@@ -241,6 +242,7 @@ class Pending:
     started: "torch.cuda.Event | None" = None  # recorded before the forward on the compute stream
     computed: "torch.cuda.Event | None" = None  # and after it: computed - started is its GPU time
     gpu_s: float | None = None  # that time in seconds, set by `Encoder.finish` (None on the CPU)
+    download_s: float | None = None  # and from its end to the outputs on the host (done - computed)
 
     def ready(self) -> bool:
         """Whether the outputs are on the host already (`Encoder.finish` would not wait)."""
