@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-
 from benchmarks.bench_service import compiled, photo_jpegs, start_server, stop_server, write_bodies
 from benchmarks.common import environment, forward_gaps, read_forward_trace, write_results
 from benchmarks.multigpu import server_cpu

@@ -117,7 +117,8 @@ class SimulatedDevice:
     def launch(self, items, deepstack=True, tokens=True):
         self.packs.append(len(items))
         self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
-        return SimulatedForward(self.inner.encode(items, deepstack, tokens), self.free_at, self.seconds, self.download_s)
+        return SimulatedForward(self.inner.encode(items, deepstack, tokens), self.free_at, self.seconds,
+                                self.download_s)
 
     def finish(self, pending):
         time.sleep(max(0.0, pending.done - time.perf_counter()))

@@ -1,18 +1,22 @@
 """The batcher under closed-loop clients on a simulated GPU: how busy it keeps the GPU, by client count and by how
 long a request spends outside the engine between two forwards (its reply, the client, its next request, decoding:
-the round trip), with the real `Batcher` and a device whose forward of n items takes `a + b·n`.
+the round trip), with the real `Batcher` and a device whose forward of n 448 px images takes `a + b·n` (with the
+server's graph buckets, `--eager-above`: its bucket's worth, padding included).
 
 It answers whether the packing policy itself starves a GPU fed by a given number of closed-loop clients once the
 round trip nears a forward's time, and what a policy change does to that, apart from everything else a real run
 varies (clocks, GIL contention, the front-ends' scheduling).
 
-The round trip: each answered request goes to one of `--frontends` front-ends (in turn), which handle their
+The round trip: each answered request goes to one of `--frontends` front-ends (in turn, or with `--sticky` the one
+its client's connection was placed on at random, as the kernel places keep-alive connections), which handle their
 requests one at a time for `--frontend-ms` each (reply + decoding), plus `--network-ms` for the client; so a pack's
-burst of requests comes back spread over (burst / front-ends) × frontend-ms. Times are in the GPU's milliseconds
-scaled by `--scale` (2: a forward of 32 images takes ~70 ms of wall time), so asyncio's timer jitter stays small.
+burst of requests comes back spread over (its requests on the busiest front-end) × frontend-ms. Times are in the
+GPU's milliseconds scaled by `--scale` (2: a forward of 32 images takes ~70 ms of wall time), so asyncio's timer
+jitter stays small.
 
 Usage: python -m tools.sim_closed_loop [--clients 64,256] [--frontend-ms 2,4,6,8] [--frontends 8]
-       [--engine-loop-ms 0,0.5] [--launch-ms 2] [--max-items 64] [--seconds 6] [--out FILE]
+       [--engine-loop-ms 0,0.5] [--launch-ms 2] [--eager-above 0,30720] [--sticky] [--seeds 0,1] [--max-items 64]
+       [--seconds 6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import os
 import platform
-import json
 import random
 import statistics
 import threading
@@ -116,10 +120,11 @@ async def run(clients: int, frontends: int, frontend_s: float, network_s: float,
     lo, hi = t0 + warmup_s, t0 + warmup_s + seconds
     window = [(max(s, lo), min(e, hi), n) for s, e, n in gpu.forwards if e > lo and s < hi]
     busy = sum(e - s for s, e, _ in window)
-    images = sum(n * (min(e, hi) - max(s, lo)) / (e - s) for s, e, n in
-                 ((s, e, n) for s, e, n in gpu.forwards if e > lo and s < hi))
+    # a forward's images counted in proportion to its time inside the window
+    images = sum(n * (min(e, hi) - max(s, lo)) / (e - s) for s, e, n in gpu.forwards if e > lo and s < hi)
     sizes = [n for _, _, n in window]
-    return {"per_frontend_max": max(home.count(f) for f in range(frontends)) if sticky else None,"gpu_busy": round(busy / seconds, 3), "images_per_s": round(images / seconds, 1),
+    return {"per_frontend_max": max(home.count(f) for f in range(frontends)) if sticky else None,
+            "gpu_busy": round(busy / seconds, 3), "images_per_s": round(images / seconds, 1),
             "images_per_forward": round(statistics.mean(sizes), 1) if sizes else 0}
 
 
@@ -162,8 +167,9 @@ def main() -> None:
         rows.append(row)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"benchmark": "sim_closed_loop", "host": f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-                       "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args), "rows": rows}, f, indent=1)
+            host = f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+            json.dump({"benchmark": "sim_closed_loop", "host": host, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "args": vars(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
