@@ -27,9 +27,12 @@ Phases, in order, against one server:
   (`epd_compiled_ratio_to_forward`), then from 8 aiohttp processes (`epd_ratio_to_forward`, with the generator's
   CPU per process: well under 1, it is not the limit); 10 s warm-up, 20 s measured each;
 - the embedding cache: one client (curl), the same 448 px JPEG again and again, pooled vector only
-  (`cache_hit_p50_ms`), and the same image in new bytes each time (`cache_miss_p50_ms`);
+  (`cache_hit_p50_ms`), and the same image in new bytes each time (`cache_miss_p50_ms`); and the same from a client
+  that keeps its connection, as applications' HTTP clients do (`cache_hit_keepalive_p50_ms`): curl opens a
+  connection per request and adds its own start-up to each;
 - one client, curl, a 448 px JPEG: /v1/embeddings and /embed?embeddings=false&pooling=mean, p50 of 40 requests
-  (`single_image_p50_ms`: the slower route);
+  (`single_image_p50_ms`: the slower route), and the pooled route from a keep-alive client
+  (`single_image_keepalive_p50_ms`);
 then start 2 on the same cache (`ready_s_second`), and on it the same single image on a server that has served
 nothing else (`single_image_fresh_p50_ms`), then, twice: SIGKILL of the engine process, then seconds until /ready
 answers 200 again and an image is served (`recovery_s`, the front-ends up throughout).
@@ -479,6 +482,38 @@ def curl_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40
             "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
 
 
+def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40,
+                  cache: str | None = "miss") -> dict:
+    """`curl_p50`'s figures from one client that keeps its connection open, as an application's HTTP client does
+    (curl opens one per request and adds its own start-up to each): the wall time of each request on one
+    `http.client` connection."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+    times, headers = [], {name: [] for name in TIMING_HEADERS}
+    try:
+        for i in range(n + 5):
+            with open(body_files[i % len(body_files)], "rb") as f:
+                body = f.read()
+            start = time.perf_counter()
+            conn.request("POST", path, body, {"content-type": ctype})
+            reply = conn.getresponse()
+            reply.read()
+            elapsed = (time.perf_counter() - start) * 1000
+            assert reply.status == 200, reply.status
+            assert i < 5 or cache is None or reply.getheader("x-cache", "").lower() == cache, reply.getheaders()
+            if i >= 5:
+                times.append(elapsed)
+                for name, h in TIMING_HEADERS.items():
+                    headers[name].append(float(reply.getheader(h)))
+    finally:
+        conn.close()
+    return {"p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99)), "requests": n,
+            "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
+
+
 def lone_bodies(directory: str, jpeg: bytes, n: int) -> tuple[list[str], list[str]]:
     """`n` request bodies of `jpeg` for each route, every one with bytes of its own (`unique`: none answered from
     the cache; the two routes' results would be the same cache entries, so theirs differ too), as files in
@@ -497,25 +532,31 @@ def lone_bodies(directory: str, jpeg: bytes, n: int) -> tuple[list[str], list[st
 
 def single_image(url: str, jpeg: bytes, n: int = 40) -> dict:
     """One client posting one JPEG at a time, each request's bytes its own (`lone_bodies`): `curl_p50` of
-    `/v1/embeddings` and of the pooled-only `/embed`."""
+    `/v1/embeddings` and of the pooled-only `/embed`, and the latter from a client keeping its connection
+    (`keepalive_p50`, other bytes again)."""
     with tempfile.TemporaryDirectory() as d:
-        jpgs, jsons = lone_bodies(d, jpeg, n + 5)
-        return {"v1_embeddings": curl_p50(url, "/v1/embeddings", jsons, "application/json", n),
-                "embed_pooled": curl_p50(url, "/embed?embeddings=false&pooling=mean", jpgs, "image/jpeg", n)}
+        jpgs, jsons = lone_bodies(d, jpeg, 2 * (n + 5))
+        pooled = "/embed?embeddings=false&pooling=mean"
+        return {"v1_embeddings": curl_p50(url, "/v1/embeddings", jsons[:n + 5], "application/json", n),
+                "embed_pooled": curl_p50(url, pooled, jpgs[:n + 5], "image/jpeg", n),
+                "embed_pooled_keepalive": keepalive_p50(url, pooled, jpgs[n + 5:], "image/jpeg", n)}
 
 
 def cache_latency(url: str, jpeg: bytes, n: int = 40) -> dict:
-    """One client (curl), a 448 px JPEG, the pooled vector alone: the same bytes again and again (`hit`: answered
-    from the embedding cache), and the same image in bytes of its own each time (`miss`)."""
+    """One client, a 448 px JPEG, the pooled vector alone: the same bytes again and again (`hit`: answered from the
+    embedding cache), and the same image in bytes of its own each time (`miss`); from curl, a connection a request,
+    and from a client keeping its connection (`*_keepalive`)."""
     path = "/embed?embeddings=false&pooling=mean"
     with tempfile.TemporaryDirectory() as d:
         files = []
-        for i in range(n + 5):
+        for i in range(2 * (n + 5)):
             files.append(os.path.join(d, f"{i}.jpg"))
             with open(files[-1], "wb") as f:
                 f.write(unique(jpeg, 8_000_000 + i))
         return {"hit": curl_p50(url, path, files[:1], "image/jpeg", n, cache="hit"),
-                "miss": curl_p50(url, path, files, "image/jpeg", n, cache="miss")}
+                "miss": curl_p50(url, path, files[:n + 5], "image/jpeg", n, cache="miss"),
+                "hit_keepalive": keepalive_p50(url, path, files[:1], "image/jpeg", n, cache="hit"),
+                "miss_keepalive": keepalive_p50(url, path, files[n + 5:], "image/jpeg", n, cache="miss")}
 
 
 def start_server(model: str, port: int, cache_dir: str, tree: str | None = None):
@@ -581,6 +622,7 @@ def startup(model: str, port: int, body: bytes) -> dict:
     fresh_p50 = max(single_fresh["v1_embeddings"]["p50_ms"], single_fresh["embed_pooled"]["p50_ms"])
     return {"ready_s_first": first, "ready_s_second": second, "recovery_s": recoveries,
             "single_image_fresh": single_fresh, "single_image_fresh_p50_ms": fresh_p50,
+            "single_image_fresh_keepalive_p50_ms": single_fresh["embed_pooled_keepalive"]["p50_ms"],
             "single_image_forward_ms": forward_ms}
 
 
@@ -809,11 +851,14 @@ def main():
         "epd_generator_max_cpu_fraction": epd_res["warm"]["generator"]["max_cpu_fraction"],
         "cache_hit_p50_ms": cache["hit"]["p50_ms"],
         "cache_miss_p50_ms": cache["miss"]["p50_ms"],
+        "cache_hit_keepalive_p50_ms": cache["hit_keepalive"]["p50_ms"],
         "mixed_warm_p99_over_p50": mixed_res["warm"]["p99_ms"] / mixed_res["warm"]["p50_ms"],
         "cold_p99_over_warm_p99": mixed_res["cold"]["p99_ms"] / mixed_res["warm"]["p99_ms"],
         "single_image_p50_ms": max(single["v1_embeddings"]["p50_ms"], single["embed_pooled"]["p50_ms"]),
+        "single_image_keepalive_p50_ms": single["embed_pooled_keepalive"]["p50_ms"],
         "single_image_fresh_p50_ms": max(single_fresh["v1_embeddings"]["p50_ms"],
                                          single_fresh["embed_pooled"]["p50_ms"]),
+        "single_image_fresh_keepalive_p50_ms": single_fresh["embed_pooled_keepalive"]["p50_ms"],
         "single_image_forward_ms": fwd["single_image_forward_ms"],
         "single_image_served_forward_ms": fwd["single_image_served_ms"],
         "ready_s_first": ready_first,
