@@ -560,11 +560,19 @@ async def _connected(server):
     return served, client_reader, client
 
 
+def _fake_engine_server(model, submit=None):
+    """An `EngineServer` over a stand-in engine: an idle batcher, `model` (a `ModelInfo`) and `submit`."""
+    from types import SimpleNamespace
+
+    from service.engine import process
+
+    batcher = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0)
+    return process.EngineServer(SimpleNamespace(batcher=batcher, model=model, submit=submit))
+
+
 def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(monkeypatch):
     """`EngineServer.expect`: an idle engine keeps its loop turning until the expected submit arrives (then stops at
     once, whatever is left of EXPECT_S) or until EXPECT_S passes without one; a busy engine does not spin."""
-    from types import SimpleNamespace
-
     from service.engine import process
     from service.engine.api import Encoded, ModelInfo, Timing
     from service.model.results import EncodeResult
@@ -577,10 +585,7 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
         return Encoded([EncodeResult(torch.zeros(0, 4), torch.zeros(0, 4, 4), it.grid_thw, torch.ones(4), 4)
                         for it in items], Timing())
 
-    batcher = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0)
-    engine = SimpleNamespace(batcher=batcher, submit=submit,
-                             model=ModelInfo(None, pre, torch.device("cpu"), torch.float32, "sdpa"))
-    server = process.EngineServer(engine)
+    server = _fake_engine_server(ModelInfo(None, pre, torch.device("cpu"), torch.float32, "sdpa"), submit)
 
     async def go():
         served, client_reader, client = await _connected(server)
@@ -599,7 +604,7 @@ def test_an_idle_engine_told_to_expect_a_submit_turns_its_loop_until_it_comes(mo
         monkeypatch.setattr(process, "EXPECT_S", 0.05)
         server.expect()
         await asyncio.wait_for(server._spinner, 1.0)  # no submit: EXPECT_S bounds it
-        batcher.in_flight = 1
+        server.engine.batcher.in_flight = 1
         server.expect()
         busy_spinner = server._spinner
         client.close()
@@ -616,8 +621,6 @@ def test_a_hello_is_answered_before_the_arena_is_page_locked_and_unlocked_after_
     and the driver's registration of each 256 MiB arena takes tens of milliseconds: done on the event loop before
     the reply, it held the last connection ~2 s. The hello is answered while the lock is still being taken (on its
     own thread); a connection that closes meanwhile unlocks the arena once the lock is done, never before."""
-    from types import SimpleNamespace
-
     from service.engine import process
     from service.engine.api import ModelInfo
     from service.engine.shm import Arena, SHM_DIR
@@ -636,10 +639,8 @@ def test_a_hello_is_answered_before_the_arena_is_page_locked_and_unlocked_after_
 
     monkeypatch.setattr(process, "page_lock", page_lock)
     monkeypatch.setattr(process, "page_unlock", lambda address, device: events.append(("unlocked", address)))
-    batcher = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0)
-    engine = SimpleNamespace(batcher=batcher, model=ModelInfo(None, Preprocessor(PreprocessConfig()),
-                                                              torch.device("cuda", 0), torch.float32, "sdpa"))
-    server = process.EngineServer(engine)
+    server = _fake_engine_server(ModelInfo(None, Preprocessor(PreprocessConfig()), torch.device("cuda", 0),
+                                           torch.float32, "sdpa"))
     arena = Arena(1 << 20)
 
     async def go():
@@ -858,8 +859,6 @@ def test_a_packs_results_are_copied_by_the_copier_threads_and_a_lone_ones_on_the
     """`LatencyPolicy.copy_inline`: a result of a pack of one item is written into its front-end's arena on the
     engine's event loop (no hand-off for a lone request); a pack's results, which land together, by the copier
     threads, so the loop reads the next submissions meanwhile. Either way the front-end reads what was sent."""
-    from types import SimpleNamespace
-
     from service.engine import process
     from service.engine.api import Encoded, ModelInfo, Timing
     from service.engine.protocol import tensor_at
@@ -885,10 +884,7 @@ def test_a_packs_results_are_copied_by_the_copier_threads_and_a_lone_ones_on_the
         return Encoded([EncodeResult(embeds, torch.zeros(0, 16, 8), it.grid_thw, torch.ones(8), 16) for it in items],
                        Timing(0.001, 0.002, pack_items))
 
-    batcher = SimpleNamespace(queue_depth=0, in_flight=0, queued_patches=0)
-    engine = SimpleNamespace(batcher=batcher, submit=submit,
-                             model=ModelInfo(None, pre, torch.device("cpu"), torch.float32, "sdpa"))
-    server = process.EngineServer(engine)
+    server = _fake_engine_server(ModelInfo(None, pre, torch.device("cpu"), torch.float32, "sdpa"), submit)
     arena = Arena(1 << 20)
 
     async def go():
