@@ -53,6 +53,7 @@ class _Pending:
     n: int
     done: float
     gpu_s: float
+    download_s: float = 0.0  # outputs on the host as the forward ends
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.done

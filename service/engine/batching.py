@@ -419,7 +419,7 @@ class Batcher:
             self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))
         end = time.perf_counter()
         if self._trace is not None:
-            self._write_trace(batch, launched, done, gpu_s, getattr(pending, "download_s", None))
+            self._write_trace(batch, launched, done, gpu_s, pending.download_s)
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
