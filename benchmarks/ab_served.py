@@ -1,7 +1,7 @@
 """The served throughput of other revisions beside this tree's on one machine: each revision's server at its
 defaults under this tree's compiled closed-loop generator (`bench_service.compiled`: 448 px JPEGs, each request's
-bytes its own, tokens only), one after another, with what tells a run's mode apart (`measured`). A lease's host differs from the last, so only such a run says what
-a revision changed.
+bytes its own, tokens only), one after another, with what tells a run's mode apart (`measured`). A lease's host
+differs from the last, so only such a run says what a revision changed.
 
     mkdir -p .ab && git archive REV > .ab/REV.tar     (here; carry .ab to the GPU machine)
     python -m benchmarks.ab_served [--clients 64] [--rounds 1] [--out DIR]      (ab_served.json)
@@ -42,8 +42,8 @@ def trees(folder: Path) -> dict[str, str | None]:
 def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path,
              trace: Path) -> dict:
     """`compiled`'s row, with what tells a run's mode: each front-end's client connections and cores over the window
-    (the kernel's hash spreads the connections), and the engine's forwards in it (`FORWARD_TRACE`): images per
-    forward and launch-to-outputs ms (10th, 50th, 90th percentiles)."""
+    (the kernel's hash spreads the connections), and the engine's forwards in it (`FORWARD_TRACE`, summarised by
+    `common.forward_gaps`: images per forward, the GPU's idle time between forwards, the launches)."""
     import httpx
 
     engine_pids = {e["pid"] for e in httpx.get(f"{url}/info", timeout=10).json()["engine"].get("engines", [])

@@ -5,7 +5,8 @@ A bucketed pack pays its padding rows and a graph launch per piece; an eager one
 eager forward wins once its GPU work hides its launches. Each size: burst medians (`do_bench`), then at the sizes the
 server forms under load each path sustained back to back, at the clock the GPU holds under its power cap.
 
-    python -m benchmarks.bench_buckets [--model random:qwen3-vl-2b] [--sizes 4,8,...] [--out DIR]  (buckets.json, or buckets_fp8.json)
+    python -m benchmarks.bench_buckets [--model random:qwen3-vl-2b] [--sizes 4,8,...] [--out DIR]
+    (buckets.json, or buckets_fp8.json)
 
 QWEN3VL_QUANTIZATION=fp8 measures the FP8 tower; QWEN3VL_CUDA_GRAPH_BUCKETS sets the served buckets, as in the server.
 """

@@ -460,26 +460,36 @@ def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS, clients
     return result
 
 
-def curl_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40, cache: str | None = "miss") -> dict:
-    """p50/p99 of curl's total time for `n` requests (after 5 unmeasured), request i sending `body_files[i % len]`,
-    and the medians of the server's timing headers: where the time goes. `cache`: the X-Cache every measured reply
-    must carry."""
+def _p50s(send, n: int, cache: str | None) -> dict:
+    """p50/p99 of `n` requests' times (after 5 unmeasured) and the medians of the server's timing headers: where the
+    time goes. `send(i)` makes request i and returns (status, its time in ms, its headers, lower-cased); `cache`: the
+    X-Cache every measured reply must carry."""
     times, headers = [], {name: [] for name in TIMING_HEADERS}
     for i in range(n + 5):
+        status, ms, got = send(i)
+        assert status == 200, (status, got)
+        assert i < 5 or cache is None or got.get("x-cache") == cache, got
+        if i >= 5:
+            times.append(ms)
+            for name, h in TIMING_HEADERS.items():
+                headers[name].append(float(got[h]))
+    return {"p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99)), "requests": n,
+            "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
+
+
+def curl_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40, cache: str | None = "miss") -> dict:
+    """`_p50s` of curl's total time, a process and a connection per request, request i sending
+    `body_files[i % len]`."""
+    def send(i):
         out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-D", "-", "-w", "%{http_code} %{time_total}", "-X",
                               "POST", "-H", f"content-type: {ctype}", "--data-binary",
                               f"@{body_files[i % len(body_files)]}", f"{url}{path}"],
                              capture_output=True, text=True, check=True).stdout
         code, total = out.rsplit("\n", 1)[-1].split()
-        assert code == "200", out
-        assert i < 5 or cache is None or f"x-cache: {cache}" in out.lower(), out
-        if i >= 5:
-            times.append(float(total) * 1000)
-            got = dict(line.lower().split(": ", 1) for line in out.splitlines() if ": " in line)
-            for name, h in TIMING_HEADERS.items():
-                headers[name].append(float(got[h]))
-    return {"p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99)), "requests": n,
-            "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
+        got = dict(line.lower().split(": ", 1) for line in out.splitlines() if ": " in line)
+        return int(code), float(total) * 1000, {k: v.strip() for k, v in got.items()}
+
+    return _p50s(send, n, cache)
 
 
 def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40,
@@ -492,26 +502,21 @@ def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int
 
     where = urlsplit(url)
     conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
-    times, headers = [], {name: [] for name in TIMING_HEADERS}
+
+    def send(i):
+        with open(body_files[i % len(body_files)], "rb") as f:
+            body = f.read()
+        start = time.perf_counter()
+        conn.request("POST", path, body, {"content-type": ctype})
+        reply = conn.getresponse()
+        reply.read()
+        ms = (time.perf_counter() - start) * 1000
+        return reply.status, ms, {k.lower(): v.lower() for k, v in reply.getheaders()}
+
     try:
-        for i in range(n + 5):
-            with open(body_files[i % len(body_files)], "rb") as f:
-                body = f.read()
-            start = time.perf_counter()
-            conn.request("POST", path, body, {"content-type": ctype})
-            reply = conn.getresponse()
-            reply.read()
-            elapsed = (time.perf_counter() - start) * 1000
-            assert reply.status == 200, reply.status
-            assert i < 5 or cache is None or reply.getheader("x-cache", "").lower() == cache, reply.getheaders()
-            if i >= 5:
-                times.append(elapsed)
-                for name, h in TIMING_HEADERS.items():
-                    headers[name].append(float(reply.getheader(h)))
+        return _p50s(send, n, cache)
     finally:
         conn.close()
-    return {"p50_ms": float(np.median(times)), "p99_ms": float(np.percentile(times, 99)), "requests": n,
-            "server_p50_ms": {name: float(np.median(v)) for name, v in headers.items()}}
 
 
 def lone_bodies(directory: str, jpeg: bytes, n: int) -> tuple[list[str], list[str]]:
