@@ -22,7 +22,7 @@ from benchmarks.common import bench, environment, write_results
 def main() -> None:
     import torch
 
-    from service.model.graphs import BucketedTower, eager_limit, issue_ms
+    from service.model.graphs import BucketedTower, EagerChoice, issue_ms
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="random:qwen3-vl-2b")
@@ -38,8 +38,9 @@ def main() -> None:
     served = BucketedTower(tower, settings.graph_buckets(), eager_above=False)  # every bucket, for the table
     with torch.inference_mode():
         served.capture()
-        limit, host, gpu = eager_limit(tower, served.buckets[-1])
-        measured = {"limit_tokens": limit, "eager_host_ms": round(host, 3), "eager_gpu_ms": round(gpu, 3),
+        choice = EagerChoice.measure(tower, served.buckets[-1])
+        measured = {"limit_tokens": choice.limit, "eager_host_ms": round(choice.host_ms, 3),
+                    "eager_gpu_ms": round(choice.gpu_ms_per_token * served.buckets[-1], 3),
                     "tokens": served.buckets[-1]}
         print(f"eager limit: {measured}", flush=True)
         one = enc.preprocess(photo_jpegs([(448, 448)])[0])

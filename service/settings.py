@@ -185,10 +185,10 @@ class Settings(BaseSettings):
         "padded to the smallest that holds it (each about 1.25x the last up to 4096, then 1.125x: at most 20%, then "
         "13%, of a padded forward is padding). Buckets above the first that holds max_batch_patches are not captured; "
         "a larger pack (one item over the budget) runs eagerly")
-    cuda_graph_eager_above: bool = Field(True, description="capture no bucket whose forward keeps the GPU busier than "
-                                         "an eager forward's launches take to issue (measured at start-up, with a "
-                                         "margin): such packs run eagerly, without the bucket's padding. false: every "
-                                         "bucket up to the budget is captured")
+    cuda_graph_eager_above: bool = Field(True, description="run eagerly, without the bucket's padding, the packs whose "
+                                         "forward keeps the GPU busier than an eager forward's launches take the host "
+                                         "to issue, with a margin (timed at start-up, then on the eager forwards as "
+                                         "served). false: every pack within a bucket runs its graphs")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding the engine processes that own the model; 0: one process does "

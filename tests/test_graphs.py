@@ -152,11 +152,59 @@ def test_buckets_are_captured_up_to_the_first_that_holds_a_full_pack():
 
 @pytest.mark.parametrize("tokens", [4, 800, 1024, 4608, 32768, 32772])
 def test_typical_grids_cover_the_tokens_in_valid_frames(tokens):
-    """The pack `eager_limit` times: frames of 32 x 32 patches and one smaller, every side a multiple of the merge
-    size, `tokens` patches in all."""
+    """The pack `EagerChoice.measure` times: frames of 32 x 32 patches and one smaller, every side a multiple of the
+    merge size, `tokens` patches in all."""
     from service.model.graphs import typical_grids
 
     grids = typical_grids(tokens, 2)
     assert sum(t * h * w for t, h, w in grids) == tokens
     assert all(t == 1 and h % 2 == 0 and w % 2 == 0 and h > 0 and w > 0 for t, h, w in grids)
     assert sum(g == (1, 32, 32) for g in grids) == tokens // 1024
+
+
+def test_eager_choice_follows_the_host_time_of_eager_forwards_as_served():
+    """`EagerChoice`: packs from `EAGER_MARGIN` x the host time over the GPU time per token run eagerly, the host
+    time being the median of the last `window` eager forwards' (start-up's at first). Host-bound eager forwards raise
+    the limit; every `probe_every`-th pack that start-up's host time would run eagerly still does, so a host that
+    frees up lowers it again."""
+    from service.model.graphs import EAGER_MARGIN, EagerChoice
+
+    choice = EagerChoice(host_ms=10.0, gpu_ms=40.0, tokens=32768)  # bf16 on an H200, roughly
+    start = int(EAGER_MARGIN * 10.0 * 32768 / 40.0)
+    assert choice.limit == start
+    assert choice.runs_eagerly(start) and not choice.runs_eagerly(start - 1)
+    for _ in range(EagerChoice.window):  # the host, loaded, takes twice as long
+        choice.issued(20.0)
+    assert choice.host_ms == 20.0 and choice.limit == 2 * start
+    answers = [choice.runs_eagerly(start) for _ in range(3 * EagerChoice.probe_every)]
+    assert sum(answers) == 3 and answers[EagerChoice.probe_every - 1]  # the probes
+    assert not choice.runs_eagerly(start // 2)  # below start-up's limit: never probed
+    for _ in range(EagerChoice.window // 2 + 1):  # the host freed up
+        choice.issued(10.0)
+    assert choice.limit == start
+
+
+def test_packs_the_choice_runs_eagerly_equal_the_plain_forward(tower):
+    """A pack within a bucket that `EagerChoice` runs eagerly computes the plain forward (no padding), and its host
+    time feeds the choice (last: here that is the whole CPU forward, which moves the limit); a smaller one runs through
+    its bucket."""
+    from service.model.graphs import EAGER_MARGIN, WHOLE_MAX_TOKENS, EagerChoice
+
+    bucketed = BucketedTower(tower, (16, 4096, 6144))
+    bucketed.capture()
+    assert bucketed.eager_choice is None  # timed only on CUDA
+    # a limit of 5000 tokens: EAGER_MARGIN * host ms / GPU ms per token
+    choice = bucketed.eager_choice = EagerChoice(host_ms=5000 / EAGER_MARGIN, gpu_ms=6144.0, tokens=6144)
+    choice.probe_every = 10 ** 6
+    assert choice.limit == 5000 > WHOLE_MAX_TOKENS
+    gen = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for grids, eager in (([(1, 2, 2)], False), ([(1, 64, 72)], False), ([(1, 64, 80)], True)):
+            tokens = sum(t * h * w for t, h, w in grids)
+            pixels = torch.randn(tokens, tower.config.patch_dim, generator=gen)
+            before = bucketed.eager, len(choice._issued)
+            merged, ds = bucketed(pixels, grids)
+            ref_merged, ref_ds = tower(pixels, tower.plan(grids))
+            assert (bucketed.eager - before[0], len(choice._issued) - before[1]) == (eager, eager), grids
+            assert rel_err(merged, ref_merged) <= 1e-5 and rel_err(ds, ref_ds) <= 1e-5, grids
+    assert choice._issued[-1] > 0

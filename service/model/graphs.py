@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 
@@ -31,13 +31,12 @@ Signature = tuple[tuple[int, int, int], ...]
 # the GPU's work.
 WHOLE_MAX_TOKENS = 4096
 
-# A bucket above WHOLE_MAX_TOKENS is captured only while a forward of its size takes the GPU less than this multiple
-# of an eager forward's host time. Past that, an eager forward keeps the GPU as busy (the host issues its launches
-# faster than the GPU runs them) without the bucket's padding rows and the graph launches between its pieces
-# (docs/PERFORMANCE.md, "Large packs run eagerly"). The host time is measured on an idle process; serving, the
-# launching thread shares the GIL with the engine's loop, its copier threads and, in a dataset job, twelve decoding
-# threads, and issues the same forward up to about three times slower: at 1.25 an FP8 dataset job ran its 40-image
-# packs eagerly and held the GPU to 0.75 of the rate with every bucket captured (docs/PERFORMANCE.md).
+# A pack above WHOLE_MAX_TOKENS runs eagerly, not through its bucket's graphs, when its forward takes the GPU at least
+# this multiple of the host time eager forwards take to issue now (`EagerChoice`). Past that, an eager forward keeps
+# the GPU as busy (the host issues its launches faster than the GPU runs them) without the bucket's padding rows and
+# the graph launches between its pieces (docs/PERFORMANCE.md, "Large packs run eagerly"). Serving, the launching
+# thread shares the GIL with the engine's loop, its copier threads and, in a dataset job, twelve decoding threads;
+# the margin leaves room for the host time to vary between the forwards it is measured on.
 EAGER_MARGIN = 3.0
 
 
@@ -235,14 +234,60 @@ def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
     return host_ms, statistics.median(gpu)
 
 
-def eager_limit(tower: VisionTower, tokens: int) -> tuple[int, float, float]:
-    """(limit, host ms, GPU ms): the pack size in tokens from which an eager forward is as fast as a bucketed one
-    (`EAGER_MARGIN`), scaled from one eager forward of a typical pack of `tokens` (`eager_costs`)."""
-    cfg = tower.config
-    plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
-    pixels = torch.randn((tokens, cfg.patch_dim), dtype=tower.dtype, device=tower.device)
-    host_ms, gpu_ms = eager_costs(lambda: tower(pixels, plan), tower.device)
-    return int(tokens * EAGER_MARGIN * host_ms / gpu_ms), host_ms, gpu_ms
+class EagerChoice:
+    """Which packs run eagerly: those whose forward takes the GPU at least `EAGER_MARGIN` times the host time an
+    eager forward takes to issue, that host time being the median of the last `window` eager forwards' as served
+    (`issued`), first start-up's (`measure`). The GPU time is linear in the tokens, from start-up's measurement.
+
+    The host time is what varies: beside the engine's other threads, the front-ends' or a dataset job's decoding,
+    and on a node of several engines, an eager forward took the host twice its start-up time (4 x H200: 21 against
+    10-11 ms, each engine's start-up measurement giving a limit of its own). Measured as served, host-bound eager
+    forwards raise the limit until packs run through their graphs again. Every `probe_every`-th pack that start-up's
+    measurement would run eagerly but the current one does not runs eagerly, so that the estimate follows the
+    host when it frees up."""
+
+    window = 16
+    probe_every = 64
+
+    def __init__(self, host_ms: float, gpu_ms: float, tokens: int):
+        self.start_host_ms, self.gpu_ms_per_token = host_ms, gpu_ms / tokens
+        self._issued: deque[float] = deque([host_ms], maxlen=self.window)
+        self._declined = 0
+
+    @classmethod
+    def measure(cls, tower: VisionTower, tokens: int) -> "EagerChoice":
+        """Time one eager forward of a typical pack of `tokens` (`eager_costs`)."""
+        cfg = tower.config
+        plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
+        pixels = torch.randn((tokens, cfg.patch_dim), dtype=tower.dtype, device=tower.device)
+        host_ms, gpu_ms = eager_costs(lambda: tower(pixels, plan), tower.device)
+        return cls(host_ms, gpu_ms, tokens)
+
+    @property
+    def host_ms(self) -> float:
+        return statistics.median(self._issued)
+
+    def limit_for(self, host_ms: float) -> int:
+        """The pack size in tokens from which an eager forward issued in `host_ms` pays."""
+        return int(EAGER_MARGIN * host_ms / self.gpu_ms_per_token)
+
+    @property
+    def limit(self) -> int:
+        return self.limit_for(self.host_ms)
+
+    def runs_eagerly(self, tokens: int) -> bool:
+        if tokens >= self.limit:
+            return True
+        if tokens >= self.limit_for(self.start_host_ms):
+            self._declined += 1
+            if self._declined >= self.probe_every:
+                self._declined = 0
+                return True
+        return False
+
+    def issued(self, ms: float) -> None:
+        """Record the host time of an eager forward as served."""
+        self._issued.append(ms)
 
 
 def signature(grids) -> Signature:
@@ -264,9 +309,9 @@ class BucketedTower:
     copied into the bucket's static inputs, and the graph pieces replay with the attention run eagerly between
     them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS` replays one graph of the whole forward
     instead. Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly (such a pack keeps
-    the GPU busier than its launches take to issue). With `eager_above`, `capture` measures where that starts
-    (`eager_limit`) and captures no bucket above it. Plans of recent signatures are kept, so a repeated layout skips
-    building its plan."""
+    the GPU busier than its launches take to issue). With `eager_above`, `capture` also times an eager forward, and
+    packs from where that is as fast run eagerly too (`EagerChoice`, which follows the host time eager forwards take
+    as served). Plans of recent signatures are kept, so a repeated layout skips building its plan."""
 
     plan_cache_size = 256
 
@@ -274,7 +319,7 @@ class BucketedTower:
         self.tower = tower
         self.buckets = tuple(sorted(buckets))
         self.eager_above = eager_above
-        self.limit: tuple[int, float, float] | None = None  # `eager_limit`'s measurement, where `capture` made one
+        self.eager_choice: EagerChoice | None = None  # where `capture` timed an eager forward
         self._buckets: dict[int, _Bucket] = {}
         self._plans: OrderedDict[Signature, PackPlan] = OrderedDict()
         self.padded_tokens = 0  # tokens computed as padding, for the benchmarks
@@ -294,23 +339,21 @@ class BucketedTower:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's pieces (on CUDA; with `eager_above`, those up to where an eager forward is as fast);
+        """Capture every bucket's pieces (on CUDA; with `eager_above`, after timing an eager forward: `EagerChoice`);
         elsewhere set the buckets up to run their pieces eagerly."""
         tower = self.tower
         offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
         if pool is not None and self.eager_above and self.buckets[-1] > WHOLE_MAX_TOKENS:
             try:
-                self.limit = limit, host_ms, gpu_ms = eager_limit(tower, self.buckets[-1])
-            except torch.OutOfMemoryError as e:  # no room for a full eager pack beside the rest: keep every bucket
-                log.warning("could not time an eager forward (%s); every graph bucket is captured", e)
+                choice = self.eager_choice = EagerChoice.measure(tower, self.buckets[-1])
+            except torch.OutOfMemoryError as e:  # no room for a full eager pack beside the rest: graphs only
+                log.warning("could not time an eager forward (%s); packs within a bucket run its graphs", e)
                 torch.cuda.empty_cache()
-                limit = self.buckets[-1]
-            kept = tuple(b for b in self.buckets if b <= max(limit, WHOLE_MAX_TOKENS))
-            if len(kept) < len(self.buckets):
-                log.info("packs over %d tokens run eagerly: an eager forward's launches take %.1f ms of host time, a "
-                         "forward of %d tokens %.1f ms of GPU time", kept[-1], host_ms, self.buckets[-1], gpu_ms)
-                self.buckets = kept
+            else:
+                log.info("packs from %d tokens run eagerly while an eager forward's launches take the host %.1f ms (at "
+                         "start-up; a forward of %d tokens takes the GPU %.1f ms)", max(choice.limit, WHOLE_MAX_TOKENS),
+                         choice.host_ms, self.buckets[-1], choice.gpu_ms_per_token * self.buckets[-1])
         statics = self._statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
             # a whole forward needs the Triton kernel on a GPU (SDPA reads the segments back to the host)
@@ -396,9 +439,15 @@ class BucketedTower:
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
         tokens = self.bucket_for(plan.num_tokens)
-        if tokens is None:
+        choice = self.eager_choice
+        if tokens is None or (choice is not None and plan.num_tokens > WHOLE_MAX_TOKENS
+                              and choice.runs_eagerly(plan.num_tokens)):
             self.eager += 1
-            return self.tower(pixel_values, plan)
+            start = time.perf_counter()
+            out = self.tower(pixel_values, plan)
+            if choice is not None:
+                choice.issued((time.perf_counter() - start) * 1000)
+            return out
         return self._run_bucket(tokens, pixel_values, plan, deepstack)
 
     def _run_bucket(self, tokens: int, pixel_values: torch.Tensor | None, plan: PackPlan,

@@ -160,15 +160,15 @@ def test_bucketed_graphs_equal_eager_for_any_mix(name):
     assert bucketed.whole_forwards == 5  # the lone images within a bucket ran as one graph
 
 
-def test_capture_stops_where_an_eager_forward_is_as_fast():
-    """`BucketedTower.capture` with `eager_above` measures one eager forward (`eager_costs`: its host time issuing
-    the launches, and the GPU's time running them, queued behind a wait) and keeps only the buckets up to the pack
-    size whose GPU time is `EAGER_MARGIN` times the host's (never fewer than the whole-forward ones); larger packs
-    run eagerly and compute what the eager forward does. The GPU time is the GPU's, not the host's: within a third
-    of the same pack's graph replay (the bucket that holds it exactly)."""
+def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
+    """`BucketedTower.capture` with `eager_above` captures every bucket and times one eager forward (`eager_costs`: its
+    host time issuing the launches, and the GPU's time running them, queued behind a wait); packs from the size whose
+    GPU time is `EAGER_MARGIN` times that host time run eagerly, compute what the eager forward does, and their host
+    time as served feeds the choice. The GPU time is the GPU's, not the host's: within a third of the same pack's
+    graph replay (the bucket that holds it exactly)."""
     from triton.testing import do_bench
 
-    from service.model.graphs import EAGER_MARGIN, WHOLE_MAX_TOKENS, BucketedTower, typical_grids
+    from service.model.graphs import EAGER_MARGIN, BucketedTower, typical_grids
 
     cfg = preset("qwen3-vl-2b")
     tower = random_tower(cfg, "cuda", torch.bfloat16, seed=5)
@@ -177,37 +177,41 @@ def test_capture_stops_where_an_eager_forward_is_as_fast():
     with torch.inference_mode():
         measured.capture()
         every.capture()
-        limit, host_ms, gpu_ms = measured.limit
-        print(f"eager forward of 32768 tokens: host {host_ms:.1f} ms, GPU {gpu_ms:.1f} ms -> limit {limit} tokens")
-        assert host_ms > 0 and gpu_ms > 0
-        assert limit == int(32768 * EAGER_MARGIN * host_ms / gpu_ms)
-        assert measured.buckets == tuple(b for b in buckets if b <= max(limit, WHOLE_MAX_TOKENS))
-        assert every.buckets == buckets
+        choice = measured.eager_choice
+        host_ms, gpu_ms = choice.host_ms, choice.gpu_ms_per_token * 32768
+        print(f"eager forward of 32768 tokens: host {host_ms:.1f} ms, GPU {gpu_ms:.1f} ms -> limit {choice.limit}")
+        assert host_ms > 0 and gpu_ms > 0 and every.eager_choice is None
+        assert choice.limit == int(EAGER_MARGIN * host_ms * 32768 / gpu_ms)
+        assert measured.buckets == every.buckets == buckets and measured.captured
         grids = typical_grids(32768, cfg.spatial_merge_size)
         pixels = torch.randn(32768, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
         replay_ms = do_bench(lambda: every(pixels, grids), warmup=20, rep=200, return_mode="median")
         assert 0.67 * replay_ms <= gpu_ms <= 1.5 * replay_ms, (gpu_ms, replay_ms)
-        grids = typical_grids(20000, cfg.spatial_merge_size)
-        pixels = pixels[:20000]
-        merged, ds = measured(pixels, grids)
-        e_merged, e_ds = tower(pixels, tower.plan(grids))
-        if measured.bucket_for(20000) is None:
+        tokens = min(max(choice.limit, 8192), 32768)  # eager unless probing; 32768 when the limit is past every bucket
+        grids = typical_grids(tokens, cfg.spatial_merge_size)
+        eager = choice.runs_eagerly(tokens)
+        before = measured.eager
+        merged, ds = measured(pixels[:tokens], grids)
+        e_merged, e_ds = tower(pixels[:tokens], tower.plan(grids))
+        assert measured.eager - before == eager
+        if eager:
             assert torch.equal(merged, e_merged) and torch.equal(ds, e_ds)
+            assert len(choice._issued) == 2
         else:
             assert rel_err(merged.float(), e_merged.float()) < 2e-2
 
 
 def test_capture_keeps_every_bucket_when_the_eager_forward_cannot_be_timed(monkeypatch):
-    """An eager forward that runs out of memory while start-up times it leaves every bucket captured (the packs run as
-    before), not a failed start."""
+    """An eager forward that runs out of memory while start-up times it leaves every pack within a bucket to its
+    graphs, not a failed start."""
     from service.model import graphs
 
     def oom(*_):
         raise torch.OutOfMemoryError("CUDA out of memory (test)")
 
-    monkeypatch.setattr(graphs, "eager_limit", oom)
+    monkeypatch.setattr(graphs.EagerChoice, "measure", oom)
     tower = random_tower(preset("qwen3-vl-2b"), "cuda", torch.bfloat16, seed=6)
     bucketed = graphs.BucketedTower(tower, (1024, 8192))
     with torch.inference_mode():
         bucketed.capture()
-    assert bucketed.buckets == (1024, 8192) and bucketed.captured and bucketed.limit is None
+    assert bucketed.buckets == (1024, 8192) and bucketed.captured and bucketed.eager_choice is None
