@@ -5,6 +5,7 @@ forward in float32 (the GPU test, tests/gpu, checks the captured graphs)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -162,13 +163,14 @@ def test_typical_grids_cover_the_tokens_in_valid_frames(tokens):
     assert sum(g == (1, 32, 32) for g in grids) == tokens // 1024
 
 
-def test_eager_choice_follows_the_host_time_of_eager_forwards_as_served():
+def test_eager_choice_follows_the_host_time_of_eager_forwards_as_served(caplog):
     """`EagerChoice`: packs from `EAGER_MARGIN` x the host time over the GPU time per token run eagerly, the host
     time being the median of the last `window` eager forwards' (start-up's at first). Host-bound eager forwards raise
     the limit; every `probe_every`-th pack that start-up's host time would run eagerly still does, so a host that
     frees up lowers it again."""
     from service.model.graphs import EAGER_MARGIN, EagerChoice
 
+    caplog.set_level(logging.INFO, logger="service.model.graphs")
     choice = EagerChoice(host_ms=10.0, gpu_ms=40.0, tokens=32768)  # bf16 on an H200, roughly
     start = int(EAGER_MARGIN * 10.0 * 32768 / 40.0)
     assert choice.limit == start
@@ -176,6 +178,8 @@ def test_eager_choice_follows_the_host_time_of_eager_forwards_as_served():
     for _ in range(EagerChoice.window):  # the host, loaded, takes twice as long
         choice.issued(20.0)
     assert choice.host_ms == 20.0 and choice.limit == 2 * start
+    moves = [r.getMessage() for r in caplog.records if "run eagerly" in r.getMessage()]
+    assert 1 <= len(moves) <= 3 and moves[-1].startswith(f"packs from {2 * start} tokens")  # as it moved
     answers = [choice.runs_eagerly(start) for _ in range(3 * EagerChoice.probe_every)]
     assert sum(answers) == 3 and answers[EagerChoice.probe_every - 1]  # the probes
     assert not choice.runs_eagerly(start // 2)  # below start-up's limit: never probed

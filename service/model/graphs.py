@@ -253,6 +253,7 @@ class EagerChoice:
         self.start_host_ms, self.gpu_ms_per_token = host_ms, gpu_ms / tokens
         self._issued: deque[float] = deque([host_ms], maxlen=self.window)
         self._declined = 0
+        self._logged = self.limit  # the limit last logged: a move by a quarter or more is logged again
 
     @classmethod
     def measure(cls, tower: VisionTower, tokens: int) -> "EagerChoice":
@@ -288,6 +289,11 @@ class EagerChoice:
     def issued(self, ms: float) -> None:
         """Record the host time of an eager forward as served."""
         self._issued.append(ms)
+        limit = self.limit
+        if abs(limit - self._logged) >= self._logged / 4:
+            self._logged = limit
+            log.info("packs from %d tokens run eagerly: eager forwards take the host %.1f ms as served (median of the "
+                     "last %d; %.1f ms at start-up)", limit, self.host_ms, len(self._issued), self.start_host_ms)
 
 
 def signature(grids) -> Signature:
