@@ -11,7 +11,7 @@ vectors out, shards of 1,000. Per precision:
 Then the resume test: the job on every GPU, SIGKILLed with its process group (what a scheduler's preemption sends)
 half-way, run again to the end: every input in the output exactly once.
 
-Usage: python -m benchmarks.bench_dataset [--images-per-gpu N] [--quant bf16,fp8] [--out DIR]
+Usage: python -m benchmarks.bench_dataset [--images-per-gpu N] [--quant bf16,fp8] [--profile] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_service import photo_jpegs, unique
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, top_frames, write_results
 
 SHARD = 1000
 
@@ -50,9 +50,38 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
-def job(images: Path, out: Path, devices: str, kill_at: float | None = None) -> dict:
+def spy(proc: subprocess.Popen, devices: str, out: Path, tag: str, seconds: int = 10) -> list[tuple[str, Path]]:
+    """py-spy (where installed) for `seconds`, in the background, on the process that runs the first device's engine
+    (the job's own with one device, else its first device process): its threads holding the interpreter lock
+    (`--gil`), and its threads on a CPU whatever they hold (a thread spinning in a CUDA wait shows there, not in the
+    first). Returns (kind, raw profile path) pairs for `top_frames` once the job is done."""
+    import shutil
+
+    import psutil
+
+    if shutil.which("py-spy") is None:
+        return []
+    pid = proc.pid
+    if devices != "0":
+        kids = [c for c in psutil.Process(proc.pid).children() if "multiprocessing" in " ".join(c.cmdline())]
+        if not kids:
+            return []
+        pid = min(kids, key=lambda c: c.create_time()).pid
+    made = []
+    for kind, flags in (("gil", ["--gil"]), ("cpu", [])):
+        path = out / f"profile_dataset_{tag}_{kind}.txt"
+        subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "100",
+                          "--nonblocking", "--format", "raw", "--output", str(path), *flags],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        made.append((kind, path))
+    return made
+
+
+def job(images: Path, out: Path, devices: str, kill_at: float | None = None, profile: Path | None = None,
+        tag: str = "") -> dict:
     """One run of the CLI; its rate and CPU between 10% and 90% of its shards; `kill_at`: SIGKILL to its process
-    group once that fraction of the shards is committed."""
+    group once that fraction of the shards is committed; `profile`: py-spy on its first device's process from 10% of
+    the shards (`spy`), the top frames in the row."""
     shards = -(-len(list(images.iterdir())) // SHARD)
     cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", MODEL,
            "--devices", devices, "--shard-size", str(SHARD), "--quiet"]
@@ -60,6 +89,7 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None) -> 
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lo, hi = max(1, round(0.1 * shards)), round(0.9 * shards)
     marks: dict[str, tuple[float, int, float]] = {}
+    spied: list[tuple[str, Path]] = []
     while proc.poll() is None:
         n = len(list(out.glob("part-*.parquet"))) if out.exists() else 0
         if kill_at is not None and n >= kill_at * shards:
@@ -69,6 +99,8 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None) -> 
         for name, at in (("lo", lo), ("hi", hi)):
             if name not in marks and n >= at:
                 marks[name] = (time.perf_counter(), n, tree_cpu_s(proc.pid))
+                if name == "lo" and profile is not None:
+                    spied = spy(proc, devices, profile, tag)
         time.sleep(0.02)
     err = proc.stderr.read()
     if proc.returncode != 0:
@@ -79,6 +111,13 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None) -> 
            "window_shards": nb - na, "images_per_s": round(rate, 1),
            "cpu_cores": round((cb - ca) / (tb - ta), 2),
            "cpu_ms_per_image": round((cb - ca) / ((nb - na) * SHARD) * 1e3, 3)}
+    for kind, path in spied:
+        for _ in range(100):  # py-spy writes its file when its duration is over
+            if path.exists():
+                break
+            time.sleep(0.1)
+        if path.exists():
+            row[f"profile_{kind}_top"] = top_frames(path)
     print(json.dumps(row), flush=True)
     return row
 
@@ -115,6 +154,8 @@ def main():
     ap.add_argument("--images-per-gpu", type=int, default=20000)
     ap.add_argument("--quant", default="bf16,fp8")
     ap.add_argument("--no-resume", dest="resume", action="store_false", help="without the kill-and-rerun test")
+    ap.add_argument("--profile", action="store_true", help="py-spy on the first device's process during each job "
+                    "(raw profiles in --out, their top frames in the rows)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     MODEL = args.model
@@ -142,8 +183,10 @@ def main():
         fwd = forward_best(photos[0])
         fwd["sustained"] = forward_sustained(photos[0])
         torch.cuda.empty_cache()
-        one = job(sets[args.images_per_gpu], work / f"out-{quant}-1", "0")
-        every = job(sets[args.images_per_gpu * gpus], work / f"out-{quant}-{gpus}", "all")
+        spy_dir = Path(args.out or os.environ.get("OUT") or "benchmarks/results") if args.profile else None
+        one = job(sets[args.images_per_gpu], work / f"out-{quant}-1", "0", profile=spy_dir, tag=f"{quant}_1gpu")
+        every = job(sets[args.images_per_gpu * gpus], work / f"out-{quant}-{gpus}", "all", profile=spy_dir,
+                    tag=f"{quant}_{gpus}gpu")
         result[quant] = {"forward": fwd, "gpus_1": one, f"gpus_{gpus}": every}
         key = "" if quant == "bf16" else f"_{quant}"
         summary[f"ratio_to_forward_1gpu{key}"] = round(one["images_per_s"] / fwd["images_per_s"], 3)

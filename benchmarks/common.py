@@ -284,3 +284,18 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
     return str(v)
+
+
+def top_frames(path: Path, n: int = 25, within: str = "") -> list[str]:
+    """The `n` frames where most samples of a py-spy raw profile end, with their shares; `within`: only the samples
+    whose stack holds that frame."""
+    counts: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, k = line.rpartition(" ")
+        if within not in stack:
+            continue
+        frame = stack.rsplit(";", 1)[-1]
+        counts[frame] = counts.get(frame, 0) + int(k)
+        total += int(k)
+    return [f"{c / total:.1%} {f}" for f, c in sorted(counts.items(), key=lambda x: -x[1])[:n]]

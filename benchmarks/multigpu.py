@@ -42,7 +42,7 @@ import numpy as np
 import psutil
 
 from benchmarks.bench_service import photo_jpegs
-from benchmarks.common import environment, forward_gaps, read_forward_trace, wait_until_ready
+from benchmarks.common import environment, forward_gaps, read_forward_trace, top_frames, wait_until_ready
 
 PARAMS = "format=safetensors&deepstack=false"  # tokens only, as bench_service's uniform load
 
@@ -203,21 +203,6 @@ def profile(server: subprocess.Popen, engine_pids: set[int], seconds: float, out
                                           str(out / f"profile_{tag}_{role}.txt")],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return jobs
-
-
-def top_frames(path: Path, n: int = 25, within: str = "") -> list[str]:
-    """The `n` frames where most samples of a py-spy raw profile end, with their shares; `within`: only the samples
-    whose stack holds that frame."""
-    counts: dict[str, int] = {}
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, k = line.rpartition(" ")
-        if within not in stack:
-            continue
-        frame = stack.rsplit(";", 1)[-1]
-        counts[frame] = counts.get(frame, 0) + int(k)
-        total += int(k)
-    return [f"{c / total:.1%} {f}" for f, c in sorted(counts.items(), key=lambda x: -x[1])[:n]]
 
 
 def measure(binary: str, url: str, server, bodies: Path, work: Path, tag: str, warmup_s: float, seconds: float,
