@@ -235,15 +235,15 @@ def metric_sums(url: str, names) -> dict[str, float]:
 def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float("inf")) -> list[tuple]:
     """The engines' forwards between unix times t0 and t1 from their trace (`Settings.forward_trace`), in order:
     (unix time, items, patches, GPU ms, launch-to-outputs ms, launch ms, GPU idle ms
-    before it, ms its end was predicted late), the last three nan where the line has none (an older revision's
-    trace, or the GPU's times unread); none where the file is missing."""
+    before it, ms its end was predicted late, 1.0 where it ran eagerly), the last four nan where the line has none
+    (an older revision's trace, or the GPU's times unread); none where the file is missing."""
     if not trace.exists():
         return []
     rows = []
     for line in trace.read_text().splitlines():
         t, _device, items, patches, gpu_ms, wall_ms, *more = line.split(",")
         if t0 <= float(t) <= t1:
-            more = [float(x) for x in more[:3]] + [float("nan")] * (3 - len(more[:3]))
+            more = [float(x) for x in more[:4]] + [float("nan")] * (4 - len(more[:4]))
             rows.append((float(t), int(items), int(patches), float(gpu_ms), float(wall_ms), *more))
     return rows
 
@@ -251,7 +251,8 @@ def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float
 def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
     """What a trace's forwards (`read_forward_trace`) say of the GPUs between them over a window of `seconds`: the
     idle time between one engine's forwards as a fraction of the window (over `devices` engines) and per forward
-    (10th, 50th and 90th percentiles), how late the batcher predicted their ends, and their launches' host time."""
+    (10th, 50th and 90th percentiles), how late the batcher predicted their ends, their launches' host time, and the
+    share of them that ran eagerly, with those launches' host time apart."""
     def pct(values):
         values = [v for v in values if v == v]  # not nan
         return [round(float(np.percentile(values, q)), 2) for q in (10, 50, 90)] if values else None
@@ -260,7 +261,9 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
     return {"forwards": len(rows), "images": pct([r[1] for r in rows]),
             "gpu_idle_fraction": round(sum(max(0.0, i) for i in idle) / 1e3 / seconds / devices, 4) if idle else None,
             "gpu_idle_ms": pct(idle), "predicted_late_ms": pct([r[7] for r in rows]),
-            "launch_ms": pct([r[5] for r in rows]), "launch_to_outputs_ms": pct([r[4] for r in rows])}
+            "launch_ms": pct([r[5] for r in rows]), "launch_to_outputs_ms": pct([r[4] for r in rows]),
+            "eager_fraction": round(sum(r[8] == 1 for r in rows) / len(rows), 3) if rows else None,
+            "eager_launch_ms": pct([r[5] for r in rows if r[8] == 1])}
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:

@@ -131,6 +131,7 @@ class SimulatedForward:
     done: float  # time.perf_counter() at which the simulated device has finished it
     gpu_s: float  # its simulated GPU time
     download_s: float | None = None  # from its end to its outputs on the host (None: unknown, as on the CPU)
+    eager: bool = False  # as the real forward's (`Pending.eager`)
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.done
@@ -287,7 +288,7 @@ def test_the_trace_says_how_long_the_gpu_idled_before_each_forward_and_how_late_
 
     asyncio.run(go())
     rows = [line.split(",") for line in trace.read_text().splitlines()]
-    assert len(rows) == len(device.packs) == 6 and all(len(r) == 9 for r in rows)
+    assert len(rows) == len(device.packs) == 6 and all(len(r) == 10 and r[9] == "0" for r in rows)
     launch, idle, late = ([float(r[i]) for r in rows] for i in (6, 7, 8))
     assert all(0 <= x < 50 for x in launch), launch
     assert math.isnan(idle[0]) and 195 <= idle[1] <= 320, idle  # the first has no forward before it

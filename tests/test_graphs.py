@@ -212,3 +212,27 @@ def test_packs_the_choice_runs_eagerly_equal_the_plain_forward(tower):
             assert (bucketed.eager - before[0], len(choice._issued) - before[1]) == (eager, eager), grids
             assert rel_err(merged, ref_merged) <= 1e-5 and rel_err(ds, ref_ds) <= 1e-5, grids
     assert choice._issued[-1] > 0
+
+
+def test_a_pending_forward_says_whether_it_ran_eagerly():
+    """`Pending.eager` (the forward trace's last column): False for a lone image (its whole-forward graph) and a pack
+    within a captured bucket, True for one beyond every bucket and for one the eager choice takes."""
+    from PIL import Image
+
+    from service.model.encoder import Encoder
+    from service.model.graphs import EagerChoice
+
+    enc = Encoder.load("random:tiny", graph_buckets=(256, 512, 8192))
+    enc.forward.capture()
+    rng = np.random.default_rng(5)
+
+    def item(h, w):
+        return enc.preprocess(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)))
+
+    one = item(64, 64)  # 256 patches (the preset's smallest image)
+    small, large, many = [one], [one] * 40, [one] * 20  # 256, 10,240 (beyond 8192) and 5,120 patches
+    with torch.inference_mode():
+        assert not enc.launch(small).eager and enc.launch(large).eager
+        assert not enc.launch(many).eager  # within 8192: its graphs
+        enc.forward.eager_choice = EagerChoice(host_ms=1.0, gpu_ms=3.0, tokens=4096)  # a limit of 4096 tokens
+        assert enc.launch(many).eager and not enc.launch(small).eager

@@ -54,6 +54,7 @@ class _Pending:
     done: float
     gpu_s: float
     download_s: float = 0.0  # outputs on the host as the forward ends
+    eager: bool = False
 
     def ready(self) -> bool:
         return time.perf_counter() >= self.done

@@ -419,17 +419,19 @@ class Batcher:
             self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))
         end = time.perf_counter()
         if self._trace is not None:
-            self._write_trace(batch, launched, done, gpu_s, pending.download_s)
+            self._write_trace(batch, launched, done, gpu_s, pending.download_s, pending.eager)
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
                 w.future.set_result(ItemDone(r, start - w.enqueued, end - start, len(batch)))
 
-    def _write_trace(self, batch: list[_Work], launched: "_Launched", done: float, gpu_s, download_s) -> None:
+    def _write_trace(self, batch: list[_Work], launched: "_Launched", done: float, gpu_s, download_s,
+                     eager: bool) -> None:
         """The forward's line in the trace (`Settings.forward_trace`): unix time, device, items, patches, GPU ms,
         launch-to-outputs ms, the launch's host ms, and where the GPU's times could be read (CUDA events): the GPU's
         idle ms between the previous forward's end and this one's start, and how many ms after the GPU finished it
-        the batcher had predicted at its launch it would (what the next pack's filling waits for)."""
+        the batcher had predicted at its launch it would (what the next pack's filling waits for); then 1 where the
+        forward ran eagerly rather than through graphs, else 0."""
         computed_at = done - download_s if gpu_s is not None and download_s is not None else None
         idle = error = None
         if computed_at is not None:
@@ -443,7 +445,7 @@ class Batcher:
 
         self._trace.write(f"{time.time():.4f},{self.encoder.device},{len(batch)},"
                           f"{sum(w.item.num_patches for w in batch)},{ms(gpu_s)},{ms(done - launched.start)},"
-                          f"{ms(launched.returned - launched.start)},{ms(idle)},{ms(error)}\n")
+                          f"{ms(launched.returned - launched.start)},{ms(idle)},{ms(error)},{int(eager)}\n")
 
     async def _polled(self, pending, items: int) -> bool:
         """Whether a lone forward finished while this loop polled it, once per turn, until other work came (False).

@@ -169,14 +169,16 @@ class Encoder:
         started = self._event() if self.device.type == "cuda" else None
         if started is not None:
             started.record()
+        eager_before = self.forward.eager
         lone = self.forward.frame(torch.from_numpy(items[0].frames), self._lut(items[0]), items[0].grid_thw,
                                   deepstack) if len(items) == 1 and self.forward.takes_frames else None
         merged, ds = lone or self.forward(self.pixels(items), [it.grid_thw for it in items], deepstack)
         counts = [it.num_patches // self.config.merge_unit for it in items]
         pooled = _segment_mean(merged, counts)
         outputs = [merged if tokens else None, ds if deepstack else None, pooled]
+        eager = self.forward.eager > eager_before
         if started is None:
-            return Pending(items, counts, *outputs, None)
+            return Pending(items, counts, *outputs, None, eager=eager)
         computed = self._event()
         computed.record()
         # a lone frame's outputs come back on the compute stream: nothing computes beside them, so a hand-over to
@@ -194,7 +196,7 @@ class Encoder:
                 host.append(t)
             done = self._event()
             done.record()
-        return Pending(items, counts, *host, done, started, computed)
+        return Pending(items, counts, *host, done, started, computed, eager=eager)
 
     def _event(self) -> "torch.cuda.Event":
         try:
@@ -243,6 +245,7 @@ class Pending:
     computed: "torch.cuda.Event | None" = None  # and after it: computed - started is its GPU time
     gpu_s: float | None = None  # that time in seconds, set by `Encoder.finish` (None on the CPU)
     download_s: float | None = None  # and from its end to the outputs on the host (done - computed)
+    eager: bool = False  # the pack ran its forward eagerly, not through graphs (`BucketedTower`)
 
     def ready(self) -> bool:
         """Whether the outputs are on the host already (`Encoder.finish` would not wait)."""
