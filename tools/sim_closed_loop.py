@@ -62,10 +62,12 @@ class _Pending:
 
 class SimulatedGPU:
     """`launch` takes `launch_s` of host time and queues the pack behind the ones before it; `finish` waits until
-    it has run. Records each forward's (start, end) on the device."""
+    it has run. Records each forward's (start, end) on the device. The GPU time it reports (`gpu_s`): with
+    `events`, as the engine reads it from CUDA events, from an event recorded as the launch begins to the forward's
+    end, so a GPU that waits for the launch's host work counts that wait as busy; else the compute alone."""
 
-    def __init__(self, a_s: float, b_s: float, launch_s: float, buckets: tuple[int, ...] = ()):
-        self.a_s, self.b_s, self.launch_s, self.buckets = a_s, b_s, launch_s, buckets
+    def __init__(self, a_s: float, b_s: float, launch_s: float, buckets: tuple[int, ...] = (), events: bool = True):
+        self.a_s, self.b_s, self.launch_s, self.buckets, self.events = a_s, b_s, launch_s, buckets, events
         self.device = torch.device("cpu")
         self.free_at = 0.0
         self.forwards: list[tuple[float, float, int]] = []
@@ -73,14 +75,16 @@ class SimulatedGPU:
         self._result = EncodeResult(torch.zeros(0, 1), torch.zeros(0, 0, 1), (1, 1, 1), torch.zeros(1), 1)
 
     def launch(self, items, deepstack=True, tokens=True):
+        begun = time.perf_counter()
         time.sleep(self.launch_s)
         with self._lock:
             start = max(time.perf_counter(), self.free_at)
             # a bucketed pack computes its whole bucket: the padding rows cost as much as an image's
             seconds = self.a_s + self.b_s * self.computed_tokens(sum(it.num_patches for it in items)) / PATCHES
+            marked = max(begun, self.free_at)  # where the GPU passes the event recorded as the launch begins
             self.free_at = start + seconds
             self.forwards.append((start, self.free_at, len(items)))
-        return _Pending(len(items), self.free_at, seconds)
+        return _Pending(len(items), self.free_at, self.free_at - marked if self.events else seconds)
 
     def finish(self, pending: _Pending):
         time.sleep(max(0.0, pending.done - time.perf_counter()))
@@ -147,6 +151,9 @@ def main() -> None:
     ap.add_argument("--eager-above", default="0", help="graph buckets (the server's) up to this many tokens, packs "
                     "above eager (bf16 on an H200: ~30,700 at EAGER_MARGIN 3, 12,800 at 1.25); 0: no buckets")
     ap.add_argument("--sticky", action="store_true", help="each client keeps one front-end (keep-alive)")
+    ap.add_argument("--gpu-s", default="events", help="the GPU time the batcher is told, comma-separated to "
+                    "compare: events (as the engine reads it: from the launch's start, a wait for the host "
+                    "counted) or compute (the forward's alone)")
     ap.add_argument("--seeds", default="0", help="the clients' front-ends, drawn per seed (with --sticky)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -154,17 +161,19 @@ def main() -> None:
     rows = []
     floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
     served = parse_buckets(Settings().cuda_graph_buckets)
-    for clients, fe_ms, max_items, loop_ms, launch_ms, eager_above, seed in itertools.product(
+    for clients, fe_ms, max_items, loop_ms, launch_ms, eager_above, seed, gpu_s in itertools.product(
             [int(c) for c in args.clients.split(",")], floats(args.frontend_ms),
             [int(m) for m in args.max_items.split(",")], floats(args.engine_loop_ms), floats(args.launch_ms),
-            [int(e) for e in args.eager_above.split(",")], [int(s) for s in args.seeds.split(",")]):
+            [int(e) for e in args.eager_above.split(",")], [int(s) for s in args.seeds.split(",")],
+            args.gpu_s.split(",")):
         buckets = tuple(b for b in served if b <= eager_above)
-        gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k, buckets)
+        gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k, buckets, events=gpu_s == "events")
         r = asyncio.run(run(clients, args.frontends, fe_ms * k, args.network_ms * k, gpu, args.seconds * args.scale,
                             args.warmup_s * args.scale, max_items, loop_ms * k, args.sticky, seed))
         r["images_per_s"] = round(r["images_per_s"] * args.scale, 1)  # in the GPU's time, not the scaled one
         row = {"clients": clients, "frontends": args.frontends, "frontend_ms": fe_ms, "engine_loop_ms": loop_ms,
-               "launch_ms": launch_ms, "eager_above": eager_above, "max_items": max_items, "seed": seed, **r}
+               "launch_ms": launch_ms, "eager_above": eager_above, "max_items": max_items, "seed": seed,
+               "gpu_s": gpu_s, **r}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:
