@@ -64,10 +64,14 @@ class SimulatedGPU:
     """`launch` takes `launch_s` of host time and queues the pack behind the ones before it; `finish` waits until
     it has run. Records each forward's (start, end) on the device. The GPU time it reports (`gpu_s`): with
     `events`, as the engine reads it from CUDA events, from an event recorded as the launch begins to the forward's
-    end, so a GPU that waits for the launch's host work counts that wait as busy; else the compute alone."""
+    end, so a GPU that waits for the launch's host work counts that wait as busy; else the compute alone. `waits`:
+    the share of the launch's host time the GPU's work waits for (1: the upload and patchify before anything runs;
+    0: it computes from the launch's start, its work issued faster than it runs)."""
 
-    def __init__(self, a_s: float, b_s: float, launch_s: float, buckets: tuple[int, ...] = (), events: bool = True):
+    def __init__(self, a_s: float, b_s: float, launch_s: float, buckets: tuple[int, ...] = (), events: bool = True,
+                 waits: float = 1.0):
         self.a_s, self.b_s, self.launch_s, self.buckets, self.events = a_s, b_s, launch_s, buckets, events
+        self.waits = waits
         self.device = torch.device("cpu")
         self.free_at = 0.0
         self.forwards: list[tuple[float, float, int]] = []
@@ -78,7 +82,7 @@ class SimulatedGPU:
         begun = time.perf_counter()
         time.sleep(self.launch_s)
         with self._lock:
-            start = max(time.perf_counter(), self.free_at)
+            start = max(begun + self.waits * (time.perf_counter() - begun), self.free_at)
             # a bucketed pack computes its whole bucket: the padding rows cost as much as an image's
             seconds = self.a_s + self.b_s * self.computed_tokens(sum(it.num_patches for it in items)) / PATCHES
             marked = max(begun, self.free_at)  # where the GPU passes the event recorded as the launch begins
@@ -154,6 +158,8 @@ def main() -> None:
     ap.add_argument("--gpu-s", default="events", help="the GPU time the batcher is told, comma-separated to "
                     "compare: events (as the engine reads it: from the launch's start, a wait for the host "
                     "counted) or compute (the forward's alone)")
+    ap.add_argument("--gpu-waits", default="1", help="the share of a launch's host time the GPU waits for before "
+                    "computing (1: all of it; 0: none, its work issued faster than it runs), comma-separated")
     ap.add_argument("--seeds", default="0", help="the clients' front-ends, drawn per seed (with --sticky)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -161,19 +167,20 @@ def main() -> None:
     rows = []
     floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
     served = parse_buckets(Settings().cuda_graph_buckets)
-    for clients, fe_ms, max_items, loop_ms, launch_ms, eager_above, seed, gpu_s in itertools.product(
+    for clients, fe_ms, max_items, loop_ms, launch_ms, eager_above, seed, gpu_s, waits in itertools.product(
             [int(c) for c in args.clients.split(",")], floats(args.frontend_ms),
             [int(m) for m in args.max_items.split(",")], floats(args.engine_loop_ms), floats(args.launch_ms),
             [int(e) for e in args.eager_above.split(",")], [int(s) for s in args.seeds.split(",")],
-            args.gpu_s.split(",")):
+            args.gpu_s.split(","), floats(args.gpu_waits)):
         buckets = tuple(b for b in served if b <= eager_above)
-        gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k, buckets, events=gpu_s == "events")
+        gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k, buckets, events=gpu_s == "events",
+                           waits=waits)
         r = asyncio.run(run(clients, args.frontends, fe_ms * k, args.network_ms * k, gpu, args.seconds * args.scale,
                             args.warmup_s * args.scale, max_items, loop_ms * k, args.sticky, seed))
         r["images_per_s"] = round(r["images_per_s"] * args.scale, 1)  # in the GPU's time, not the scaled one
         row = {"clients": clients, "frontends": args.frontends, "frontend_ms": fe_ms, "engine_loop_ms": loop_ms,
                "launch_ms": launch_ms, "eager_above": eager_above, "max_items": max_items, "seed": seed,
-               "gpu_s": gpu_s, **r}
+               "gpu_s": gpu_s, "gpu_waits": waits, **r}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:

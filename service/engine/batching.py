@@ -415,30 +415,31 @@ class Batcher:
         busy = gpu_s if gpu_s is not None else done - max(start, self._last_done)
         self.gpu_busy_s += busy
         self._last_done = done
-        if busy > 0:
-            self._s_per_patch = _ema(self._s_per_patch, busy / sum(w.item.num_patches for w in batch))
+        computed_at = done - pending.download_s if gpu_s is not None and pending.download_s is not None else None
+        previous, self._last_computed_at = self._last_computed_at, computed_at
+        compute = busy if computed_at is None else _compute_s(gpu_s, computed_at, launched.returned, previous)
+        if compute > 0:
+            self._s_per_patch = _ema(self._s_per_patch, compute / sum(w.item.num_patches for w in batch))
         end = time.perf_counter()
         if self._trace is not None:
-            self._write_trace(batch, launched, done, gpu_s, pending.download_s, pending.eager)
+            self._write_trace(batch, launched, done, gpu_s, computed_at, previous, pending.eager)
         self._report(batch, start, True)
         for w, r in zip(batch, results):
             if not w.future.done():
                 w.future.set_result(ItemDone(r, start - w.enqueued, end - start, len(batch)))
 
-    def _write_trace(self, batch: list[_Work], launched: "_Launched", done: float, gpu_s, download_s,
+    def _write_trace(self, batch: list[_Work], launched: "_Launched", done: float, gpu_s, computed_at, previous,
                      eager: bool) -> None:
         """The forward's line in the trace (`Settings.forward_trace`): unix time, device, items, patches, GPU ms,
         launch-to-outputs ms, the launch's host ms, and where the GPU's times could be read (CUDA events): the GPU's
         idle ms between the previous forward's end and this one's start, and how many ms after the GPU finished it
         the batcher had predicted at its launch it would (what the next pack's filling waits for); then 1 where the
         forward ran eagerly rather than through graphs, else 0."""
-        computed_at = done - download_s if gpu_s is not None and download_s is not None else None
         idle = error = None
         if computed_at is not None:
-            if self._last_computed_at is not None:
-                idle = computed_at - gpu_s - self._last_computed_at
+            if previous is not None:
+                idle = computed_at - gpu_s - previous
             error = launched.predicted_end - computed_at
-            self._last_computed_at = computed_at
 
         def ms(s):
             return f"{s * 1e3:.3f}" if s is not None else "nan"
@@ -494,6 +495,19 @@ class _Launched:
     returned: float
     predicted_end: float
     pending: object
+
+
+def _compute_s(gpu_s: float, computed_at: float, returned: float, previous: float | None) -> float:
+    """A forward's GPU time as the launch model counts it (`Batcher._launch`: the GPU computes a pack from when its
+    launch has returned and the GPU has finished the one before): from the later of those to its end, on the host's
+    clock, at most its CUDA-event time `gpu_s`. The events count from an event recorded as the launch begins, so
+    where the GPU waited for the launch's host work (upload, patchify, issuing) they count that wait as GPU time:
+    a model fed those would predict the next forward's end later by a launch, the next pack would be dispatched
+    only after the GPU had freed up, the GPU would wait for that launch in turn, and the estimate would stay
+    inflated (64 closed-loop clients: ~80% busy, where the same batcher fed the compute alone keeps ~100%;
+    `tools/sim_closed_loop.py --gpu-s events,compute`)."""
+    began = returned if previous is None else max(returned, previous)
+    return max(0.0, min(gpu_s, computed_at - began))
 
 
 def _ema(average: float, sample: float, weight: float = 0.2) -> float:
