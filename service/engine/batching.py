@@ -118,7 +118,7 @@ class Batcher:
         self._launch_s = 0.0
         self._gpu_free_at = 0.0  # time.perf_counter() at which the forwards launched so far should be done
         self._last_done = 0.0
-        self._last_computed_at: float | None = None  # for the trace: when the GPU last finished a pack
+        self._last_computed_at: float | None = None  # when the GPU last finished a pack (host clock): `_compute_s`
         self.forwards = 0  # forward passes run, for tests and /info
         self.gpu_busy_s = 0.0  # the GPU's time in those forwards (CUDA events), for /info and the benchmarks
         # appended a line at a time (O_APPEND: the engines of a node may share one file)
@@ -504,8 +504,8 @@ def _compute_s(gpu_s: float, computed_at: float, returned: float, previous: floa
     where the GPU waited for the launch's host work (upload, patchify, issuing) they count that wait as GPU time:
     a model fed those would predict the next forward's end later by a launch, the next pack would be dispatched
     only after the GPU had freed up, the GPU would wait for that launch in turn, and the estimate would stay
-    inflated (64 closed-loop clients: ~80% busy, where the same batcher fed the compute alone keeps ~100%;
-    `tools/sim_closed_loop.py --gpu-s events,compute`)."""
+    inflated (simulated, 64 closed-loop clients: 77-88% busy, where the same batcher fed the compute alone keeps
+    100%; `tools/sim_closed_loop.py`, docs/PERFORMANCE.md "64 clients")."""
     began = returned if previous is None else max(returned, previous)
     return max(0.0, min(gpu_s, computed_at - began))
 

@@ -213,7 +213,7 @@ def engine_process_main(conn, settings_env: dict[str, str], imported_s: float | 
     gone). `restarts`: how many engine processes died before this one (for /info); `imported_s`: how long its modules
     took to import (logged with the time binding its device took: what a start spends before loading)."""
     os.environ.update(settings_env)
-    # every GPU engine sees its GPU as cuda:0: its lines name the GPU as nvidia-smi numbers it
+    # every GPU engine sees its GPU as cuda:0: its lines name the GPU as the server's CUDA_VISIBLE_DEVICES does
     gpu = settings_env.get("CUDA_VISIBLE_DEVICES")
     role = f"engine GPU {gpu}" if gpu else "engine"
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[{role}]: %(message)s")
