@@ -113,12 +113,14 @@ class Batcher:
                                            initargs=(encoder.device,))  # waits for outputs
         self._accepting = False
         self._in_flight = 0  # items handed to the GPU worker and not yet answered
-        # when launched work will be done: moving averages of GPU seconds per patch and of a launch's host time
+        # when launched work will be done (`_learn`): moving averages of GPU seconds per patch, of a launch's host
+        # time, and of how long an idle GPU waits for a launch's host work before computing (None: not seen yet)
         self._s_per_patch = 0.0
         self._launch_s = 0.0
+        self._wait_s: float | None = None
         self._gpu_free_at = 0.0  # time.perf_counter() at which the forwards launched so far should be done
         self._last_done = 0.0
-        self._last_computed_at: float | None = None  # when the GPU last finished a pack (host clock): `_compute_s`
+        self._last_computed_at: float | None = None  # when the GPU last finished a pack (host clock): `_learn`
         self.forwards = 0  # forward passes run, for tests and /info
         self.gpu_busy_s = 0.0  # the GPU's time in those forwards (CUDA events), for /info and the benchmarks
         # appended a line at a time (O_APPEND: the engines of a node may share one file)
@@ -385,7 +387,9 @@ class Batcher:
         now = time.perf_counter()
         self._launch_s = _ema(self._launch_s, now - start)
         patches = sum(w.item.num_patches for w in batch)
-        self._gpu_free_at = max(now, self._gpu_free_at) + self._s_per_patch * patches
+        # an idle GPU computes once it has waited for the launch's host work (the whole launch until measured)
+        ready = start + (self._wait_s if self._wait_s is not None else now - start)
+        self._gpu_free_at = max(ready, self._gpu_free_at) + self._s_per_patch * patches
         return _Launched(start, now, self._gpu_free_at, pending)
 
     async def _finish(self, loop, batch: list[_Work], launched, count: bool = True, poll: bool = False):
@@ -417,9 +421,7 @@ class Batcher:
         self._last_done = done
         computed_at = done - pending.download_s if gpu_s is not None and pending.download_s is not None else None
         previous, self._last_computed_at = self._last_computed_at, computed_at
-        compute = busy if computed_at is None else _compute_s(gpu_s, computed_at, launched.returned, previous)
-        if compute > 0:
-            self._s_per_patch = _ema(self._s_per_patch, compute / sum(w.item.num_patches for w in batch))
+        self._learn(busy, sum(w.item.num_patches for w in batch), launched, computed_at, previous)
         end = time.perf_counter()
         if self._trace is not None:
             self._write_trace(batch, launched, done, gpu_s, computed_at, previous, pending.eager)
@@ -427,6 +429,36 @@ class Batcher:
         for w, r in zip(batch, results):
             if not w.future.done():
                 w.future.set_result(ItemDone(r, start - w.enqueued, end - start, len(batch)))
+
+    def _learn(self, busy: float, patches: int, launched: "_Launched", computed_at: float | None,
+               previous: float | None) -> None:
+        """Update the launch model from a finished forward: `busy`, its GPU time (CUDA events where they can be read,
+        counted from an event recorded as its launch began); `computed_at`, when the GPU finished it and `previous`,
+        the forward before (host clock; None where unknown).
+
+        A GPU that is busy with the forward before until after this launch has returned had all of this one's work
+        queued when it got to it: its event time is its compute, and teaches GPU time per patch. A GPU that was idle
+        before the launch returned waited for part of the launch's host work (the frames' upload and patchify, the
+        graphs' issue) before computing, and the events count that wait too: such a forward teaches the wait, its
+        event time less the compute its patches take. Fed the events' time as compute, the model predicted every end
+        a launch late whenever a launch found the GPU idle; the next pack's fill then waited past the GPU's real end,
+        the GPU idled for the next launch, and that was counted again: a mode that keeps itself (simulated, 64
+        closed-loop clients: 77-88% busy against 100%; `tools/sim_closed_loop.py`, docs/PERFORMANCE.md "64
+        clients")."""
+        if computed_at is None:  # no GPU times (the CPU): the wall time, every forward alike
+            if busy > 0:
+                self._s_per_patch = _ema(self._s_per_patch, busy / patches)
+            return
+        start, returned = launched.start, launched.returned
+        if previous is not None and previous >= returned:
+            if busy > 0:
+                self._s_per_patch = _ema(self._s_per_patch, busy / patches)
+            return
+        began = start if previous is None else max(start, previous)  # where the launch's event passed
+        if self._s_per_patch == 0.0:  # no compute seen yet: what followed the launch's return, at least
+            self._s_per_patch = max(0.0, computed_at - max(returned, began)) / patches
+        wait = min(max(0.0, busy - self._s_per_patch * patches), max(0.0, returned - began))
+        self._wait_s = wait if self._wait_s is None else _ema(self._wait_s, wait)
 
     def _write_trace(self, batch: list[_Work], launched: "_Launched", done: float, gpu_s, computed_at, previous,
                      eager: bool) -> None:
@@ -495,19 +527,6 @@ class _Launched:
     returned: float
     predicted_end: float
     pending: object
-
-
-def _compute_s(gpu_s: float, computed_at: float, returned: float, previous: float | None) -> float:
-    """A forward's GPU time as the launch model counts it (`Batcher._launch`: the GPU computes a pack from when its
-    launch has returned and the GPU has finished the one before): from the later of those to its end, on the host's
-    clock, at most its CUDA-event time `gpu_s`. The events count from an event recorded as the launch begins, so
-    where the GPU waited for the launch's host work (upload, patchify, issuing) they count that wait as GPU time:
-    a model fed those would predict the next forward's end later by a launch, the next pack would be dispatched
-    only after the GPU had freed up, the GPU would wait for that launch in turn, and the estimate would stay
-    inflated (simulated, 64 closed-loop clients: 77-88% busy, where the same batcher fed the compute alone keeps
-    100%; `tools/sim_closed_loop.py`, docs/PERFORMANCE.md "64 clients")."""
-    began = returned if previous is None else max(returned, previous)
-    return max(0.0, min(gpu_s, computed_at - began))
 
 
 def _ema(average: float, sample: float, weight: float = 0.2) -> float:
