@@ -3,9 +3,10 @@ long a request spends outside the engine between two forwards (its reply, the cl
 the round trip), with the real `Batcher` and a device whose forward of n 448 px images takes `a + b·n` (with the
 server's graph buckets, `--eager-above`: its bucket's worth, padding included).
 
-It answers whether the packing policy itself starves a GPU fed by a given number of closed-loop clients once the
-round trip nears a forward's time, and what a policy change does to that, apart from everything else a real run
-varies (clocks, GIL contention, the front-ends' scheduling).
+It answers whether the packing policy and its launch model starve a GPU fed by a given number of closed-loop
+clients, and what a change does to that, apart from everything else a real run varies (clocks, GIL contention, the
+front-ends' scheduling). The GPU time the batcher is told is by default the engine's (`--gpu-s events`: counted
+from the launch's start, a wait for the launch's host work included).
 
 The round trip: each answered request goes to one of `--frontends` front-ends (in turn, or with `--sticky` the one
 its client's connection was placed on at random, as the kernel places keep-alive connections), which handle their
@@ -16,7 +17,7 @@ jitter stays small.
 
 Usage: python -m tools.sim_closed_loop [--clients 64,256] [--frontend-ms 2,4,6,8] [--frontends 8]
        [--engine-loop-ms 0,0.5] [--launch-ms 2] [--eager-above 0,30720] [--sticky] [--seeds 0,1] [--max-items 64]
-       [--seconds 6] [--out FILE]
+       [--gpu-s events,compute] [--gpu-waits 0,0.5,1] [--seconds 6] [--out FILE]
 """
 
 from __future__ import annotations
