@@ -235,7 +235,8 @@ def metric_sums(url: str, names) -> dict[str, float]:
 def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float("inf")) -> list[tuple]:
     """The engines' forwards between unix times t0 and t1 from their trace (`Settings.forward_trace`), in order:
     (unix time, items, patches, GPU ms, launch-to-outputs ms, launch ms, GPU idle ms
-    before it, ms its end was predicted late, 1.0 where it ran eagerly), the last four nan where the line has none
+    before it, ms its end was predicted late, 1.0 where it ran eagerly, the launch model's wait ms for a launch on an
+    idle GPU), the last five nan where the line has none
     (an older revision's trace, or the GPU's times unread); none where the file is missing."""
     if not trace.exists():
         return []
@@ -243,7 +244,7 @@ def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float
     for line in trace.read_text().splitlines():
         t, _device, items, patches, gpu_ms, wall_ms, *more = line.split(",")
         if t0 <= float(t) <= t1:
-            more = [float(x) for x in more[:4]] + [float("nan")] * (4 - len(more[:4]))
+            more = [float(x) for x in more[:5]] + [float("nan")] * (5 - len(more[:5]))
             rows.append((float(t), int(items), int(patches), float(gpu_ms), float(wall_ms), *more))
     return rows
 
@@ -263,7 +264,7 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
             "gpu_idle_ms": pct(idle), "predicted_late_ms": pct([r[7] for r in rows]),
             "launch_ms": pct([r[5] for r in rows]), "launch_to_outputs_ms": pct([r[4] for r in rows]),
             "eager_fraction": round(sum(r[8] == 1 for r in rows) / len(rows), 3) if rows else None,
-            "eager_launch_ms": pct([r[5] for r in rows if r[8] == 1])}
+            "eager_launch_ms": pct([r[5] for r in rows if r[8] == 1]), "model_wait_ms": pct([r[9] for r in rows])}
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:

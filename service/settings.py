@@ -175,8 +175,9 @@ class Settings(BaseSettings):
     forward_trace: str | None = Field(None, description="append a CSV line per forward to this file (unix time, "
                                       "device, items, patches, GPU ms, launch-to-outputs ms, launch ms, the GPU's "
                                       "idle ms before it, ms its end was predicted late (these two from CUDA "
-                                      "events, nan without), 1 where it ran eagerly, not through graphs): the packs "
-                                      "the batcher forms and what each costs, for tuning and diagnosis")
+                                      "events, nan without), 1 where it ran eagerly, not through graphs, the "
+                                      "batcher's estimate of an idle GPU's wait for a launch's host work): the "
+                                      "packs the batcher forms and what each costs, for tuning and diagnosis")
     cuda_graphs: bool | None = Field(None, description="run packs of up to the largest graph bucket as CUDA graphs, "
                                      "captured at start-up for every bucket (nothing is captured once traffic "
                                      "flows). Default: on with CUDA and HTTP front-end processes")

@@ -296,7 +296,8 @@ def test_the_trace_says_how_long_the_gpu_idled_before_each_forward_and_how_late_
 
     asyncio.run(go())
     rows = [line.split(",") for line in trace.read_text().splitlines()]
-    assert len(rows) == len(device.packs) == 6 and all(len(r) == 10 and r[9] == "0" for r in rows)
+    assert len(rows) == len(device.packs) == 6 and all(len(r) == 11 and r[9] == "0" for r in rows)
+    assert all(0 <= float(r[10]) <= max(float(x[6]) for x in rows) for r in rows[1:])  # the wait: within a launch
     launch, idle, late = ([float(r[i]) for r in rows] for i in (6, 7, 8))
     assert all(0 <= x < 50 for x in launch), launch
     assert math.isnan(idle[0]) and 195 <= idle[1] <= 320, idle  # the first has no forward before it
