@@ -234,10 +234,10 @@ def metric_sums(url: str, names) -> dict[str, float]:
 
 def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float("inf")) -> list[tuple]:
     """The engines' forwards between unix times t0 and t1 from their trace (`Settings.forward_trace`), in order:
-    (unix time, items, patches, GPU ms, launch-to-outputs ms, launch ms, GPU idle ms
-    before it, ms its end was predicted late, 1.0 where it ran eagerly, the launch model's wait ms for a launch on an
-    idle GPU), the last five nan where the line has none
-    (an older revision's trace, or the GPU's times unread); none where the file is missing."""
+    (unix time, items, patches, GPU ms, launch-to-outputs ms, launch ms, GPU idle ms before it, ms its end was
+    predicted late, 1.0 where it ran eagerly, the launch model's wait ms for a launch on an idle GPU), the last five
+    nan where the line has none (an older revision's trace, or the GPU's times unread); none where the file is
+    missing."""
     if not trace.exists():
         return []
     rows = []

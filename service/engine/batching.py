@@ -445,12 +445,9 @@ class Batcher:
         the GPU idled for the next launch, and that was counted again: a mode that keeps itself (simulated, 64
         closed-loop clients: 77-88% busy against 100%; `tools/sim_closed_loop.py`, docs/PERFORMANCE.md "64
         clients")."""
-        if computed_at is None:  # no GPU times (the CPU): the wall time, every forward alike
-            if busy > 0:
-                self._s_per_patch = _ema(self._s_per_patch, busy / patches)
-            return
         start, returned = launched.start, launched.returned
-        if previous is not None and previous >= returned:
+        # no GPU times (the CPU: the wall time, every forward alike), or the forward's work all queued: compute
+        if computed_at is None or (previous is not None and previous >= returned):
             if busy > 0:
                 self._s_per_patch = _ema(self._s_per_patch, busy / patches)
             return
