@@ -112,6 +112,7 @@ class SimulatedDevice:
         self.inner, self.seconds, self.download_s, self.launch_s = inner, seconds, download_s, launch_s
         self.packs: list[int] = []
         self.free_at = 0.0
+        self.spans: list[tuple[float, float]] = []  # each pack's compute, start to end
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -126,6 +127,7 @@ class SimulatedDevice:
         time.sleep(self.launch_s)
         marked = max(begun, self.free_at)  # where the device passes the event recorded as the launch begins
         self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+        self.spans.append((self.free_at - self.seconds, self.free_at))
         return SimulatedForward(results, self.free_at, self.free_at - marked, self.download_s)
 
     def finish(self, pending):
@@ -632,3 +634,35 @@ def test_the_launch_model_learns_the_gpu_compute_and_apart_the_wait_for_a_launch
     assert 0.045 <= compute <= 0.07, compute  # 0.05 s (the finisher's wake-up adds a little)
     assert 0.09 <= wait <= 0.15, wait  # the 0.1 s launch, and the tiny encoder's own forward before it
     assert 0.045 <= eng._s_per_patch * item.num_patches <= 0.07  # queued forwards: the compute again
+
+
+def test_a_compute_estimate_from_a_small_pack_is_mended_and_never_holds_launches_behind_the_gpus_end(tiny):
+    """A pack costs much the same GPU time whatever its size here (as a small pack does on a GPU: per patch, more),
+    so the first forward, a lone image, teaches a GPU time per patch four times what the packs of four then cost.
+    Predicted from it, and each prediction stacked on the last, the GPU's end ran ahead of the GPU, every pack
+    waited for the one before to be answered, and the GPU idled through each launch, for good: no forward then
+    found its work queued, which is where the compute is learned. Re-anchored on each measured end and bounded by
+    what a forward that found the GPU idle shows, the model comes back: launches overlap the forward before and
+    the device stays busy (`Batcher._learn`, `Batcher._reanchor`)."""
+    item = tiny.preprocess(random_pngs(1, seed=11)[0])
+    device = SimulatedDevice(tiny, seconds=0.06, download_s=0.0, launch_s=0.02)
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0, max_batch_items=4)
+        await eng.start()
+        await eng.submit([item], timeout_s=10)  # the lone first pack
+
+        async def client():  # eight clients: two packs of four, one computing while the other launches
+            for _ in range(8):
+                await eng.submit([item], timeout_s=10)
+
+        await asyncio.gather(*(client() for _ in range(8)))
+        await eng.stop()
+        return eng
+
+    eng = asyncio.run(go())
+    spans = device.spans[-8:]
+    busy = sum(e - s for s, e in spans) / (spans[-1][1] - spans[0][0])
+    assert busy >= 0.85, (busy, device.packs)  # serialised launches: at most 0.06 / (0.06 + 0.02 + the rest) = 0.75
+    assert eng._s_per_patch * 4 * item.num_patches <= 0.075  # a pack of four: 0.06 s of compute
+    assert eng._gpu_free_at <= time.perf_counter()  # nothing in flight: predicted from where the last forward ended

@@ -101,7 +101,7 @@ class SimulatedGPU:
 
 async def run(clients: int, frontends: int, frontend_s: float, network_s: float, gpu: SimulatedGPU,
               seconds: float, warmup_s: float, max_items: int, engine_loop_s: float = 0.0, sticky: bool = False,
-              seed: int = 0, **batcher_args) -> dict:
+              seed: int = 0, ramp_s: float = 0.0, **batcher_args) -> dict:
     batcher = Batcher(gpu, max_batch_patches=32768, max_batch_items=max_items, max_wait_ms=0,
                       max_queue_items=4 * clients, **batcher_args)
     await batcher.start()
@@ -119,6 +119,7 @@ async def run(clients: int, frontends: int, frontend_s: float, network_s: float,
         await asyncio.sleep(network_s)
 
     async def client(c: int):
+        await asyncio.sleep(c * ramp_s)  # clients that connect one after another: the first packs are small
         while time.perf_counter() < stop:
             time.sleep(engine_loop_s / 2)  # the engine's loop reading the submission (holds the loop)
             await batcher.submit([_Item(PATCHES)], timeout_s=60)
@@ -161,6 +162,7 @@ def main() -> None:
                     "counted) or compute (the forward's alone)")
     ap.add_argument("--gpu-waits", default="1", help="the share of a launch's host time the GPU waits for before "
                     "computing (1: all of it; 0: none, its work issued faster than it runs), comma-separated")
+    ap.add_argument("--ramp-ms", type=float, default=0.0, help="client c starts c × this late")
     ap.add_argument("--seeds", default="0", help="the clients' front-ends, drawn per seed (with --sticky)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -177,7 +179,8 @@ def main() -> None:
         gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k, buckets, events=gpu_s == "events",
                            waits=waits)
         r = asyncio.run(run(clients, args.frontends, fe_ms * k, args.network_ms * k, gpu, args.seconds * args.scale,
-                            args.warmup_s * args.scale, max_items, loop_ms * k, args.sticky, seed))
+                            args.warmup_s * args.scale, max_items, loop_ms * k, args.sticky, seed,
+                            args.ramp_ms * k))
         r["images_per_s"] = round(r["images_per_s"] * args.scale, 1)  # in the GPU's time, not the scaled one
         row = {"clients": clients, "frontends": args.frontends, "frontend_ms": fe_ms, "engine_loop_ms": loop_ms,
                "launch_ms": launch_ms, "eager_above": eager_above, "max_items": max_items, "seed": seed,

@@ -119,6 +119,7 @@ class Batcher:
         self._launch_s = 0.0
         self._wait_s: float | None = None
         self._gpu_free_at = 0.0  # time.perf_counter() at which the forwards launched so far should be done
+        self._flight: collections.deque[_Launched] = collections.deque()  # launched, not yet finished, in order
         self._last_done = 0.0
         self._last_computed_at: float | None = None  # when the GPU last finished a pack (host clock): `_learn`
         self.forwards = 0  # forward passes run, for tests and /info
@@ -388,9 +389,16 @@ class Batcher:
         self._launch_s = _ema(self._launch_s, now - start)
         patches = sum(w.item.num_patches for w in batch)
         # an idle GPU computes once it has waited for the launch's host work (the whole launch until measured)
-        ready = start + (self._wait_s if self._wait_s is not None else now - start)
-        self._gpu_free_at = max(ready, self._gpu_free_at) + self._s_per_patch * patches
-        return _Launched(start, now, self._gpu_free_at, pending)
+        launched = _Launched(start, now, 0.0, pending, patches)
+        self._gpu_free_at = launched.predicted_end = self._predicted_end(launched, self._gpu_free_at)
+        self._flight.append(launched)
+        return launched
+
+    def _predicted_end(self, launched: "_Launched", free_at: float) -> float:
+        """When the GPU should finish `launched` if it finishes what came before at `free_at`: an idle GPU computes
+        once it has waited for the launch's host work (the whole launch until that wait is measured)."""
+        wait = self._wait_s if self._wait_s is not None else launched.returned - launched.start
+        return max(launched.start + wait, free_at) + self._s_per_patch * launched.patches
 
     async def _finish(self, loop, batch: list[_Work], launched, count: bool = True, poll: bool = False):
         """Wait for a launched pack's outputs in the finisher thread and answer its items; with `poll` (a pack launched
@@ -402,6 +410,7 @@ class Batcher:
             else:
                 results, done, gpu_s = await loop.run_in_executor(self._finisher, self._complete, pending)
         except Exception as e:  # noqa: BLE001
+            self._reanchor(launched, time.perf_counter())
             if is_device_fault(e):
                 self._fault(batch, e)
                 return
@@ -421,7 +430,8 @@ class Batcher:
         self._last_done = done
         computed_at = done - pending.download_s if gpu_s is not None and pending.download_s is not None else None
         previous, self._last_computed_at = self._last_computed_at, computed_at
-        self._learn(busy, sum(w.item.num_patches for w in batch), launched, computed_at, previous)
+        self._learn(busy, launched, computed_at, previous)
+        self._reanchor(launched, done if computed_at is None else computed_at)
         end = time.perf_counter()
         if self._trace is not None:
             self._write_trace(batch, launched, done, gpu_s, computed_at, previous, pending.eager)
@@ -430,7 +440,21 @@ class Batcher:
             if not w.future.done():
                 w.future.set_result(ItemDone(r, start - w.enqueued, end - start, len(batch)))
 
-    def _learn(self, busy: float, patches: int, launched: "_Launched", computed_at: float | None,
+    def _reanchor(self, launched: "_Launched", ended: float) -> None:
+        """Predict the packs still in flight from where `launched` really ended, so that an error in the model
+        stays one forward's and never adds up (added up, a GPU time per patch 20% high put the predicted end seconds
+        ahead of the GPU: every pack then waited for the one before to be answered, and the GPU idled through each
+        launch)."""
+        try:
+            self._flight.remove(launched)
+        except ValueError:
+            return
+        free_at = ended
+        for later in self._flight:
+            free_at = later.predicted_end = self._predicted_end(later, free_at)
+        self._gpu_free_at = free_at
+
+    def _learn(self, busy: float, launched: "_Launched", computed_at: float | None,
                previous: float | None) -> None:
         """Update the launch model from a finished forward: `busy`, its GPU time (CUDA events where they can be read,
         counted from an event recorded as its launch began); `computed_at`, when the GPU finished it and `previous`,
@@ -444,16 +468,25 @@ class Batcher:
         a launch late whenever a launch found the GPU idle; the next pack's fill then waited past the GPU's real end,
         the GPU idled for the next launch, and that was counted again: a mode that keeps itself (simulated, 64
         closed-loop clients: 77-88% busy against 100%; `tools/sim_closed_loop.py`, docs/PERFORMANCE.md "64
-        clients")."""
-        start, returned = launched.start, launched.returned
+        clients").
+
+        A forward that found the GPU idle also bounds its compute: at least its event time less the launch's host
+        time after the GPU's last end, and at least the time from the launch's return to its end (all its work was
+        queued then, and nothing else ran); at most its event time. The GPU time per patch is drawn into those
+        bounds, so an estimate that is wrong (the first, from a small pack) is mended even while no forward finds
+        its work all queued: an estimate too high otherwise kept every launch after the GPU's end, where no forward
+        ever does."""
+        start, returned, patches = launched.start, launched.returned, launched.patches
         # no GPU times (the CPU: the wall time, every forward alike), or the forward's work all queued: compute
         if computed_at is None or (previous is not None and previous >= returned):
             if busy > 0:
                 self._s_per_patch = _ema(self._s_per_patch, busy / patches)
             return
         began = start if previous is None else max(start, previous)  # where the launch's event passed
-        if self._s_per_patch == 0.0:  # no compute seen yet: what followed the launch's return, at least
-            self._s_per_patch = max(0.0, computed_at - max(returned, began)) / patches
+        least = max(busy - (returned - began), computed_at - returned, 0.0)
+        compute = min(max(self._s_per_patch * patches, least), busy)
+        if compute != self._s_per_patch * patches:
+            self._s_per_patch = _ema(self._s_per_patch, compute / patches)
         wait = min(max(0.0, busy - self._s_per_patch * patches), max(0.0, returned - began))
         self._wait_s = wait if self._wait_s is None else _ema(self._wait_s, wait)
 
@@ -519,13 +552,14 @@ class Batcher:
 
 @dataclass
 class _Launched:
-    """A dispatched pack: when its launch began and returned, when the GPU was then predicted to finish it, and the
-    encoder's pending forward."""
+    """A dispatched pack: when its launch began and returned, when the GPU is predicted to finish it, the encoder's
+    pending forward, and its patches."""
 
     start: float
     returned: float
     predicted_end: float
     pending: object
+    patches: int = 0
 
 
 def _ema(average: float, sample: float, weight: float = 0.2) -> float:
