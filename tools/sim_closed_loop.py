@@ -17,7 +17,7 @@ jitter stays small.
 
 Usage: python -m tools.sim_closed_loop [--clients 64,256] [--frontend-ms 2,4,6,8] [--frontends 8]
        [--engine-loop-ms 0,0.5] [--launch-ms 2] [--eager-above 0,30720] [--sticky] [--seeds 0,1] [--max-items 64]
-       [--gpu-s events,compute] [--gpu-waits 0,0.5,1] [--seconds 6] [--out FILE]
+       [--gpu-s events,compute] [--gpu-waits 0,0.5,1] [--ramp-ms 10] [--seconds 6] [--out FILE]
 """
 
 from __future__ import annotations

@@ -442,9 +442,9 @@ class Batcher:
 
     def _reanchor(self, launched: "_Launched", ended: float) -> None:
         """Predict the packs still in flight from where `launched` really ended, so that an error in the model
-        stays one forward's and never adds up (added up, a GPU time per patch 20% high put the predicted end seconds
-        ahead of the GPU: every pack then waited for the one before to be answered, and the GPU idled through each
-        launch)."""
+        stays one forward's and never adds up. Added up, an estimate per pack above the packs' real spacing put the
+        predicted end seconds ahead of the GPU (FP8 at 64 clients, docs/PERFORMANCE.md): every pack then waited for
+        the one before to be answered, and the GPU idled through each launch."""
         try:
             self._flight.remove(launched)
         except ValueError:
@@ -559,7 +559,7 @@ class _Launched:
     returned: float
     predicted_end: float
     pending: object
-    patches: int = 0
+    patches: int
 
 
 def _ema(average: float, sample: float, weight: float = 0.2) -> float:
