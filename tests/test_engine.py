@@ -666,3 +666,34 @@ def test_a_compute_estimate_from_a_small_pack_is_mended_and_never_holds_launches
     assert busy >= 0.85, (busy, device.packs)  # serialised launches: at most 0.06 / (0.06 + 0.02 + the rest) = 0.75
     assert eng._s_per_patch * 4 * item.num_patches <= 0.075  # a pack of four: 0.06 s of compute
     assert eng._gpu_free_at <= time.perf_counter()  # nothing in flight: predicted from where the last forward ended
+
+
+def test_a_forward_that_fails_while_finishing_leaves_the_launch_model_clean(tiny):
+    """A pack whose outputs cannot be read fails its items (503-class `InferenceFailed`), and the launch model forgets
+    it: the packs after it are served, and with nothing in flight the GPU is predicted free, not waiting for it."""
+    item = tiny.preprocess(random_pngs(1, seed=12)[0])
+
+    class FailsOnce(SimulatedDevice):
+        failed = False
+
+        def finish(self, pending):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("outputs unreadable")
+            return super().finish(pending)
+
+    device = FailsOnce(tiny, seconds=0.03, download_s=0.0)
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0)
+        await eng.start()
+        with pytest.raises(InferenceFailed, match="outputs unreadable"):
+            await eng.submit([item], timeout_s=10)
+        done = await asyncio.gather(*(eng.submit([item], timeout_s=10) for _ in range(6)))
+        await eng.stop()
+        return eng, done
+
+    eng, done = asyncio.run(go())
+    (want,) = tiny.encode([item])
+    assert all(rel_err(d.results[0].embeds, want.embeds) <= 1e-5 for d in done)  # packed or not
+    assert not eng._flight and eng._gpu_free_at <= time.perf_counter()
