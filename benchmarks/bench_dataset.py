@@ -17,6 +17,7 @@ Usage: python -m benchmarks.bench_dataset [--images-per-gpu N] [--quant bf16,fp8
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_service import photo_jpegs, unique
-from benchmarks.common import environment, top_frames, write_results
+from benchmarks.common import environment, py_spy, top_frames, write_results
 
 SHARD = 1000
 
@@ -50,17 +51,14 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
-def spy(proc: subprocess.Popen, devices: str, out: Path, tag: str, seconds: int = 10) -> list[tuple[str, Path]]:
-    """py-spy (where installed) for `seconds`, in the background, on the process that runs the first device's engine
-    (the job's own with one device, else its first device process): its threads holding the interpreter lock
-    (`--gil`), and its threads on a CPU whatever they hold (a thread spinning in a CUDA wait shows there, not in the
-    first). Returns (kind, raw profile path) pairs for `top_frames` once the job is done."""
-    import shutil
-
+def spy(proc: subprocess.Popen, devices: str, out: Path, tag: str,
+        seconds: int = 10) -> list[tuple[str, Path, subprocess.Popen]]:
+    """py-spy (where installed, `common.py_spy`) for `seconds`, in the background, on the process that runs the first
+    device's engine (the job's own with one device, else its first device process): its threads holding the
+    interpreter lock, and its threads on a CPU whatever they hold. Returns (kind, raw profile path, py-spy process)
+    for `top_frames` once the job is done."""
     import psutil
 
-    if shutil.which("py-spy") is None:
-        return []
     pid = proc.pid
     if devices != "0":
         kids = [c for c in psutil.Process(proc.pid).children() if "multiprocessing" in " ".join(c.cmdline())]
@@ -68,12 +66,11 @@ def spy(proc: subprocess.Popen, devices: str, out: Path, tag: str, seconds: int 
             return []
         pid = min(kids, key=lambda c: c.create_time()).pid
     made = []
-    for kind, flags in (("gil", ["--gil"]), ("cpu", [])):
+    for kind, gil in (("gil", True), ("cpu", False)):
         path = out / f"profile_dataset_{tag}_{kind}.txt"
-        subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "100",
-                          "--nonblocking", "--format", "raw", "--output", str(path), *flags],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        made.append((kind, path))
+        job = py_spy(pid, seconds, path, gil=gil)
+        if job is not None:
+            made.append((kind, path, job))
     return made
 
 
@@ -89,7 +86,7 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lo, hi = max(1, round(0.1 * shards)), round(0.9 * shards)
     marks: dict[str, tuple[float, int, float]] = {}
-    spied: list[tuple[str, Path]] = []
+    spied: list[tuple[str, Path, subprocess.Popen]] = []
     while proc.poll() is None:
         n = len(list(out.glob("part-*.parquet"))) if out.exists() else 0
         if kill_at is not None and n >= kill_at * shards:
@@ -111,11 +108,9 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
            "window_shards": nb - na, "images_per_s": round(rate, 1),
            "cpu_cores": round((cb - ca) / (tb - ta), 2),
            "cpu_ms_per_image": round((cb - ca) / ((nb - na) * SHARD) * 1e3, 3)}
-    for kind, path in spied:
-        for _ in range(100):  # py-spy writes its file when its duration is over
-            if path.exists():
-                break
-            time.sleep(0.1)
+    for kind, path, spying in spied:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # py-spy writes its file when its duration is over
+            spying.wait(10)
         if path.exists():
             row[f"profile_{kind}_top"] = top_frames(path)
     print(json.dumps(row), flush=True)

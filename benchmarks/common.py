@@ -290,6 +290,19 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def py_spy(pid: int, seconds: float, path: Path, rate: int = 100, gil: bool = True) -> subprocess.Popen | None:
+    """py-spy (where installed) recording process `pid` for `seconds` in the background, raw stacks to `path` (for
+    `top_frames`): with `gil`, the threads holding the interpreter lock (what bounds a process); else the threads on a
+    CPU whatever they hold (a thread spinning in a CUDA wait shows there). None without py-spy."""
+    import shutil
+
+    if shutil.which("py-spy") is None:
+        return None
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate",
+                             str(rate), "--nonblocking", "--format", "raw", "--output", str(path),
+                             *(["--gil"] if gil else [])], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def top_frames(path: Path, n: int = 25, within: str = "") -> list[str]:
     """The `n` frames where most samples of a py-spy raw profile end, with their shares; `within`: only the samples
     whose stack holds that frame."""

@@ -42,7 +42,7 @@ import numpy as np
 import psutil
 
 from benchmarks.bench_service import photo_jpegs
-from benchmarks.common import environment, forward_gaps, read_forward_trace, top_frames, wait_until_ready
+from benchmarks.common import environment, forward_gaps, py_spy, read_forward_trace, top_frames, wait_until_ready
 
 PARAMS = "format=safetensors&deepstack=false"  # tokens only, as bench_service's uniform load
 
@@ -189,19 +189,15 @@ def rows(path: Path) -> list[tuple[float, float, int, str]]:
 
 
 def profile(server: subprocess.Popen, engine_pids: set[int], seconds: float, out: Path, tag: str) -> list:
-    """py-spy (where installed) on one front-end process and one engine process for `seconds`, in the background:
-    raw stacks of the threads holding the interpreter lock (`--gil`: what bounds each process) under `out`."""
-    if shutil.which("py-spy") is None:
-        return []
+    """py-spy (where installed, `common.py_spy`) on one front-end process and one engine process for `seconds`, in
+    the background: raw stacks of the threads holding the interpreter lock (what bounds each process) under `out`."""
     front = [p.pid for p in psutil.Process(server.pid).children(recursive=True)
              if p.pid not in engine_pids and "spawn_main" in " ".join(p.cmdline())]
     jobs = []
     for role, pid in (("frontend", front[0] if front else None), ("engine", min(engine_pids, default=None))):
-        if pid is not None:
-            jobs.append(subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                                          "--rate", "200", "--gil", "--nonblocking", "--format", "raw", "--output",
-                                          str(out / f"profile_{tag}_{role}.txt")],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        job = py_spy(pid, seconds, out / f"profile_{tag}_{role}.txt", rate=200) if pid is not None else None
+        if job is not None:
+            jobs.append(job)
     return jobs
 
 
