@@ -388,7 +388,6 @@ class Batcher:
         now = time.perf_counter()
         self._launch_s = _ema(self._launch_s, now - start)
         patches = sum(w.item.num_patches for w in batch)
-        # an idle GPU computes once it has waited for the launch's host work (the whole launch until measured)
         launched = _Launched(start, now, 0.0, pending, patches)
         self._gpu_free_at = launched.predicted_end = self._predicted_end(launched, self._gpu_free_at)
         self._flight.append(launched)

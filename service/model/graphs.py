@@ -253,6 +253,9 @@ class EagerChoice:
         self.start_host_ms, self.gpu_ms_per_token = host_ms, gpu_ms / tokens
         self._issued: deque[float] = deque([host_ms], maxlen=self.window)
         self._declined = 0
+        # the pack size from which eager forwards run now (`limit_for` the median host time, moved by `issued`), and
+        # from start-up's timing (the probes')
+        self.limit = self._start_limit = self.limit_for(host_ms)
         self._logged = self.limit  # the limit last logged: a move by a quarter or more is logged again
 
     @classmethod
@@ -272,14 +275,10 @@ class EagerChoice:
         """The pack size in tokens from which an eager forward issued in `host_ms` pays."""
         return int(EAGER_MARGIN * host_ms / self.gpu_ms_per_token)
 
-    @property
-    def limit(self) -> int:
-        return self.limit_for(self.host_ms)
-
     def runs_eagerly(self, tokens: int) -> bool:
         if tokens >= self.limit:
             return True
-        if tokens >= self.limit_for(self.start_host_ms):
+        if tokens >= self._start_limit:
             self._declined += 1
             if self._declined >= self.probe_every:
                 self._declined = 0
@@ -289,7 +288,7 @@ class EagerChoice:
     def issued(self, ms: float) -> None:
         """Record the host time of an eager forward as served."""
         self._issued.append(ms)
-        limit = self.limit
+        limit = self.limit = self.limit_for(self.host_ms)
         if abs(limit - self._logged) >= self._logged / 4:
             self._logged = limit
             log.info("packs from %d tokens run eagerly: eager forwards take the host %.1f ms as served (median of the "
