@@ -35,7 +35,7 @@ def main() -> None:
     settings, enc = served_encoder(args.model)
     tower = enc.tower
     eager = BucketedTower(tower)
-    served = BucketedTower(tower, settings.graph_buckets(), eager_above=False)  # every bucket, for the table
+    served = BucketedTower(tower, settings.graph_buckets(), eager_margin=None)  # every bucket, for the table
     with torch.inference_mode():
         served.capture()
         choice = EagerChoice.measure(tower, served.buckets[-1])

@@ -38,7 +38,7 @@ def forward_table(model: str, jpeg: bytes, packs: tuple[int, ...] = PACKS) -> di
     from service.model.graphs import BucketedTower
 
     settings, enc = served_encoder(model)
-    eager, served = BucketedTower(enc.tower), BucketedTower(enc.tower, settings.graph_buckets(), settings.cuda_graph_eager_above)
+    eager, served = BucketedTower(enc.tower), BucketedTower(enc.tower, settings.graph_buckets(), settings.graph_eager_margin())
     out = {}
     with torch.inference_mode():
         served.capture()

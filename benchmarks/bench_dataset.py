@@ -134,7 +134,7 @@ def forward_sustained(jpeg: bytes, images: int = 41) -> dict:
     from service.model.graphs import BucketedTower
 
     settings, enc = served_encoder(MODEL)
-    served = BucketedTower(enc.tower, settings.graph_buckets(), settings.cuda_graph_eager_above)
+    served = BucketedTower(enc.tower, settings.graph_buckets(), settings.graph_eager_margin())
     with torch.inference_mode():
         served.capture()
         one = enc.preprocess(jpeg)

@@ -141,7 +141,7 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
 
     settings, enc = served_encoder(model)
     eager = BucketedTower(enc.tower)  # no buckets: the engine's eager path
-    served = BucketedTower(enc.tower, settings.graph_buckets(), settings.cuda_graph_eager_above)
+    served = BucketedTower(enc.tower, settings.graph_buckets(), settings.graph_eager_margin())
     with torch.inference_mode():
         served.capture()
     out = {}

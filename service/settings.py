@@ -190,6 +190,9 @@ class Settings(BaseSettings):
                                          "forward keeps the GPU busier than an eager forward's launches take the host "
                                          "to issue, with a margin (timed at start-up, then on the eager forwards as "
                                          "served). false: every pack within a bucket runs its graphs")
+    cuda_graph_eager_margin: float = Field(3.0, gt=0, le=100, description="with cuda_graph_eager_above, a "
+                                           "pack runs eagerly when its forward takes the GPU at least this multiple "
+                                           "of the host time an eager forward takes to issue")
     max_queue_items: int = Field(512, ge=1, description="queued images beyond which requests get 429")
     http_workers: int | None = Field(None, ge=0, le=64, description="HTTP front-end processes (parse, decode, "
                                      "respond) feeding the engine processes that own the model; 0: one process does "
@@ -296,6 +299,10 @@ class Settings(BaseSettings):
         if self.cuda_graphs is not None:
             return self.cuda_graphs
         return self.resolved_device().startswith("cuda") and bool(self.resolved_http_workers())
+
+    def graph_eager_margin(self) -> float | None:
+        """`BucketedTower`'s `eager_margin`: None where every pack within a bucket runs its graphs."""
+        return self.cuda_graph_eager_margin if self.cuda_graph_eager_above else None
 
     def graph_buckets(self) -> tuple[int, ...]:
         """The buckets to capture: none without graphs; else those up to the first that holds a full pack."""

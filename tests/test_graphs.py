@@ -188,6 +188,23 @@ def test_eager_choice_follows_the_host_time_of_eager_forwards_as_served(caplog):
     assert choice.limit == start
 
 
+def test_the_eager_margin_is_a_setting():
+    """`Settings.cuda_graph_eager_margin` reaches `EagerChoice` (its default the model's `EAGER_MARGIN`): the limit
+    scales with it; `cuda_graph_eager_above=false` turns the choice off."""
+    from service.model.graphs import EAGER_MARGIN, EagerChoice
+    from service.settings import Settings
+
+    assert Settings().graph_eager_margin() == EAGER_MARGIN
+    assert Settings(cuda_graph_eager_margin=1.5).graph_eager_margin() == 1.5
+    assert Settings(cuda_graph_eager_above=False, cuda_graph_eager_margin=1.5).graph_eager_margin() is None
+    default, lower = (EagerChoice(host_ms=10.0, gpu_ms=40.0, tokens=32768, margin=m) for m in (EAGER_MARGIN, 1.5))
+    assert lower.limit == int(1.5 * 10.0 * 32768 / 40.0) and default.limit == int(EAGER_MARGIN * 10.0 * 32768 / 40.0)
+    for _ in range(EagerChoice.window):
+        lower.issued(20.0)
+    assert lower.limit == int(1.5 * 20.0 * 32768 / 40.0)
+    assert BucketedTower(None, (), eager_margin=None).eager_margin is None
+
+
 def test_packs_the_choice_runs_eagerly_equal_the_plain_forward(tower):
     """A pack within a bucket that `EagerChoice` runs eagerly computes the plain forward (no padding), and its host
     time feeds the choice (last: here that is the whole CPU forward, which moves the limit); a smaller one runs through

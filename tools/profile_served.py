@@ -43,7 +43,7 @@ def main():
     packs = [int(p) for p in args.packs.split(",")]
     result = {"model": args.model, "grid": grid, "buckets": settings.graph_buckets(), "packs": {}}
     with torch.inference_mode():
-        served = BucketedTower(tower, settings.graph_buckets(), settings.cuda_graph_eager_above)
+        served = BucketedTower(tower, settings.graph_buckets(), settings.graph_eager_margin())
         served.capture()
         eager = BucketedTower(tower)
         for n in packs:

@@ -132,7 +132,7 @@ def load_encoder(settings: Settings) -> Encoder:
     device = settings.resolved_device()
     bind_thread(device)  # this thread (a worker's) launches the kernels of loading, FP8's quantisation say
     return Encoder.load(settings.model, device, settings.resolved_dtype(), tower_options(settings),
-                        settings.graph_buckets(), settings.cuda_graph_eager_above)
+                        settings.graph_buckets(), settings.graph_eager_margin())
 
 
 def apply_limits(enc: Encoder, settings: Settings) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .graphs import BucketedTower
+from .graphs import EAGER_MARGIN, BucketedTower
 from .loader import load_tower
 from .preprocess import Preprocessor, Preprocessed, lut_table, patchify
 from .results import EncodeResult
@@ -38,11 +38,11 @@ def bind_thread(device: torch.device | str) -> None:
 
 class Encoder:
     def __init__(self, tower: VisionTower, preprocessor: Preprocessor, graph_buckets: tuple[int, ...] = (),
-                 eager_above: bool = True):
+                 eager_margin: float | None = EAGER_MARGIN):
         """`graph_buckets`: the token counts whose CUDA graphs `capture_graphs` records (empty: every forward runs
-        eagerly); `eager_above`: `BucketedTower`'s."""
+        eagerly); `eager_margin`: `BucketedTower`'s."""
         self.tower = tower
-        self.forward = BucketedTower(tower, graph_buckets, eager_above)
+        self.forward = BucketedTower(tower, graph_buckets, eager_margin)
         self.preprocessor = preprocessor
         p = next(tower.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -60,9 +60,9 @@ class Encoder:
 
     @classmethod
     def load(cls, model: str, device="cpu", dtype="float32", options: TowerOptions = TowerOptions(),
-             graph_buckets: tuple[int, ...] = (), eager_above: bool = True) -> "Encoder":
+             graph_buckets: tuple[int, ...] = (), eager_margin: float | None = EAGER_MARGIN) -> "Encoder":
         tower, pre_cfg = load_tower(model, device, dtype, options)
-        return cls(tower, Preprocessor(pre_cfg), graph_buckets, eager_above)
+        return cls(tower, Preprocessor(pre_cfg), graph_buckets, eager_margin)
 
     def capture_graphs(self) -> None:
         """Record the CUDA graphs of every token bucket (start-up, after the kernels are compiled and tuned)."""

@@ -32,7 +32,8 @@ Signature = tuple[tuple[int, int, int], ...]
 WHOLE_MAX_TOKENS = 4096
 
 # A pack above WHOLE_MAX_TOKENS runs eagerly, not through its bucket's graphs, when its forward takes the GPU at least
-# this multiple of the host time eager forwards take to issue now (`EagerChoice`). Past that, an eager forward keeps
+# this multiple of the host time eager forwards take to issue now (`EagerChoice`; the default of
+# `Settings.cuda_graph_eager_margin`). Past that, an eager forward keeps
 # the GPU as busy (the host issues its launches faster than the GPU runs them) without the bucket's padding rows and
 # the graph launches between its pieces (docs/PERFORMANCE.md, "Large packs run eagerly"). Serving, the launching
 # thread shares the GIL with the engine's loop, its copier threads and, in a dataset job, twelve decoding threads;
@@ -235,7 +236,7 @@ def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
 
 
 class EagerChoice:
-    """Which packs run eagerly: those whose forward takes the GPU at least `EAGER_MARGIN` times the host time an
+    """Which packs run eagerly: those whose forward takes the GPU at least `margin` times the host time an
     eager forward takes to issue, that host time being the median of the last `window` eager forwards' as served
     (`issued`), first start-up's (`measure`). The GPU time is linear in the tokens, from start-up's measurement.
 
@@ -249,8 +250,8 @@ class EagerChoice:
     window = 16
     probe_every = 64
 
-    def __init__(self, host_ms: float, gpu_ms: float, tokens: int):
-        self.start_host_ms, self.gpu_ms_per_token = host_ms, gpu_ms / tokens
+    def __init__(self, host_ms: float, gpu_ms: float, tokens: int, margin: float = EAGER_MARGIN):
+        self.start_host_ms, self.gpu_ms_per_token, self.margin = host_ms, gpu_ms / tokens, margin
         self._issued: deque[float] = deque([host_ms], maxlen=self.window)
         self._declined = 0
         # the pack size from which eager forwards run now (`limit_for` the median host time, moved by `issued`), and
@@ -259,13 +260,13 @@ class EagerChoice:
         self._logged = self.limit  # the limit last logged: a move by a quarter or more is logged again
 
     @classmethod
-    def measure(cls, tower: VisionTower, tokens: int) -> "EagerChoice":
+    def measure(cls, tower: VisionTower, tokens: int, margin: float = EAGER_MARGIN) -> "EagerChoice":
         """Time one eager forward of a typical pack of `tokens` (`eager_costs`)."""
         cfg = tower.config
         plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
         pixels = torch.randn((tokens, cfg.patch_dim), dtype=tower.dtype, device=tower.device)
         host_ms, gpu_ms = eager_costs(lambda: tower(pixels, plan), tower.device)
-        return cls(host_ms, gpu_ms, tokens)
+        return cls(host_ms, gpu_ms, tokens, margin)
 
     @property
     def host_ms(self) -> float:
@@ -273,7 +274,7 @@ class EagerChoice:
 
     def limit_for(self, host_ms: float) -> int:
         """The pack size in tokens from which an eager forward issued in `host_ms` pays."""
-        return int(EAGER_MARGIN * host_ms / self.gpu_ms_per_token)
+        return int(self.margin * host_ms / self.gpu_ms_per_token)
 
     def runs_eagerly(self, tokens: int) -> bool:
         if tokens >= self.limit:
@@ -314,16 +315,17 @@ class BucketedTower:
     copied into the bucket's static inputs, and the graph pieces replay with the attention run eagerly between
     them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS` replays one graph of the whole forward
     instead. Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly (such a pack keeps
-    the GPU busier than its launches take to issue). With `eager_above`, `capture` also times an eager forward, and
+    the GPU busier than its launches take to issue). With an `eager_margin`, `capture` also times an eager forward, and
     packs from where that is as fast run eagerly too (`EagerChoice`, which follows the host time eager forwards take
     as served). Plans of recent signatures are kept, so a repeated layout skips building its plan."""
 
     plan_cache_size = 256
 
-    def __init__(self, tower: VisionTower, buckets: tuple[int, ...] = (), eager_above: bool = True):
+    def __init__(self, tower: VisionTower, buckets: tuple[int, ...] = (), eager_margin: float | None = EAGER_MARGIN):
+        """`eager_margin`: `EagerChoice`'s (None: every pack within a bucket runs its graphs)."""
         self.tower = tower
         self.buckets = tuple(sorted(buckets))
-        self.eager_above = eager_above
+        self.eager_margin = eager_margin
         self.eager_choice: EagerChoice | None = None  # where `capture` timed an eager forward
         self._buckets: dict[int, _Bucket] = {}
         self._plans: OrderedDict[Signature, PackPlan] = OrderedDict()
@@ -344,14 +346,14 @@ class BucketedTower:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's pieces (on CUDA; with `eager_above`, after timing an eager forward: `EagerChoice`);
+        """Capture every bucket's pieces (on CUDA; with an `eager_margin`, after timing an eager forward: `EagerChoice`);
         elsewhere set the buckets up to run their pieces eagerly."""
         tower = self.tower
         offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
-        if pool is not None and self.eager_above and self.buckets[-1] > WHOLE_MAX_TOKENS:
+        if pool is not None and self.eager_margin and self.buckets[-1] > WHOLE_MAX_TOKENS:
             try:
-                choice = self.eager_choice = EagerChoice.measure(tower, self.buckets[-1])
+                choice = self.eager_choice = EagerChoice.measure(tower, self.buckets[-1], self.eager_margin)
             except torch.OutOfMemoryError as e:  # no room for a full eager pack beside the rest: graphs only
                 log.warning("could not time an eager forward (%s); packs within a bucket run its graphs", e)
                 torch.cuda.empty_cache()

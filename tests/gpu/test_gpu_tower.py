@@ -161,7 +161,7 @@ def test_bucketed_graphs_equal_eager_for_any_mix(name):
 
 
 def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
-    """`BucketedTower.capture` with `eager_above` captures every bucket and times one eager forward (`eager_costs`: its
+    """`BucketedTower.capture` with an `eager_margin` captures every bucket and times one eager forward (`eager_costs`: its
     host time issuing the launches, and the GPU's time running them, queued behind a wait); packs from the size whose
     GPU time is `EAGER_MARGIN` times that host time run eagerly, compute what the eager forward does, and their host
     time as served feeds the choice. The GPU time is the GPU's, not the host's: within a third of the same pack's
@@ -173,7 +173,7 @@ def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
     cfg = preset("qwen3-vl-2b")
     tower = random_tower(cfg, "cuda", torch.bfloat16, seed=5)
     buckets = (1024, 4096, 8192, 16384, 32768)
-    measured, every = BucketedTower(tower, buckets), BucketedTower(tower, buckets, eager_above=False)
+    measured, every = BucketedTower(tower, buckets), BucketedTower(tower, buckets, eager_margin=None)
     with torch.inference_mode():
         measured.capture()
         every.capture()
