@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_service import compiled, photo_jpegs, start_server, stop_server, write_bodies
-from benchmarks.common import environment, forward_gaps, read_forward_trace, write_results
+from benchmarks.common import environment, forward_gaps, py_spy, read_forward_trace, top_frames, write_results
 from benchmarks.multigpu import server_cpu
 
 
@@ -40,10 +40,12 @@ def trees(folder: Path) -> dict[str, str | None]:
 
 
 def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path,
-             trace: Path) -> dict:
+             trace: Path, profile: Path | None = None) -> dict:
     """`compiled`'s row, with what tells a run's mode: each front-end's client connections and cores over the window
     (the kernel's hash spreads the connections), and the engine's forwards in it (`FORWARD_TRACE`, summarised by
-    `common.forward_gaps`: images per forward, the GPU's idle time between forwards, the launches)."""
+    `common.forward_gaps`: images per forward, the GPU's idle time between forwards, the launches). With `profile`
+    (a file), py-spy records which of the engine's threads hold its interpreter lock over the window, and the row
+    gets the frames where most of those samples end (`engine_gil_top`)."""
     import httpx
 
     engine_pids = {e["pid"] for e in httpx.get(f"{url}/info", timeout=10).json()["engine"].get("engines", [])
@@ -54,8 +56,13 @@ def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seco
     def sample():  # the front-ends over the measured window, sampled beside the generator
         time.sleep(warmup_s)
         a = server_cpu(server, engine_pids)
+        spy = py_spy(min(engine_pids), seconds, profile, rate=200) if profile and engine_pids else None
         time.sleep(seconds)
         b = server_cpu(server, engine_pids)
+        if spy is not None:
+            spy.wait(timeout=30)
+            if profile.exists():
+                result["engine_gil_top"] = top_frames(profile, 30)
         result["frontends"] = sorted(
             ({"connections": conns, "cores": round((b.frontends[pid][0] - cpu) / seconds, 2)}
              for pid, (cpu, conns) in a.frontends.items() if pid in b.frontends),
@@ -83,6 +90,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                     help="this tree's server again with these settings in its environment, as NAME "
                          "(e.g. items22:QWEN3VL_MAX_BATCH_ITEMS=22)")
+    ap.add_argument("--profile", action="store_true", help="py-spy on the engine over each measured window "
+                    "(raw stacks of the threads holding its interpreter lock, beside ab_served.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = {name: dict(kv.split("=", 1) for kv in spec.split(","))
@@ -109,7 +118,8 @@ def main() -> None:
                 try:
                     row = {"round": round_, "ready_s": round(ready, 1)}
                     for n in (int(c) for c in args.clients.split(",")):
-                        row[f"c{n}"] = measured(url, server, bodies, n, args.warmup_s, args.seconds, work, trace)
+                        spy = (Path(args.out or "benchmarks/results") / f"engine_gil_{name}_{round_}_c{n}.txt") if args.profile else None
+                        row[f"c{n}"] = measured(url, server, bodies, n, args.warmup_s, args.seconds, work, trace, spy)
                     print(name, row, flush=True)
                     runs.setdefault(name, []).append(row)
                 finally:
