@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -94,7 +95,8 @@ def main() -> None:
                     "(raw stacks of the threads holding its interpreter lock, beside ab_served.json)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    variants = {name: dict(kv.split("=", 1) for kv in spec.split(","))
+    # KEY=VALUE pairs apart at the commas before a KEY= (a value may hold commas: a bucket list)
+    variants = {name: dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z0-9_]+=)", spec))
                 for name, spec in (v.split(":", 1) for v in args.variant)}
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-ab-"))
     bodies = write_bodies(photo_jpegs([(448, 448)] * 256), work)
