@@ -177,14 +177,18 @@ def test_an_idle_gpu_gets_a_pack_at_once_and_a_busy_one_the_next_pack_just_in_ti
 
 
 class BucketedDevice(SimulatedDevice):
-    """A simulated device whose forwards compute whole graph buckets (`Encoder.computed_tokens`)."""
+    """A simulated device whose forwards compute whole graph buckets (`Encoder.computed_tokens`), with the GPU ms of
+    each bucket's forward where `bucket_ms` gives them (`Encoder.forward_ms`)."""
 
-    def __init__(self, inner: Encoder, seconds: float, buckets: tuple[int, ...]):
+    def __init__(self, inner: Encoder, seconds: float, buckets: tuple[int, ...], bucket_ms: dict | None = None):
         super().__init__(inner, seconds)
-        self.buckets = buckets
+        self.buckets, self.bucket_ms = buckets, bucket_ms
 
     def computed_tokens(self, tokens: int) -> int:
         return next((b for b in self.buckets if b >= tokens), tokens)
+
+    def forward_ms(self, tokens: int) -> float | None:
+        return self.bucket_ms[self.computed_tokens(tokens)] if self.bucket_ms else None
 
 
 def test_a_busy_gpus_pack_leaves_out_the_items_that_would_pad_its_graph_bucket(tiny, monkeypatch):
@@ -220,21 +224,25 @@ def test_a_busy_gpus_pack_leaves_out_the_items_that_would_pad_its_graph_bucket(t
         assert rel_err(r.results[0].embeds, ref.embeds) <= 1e-5
 
 
+def _trimmer(buckets, bucket_ms=None):
+    """A stand-in for `Batcher` with what `Batcher._trim` reads: an encoder of these buckets (and timings)."""
+    class Fake:
+        encoder = BucketedDevice.__new__(BucketedDevice)
+
+    Fake.encoder.buckets, Fake.encoder.bucket_ms = buckets, bucket_ms
+    return Fake()
+
+
 def test_trimming_picks_the_prefix_that_fills_its_bucket_and_never_trims_without_buckets():
-    """448 px images (784 patches) on the default buckets: a pack of 30 (25,600 rows for 23,520 patches) goes as 26
-    (20,480 rows for 20,384), packs of 26 and 13 (fill 99.5%) go whole, and so does every pack where forwards compute
-    no padding (no graphs)."""
+    """Untimed buckets (rows plus a forward's fixed cost): 448 px images (784 patches) on the buckets up to 16,384
+    then every 1024: a pack of 34 (26,656 patches; 27,648 rows) goes as 30 (23,520 in 23,552), packs of 30 and 13
+    (fill 99.9% and 99.5%) go whole, and so does every pack where forwards compute no padding (no graphs)."""
     from service.settings import DEFAULT_GRAPH_BUCKETS
 
-    class Fake:
-        def __init__(self, buckets):
-            self.encoder = BucketedDevice.__new__(BucketedDevice)
-            self.encoder.buckets = buckets
-
     trim = Batcher._trim
-    bucketed, eager = Fake(DEFAULT_GRAPH_BUCKETS), Fake(())
-    assert trim(bucketed, [784] * 30) == 26
-    assert trim(bucketed, [784] * 26) == 26
+    bucketed, eager = _trimmer(DEFAULT_GRAPH_BUCKETS), _trimmer(())
+    assert trim(bucketed, [784] * 34) == 30
+    assert trim(bucketed, [784] * 30) == 30
     assert trim(bucketed, [784] * 13) == 13
     assert trim(bucketed, [784] * 4) == 4  # under TRIM_MIN_PATCHES
     for k in (2, 5, 30, 41):
@@ -251,6 +259,23 @@ def test_trimming_picks_the_prefix_that_fills_its_bucket_and_never_trims_without
 
     assert all(rows_per_patch(k) <= rows_per_patch(j) for j in range(1, len(sizes) + 1)
                if sum(sizes[:j]) >= 0.75 * total)
+
+
+def test_trimming_follows_the_timed_buckets_where_a_row_costs_more_in_some():
+    """With each bucket's forward timed at start-up (`Encoder.forward_ms`), a pack goes as the prefix whose forward
+    costs the least GPU time a patch, not the least rows: where the bucket of 30,720 rows costs 4% more a row than
+    its neighbours (a GEMM's last wave of tiles on few SMs), a pack of 41 448 px images goes as 35 (27,440 patches
+    in 27,648 rows), not 39 (30,576 in 30,720, which the rows alone pick); with the same time a row everywhere it
+    goes as 39."""
+    from service.settings import DEFAULT_GRAPH_BUCKETS
+
+    even = {b: 1.4e-3 * b + 0.5 for b in DEFAULT_GRAPH_BUCKETS}  # ms: a fixed cost and the same time a row
+    uneven = {**even, 30720: even[30720] * 1.04}
+    trim = Batcher._trim
+    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS), [784] * 41) == 39  # the rows alone
+    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS, even), [784] * 41) == 39
+    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS, uneven), [784] * 41) == 35
+    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS, uneven), [784] * 30) == 30  # 23,552 rows: not that bucket
 
 
 def test_the_forward_trace_has_a_line_per_forward_with_its_pack_and_times(tiny, tmp_path):

@@ -205,6 +205,33 @@ def test_the_eager_margin_is_a_setting():
     assert BucketedTower(None, (), eager_margin=None).eager_margin is None
 
 
+def test_each_bucket_is_timed_and_a_pack_costs_its_buckets_time(tower):
+    """`BucketedTower.time_buckets` times every bucket's forward (here on the CPU, by the wall clock; start-up does it
+    on CUDA, after capture); `forward_ms` gives a pack its bucket's time, and a pack that runs eagerly (beyond every
+    bucket, or past the eager choice's limit) its tokens at the eager forward's time a token, else the largest
+    bucket's. Nothing before the buckets are timed, nor through `Encoder.forward_ms` without captured graphs."""
+    from service.model.encoder import Encoder
+    from service.model.graphs import WHOLE_MAX_TOKENS, EagerChoice
+    from service.model.preprocess import PreprocessConfig, Preprocessor
+
+    buckets = (64, 256, 1024, 5120, 6144)
+    bucketed = BucketedTower(tower, buckets, eager_margin=None)
+    bucketed.capture()
+    assert bucketed.forward_ms(100) is None and bucketed.bucket_ms == {}
+    bucketed.time_buckets(reps=1)
+    assert sorted(bucketed.bucket_ms) == list(buckets) and all(ms > 0 for ms in bucketed.bucket_ms.values())
+    assert bucketed.bucket_ms[6144] > bucketed.bucket_ms[64]
+    assert bucketed.forward_ms(65) == bucketed.forward_ms(256) == bucketed.bucket_ms[256]
+    assert bucketed.forward_ms(5121) == bucketed.bucket_ms[6144]
+    assert bucketed.forward_ms(12288) == pytest.approx(2 * bucketed.bucket_ms[6144])  # beyond: the largest's rate
+    bucketed.eager_choice = EagerChoice(host_ms=1.0, gpu_ms=3.0, tokens=6000)  # a limit of 6000 tokens
+    assert bucketed.forward_ms(6100) == pytest.approx(6100 * 3.0 / 6000)  # eager: its time a token
+    assert bucketed.forward_ms(5121) == bucketed.bucket_ms[6144] and 5121 > WHOLE_MAX_TOKENS
+    enc = Encoder(tower, Preprocessor(PreprocessConfig()), buckets)
+    enc.forward.bucket_ms = dict(bucketed.bucket_ms)
+    assert not enc.forward.captured and enc.forward_ms(100) is None  # CPU: no graphs, no timings used
+
+
 def test_packs_the_choice_runs_eagerly_equal_the_plain_forward(tower):
     """A pack within a bucket that `EagerChoice` runs eagerly computes the plain forward (no padding), and its host
     time feeds the choice (last: here that is the whole CPU forward, which moves the limit); a smaller one runs through

@@ -248,16 +248,21 @@ class Batcher:
 
     def _trim(self, sizes: list[int]) -> int:
         """How many of a pack's items (patch counts `sizes`, in order) go now. A forward computes its whole graph bucket
-        (`Encoder.computed_tokens`): a pack of 30 448 px images (23,520 patches) computes 25,600 rows, 8% of them
-        padding, where its first 26 fill 20,480 to 0.5%. While the GPU is busy the items left out go first in the
-        next pack, a forward later, so of the prefixes holding at least `TRIM_KEEP` of the pack's patches the one
-        that computes the fewest rows per patch (its bucket plus a forward's fixed cost, `FORWARD_ROWS`) goes, the
-        longest on a tie. Packs under `TRIM_MIN_PATCHES` go whole."""
+        (`Encoder.computed_tokens`: a pack of 30 448 px images, 23,520 patches, in a bucket of 25,600 rows computes 8%
+        padding), and a row does not cost the same in every bucket (a GEMM's last wave of tiles may leave SMs idle;
+        docs/PERFORMANCE.md, "Graph buckets"). While
+        the GPU is busy the items left out go first in the next pack, a forward later, so of the prefixes holding at
+        least `TRIM_KEEP` of the pack's patches the one whose forward costs the least a patch goes, the longest on a
+        tie: its GPU time as timed at start-up (`Encoder.forward_ms`), or without timings its rows plus a forward's
+        fixed cost (`FORWARD_ROWS`). Packs under `TRIM_MIN_PATCHES` go whole."""
         totals = list(itertools.accumulate(sizes))
         if len(sizes) < 2 or totals[-1] < TRIM_MIN_PATCHES:
             return len(sizes)
-        cost = {k: (FORWARD_ROWS + self.encoder.computed_tokens(totals[k - 1])) / totals[k - 1]
-                for k in range(1, len(sizes) + 1) if totals[k - 1] >= TRIM_KEEP * totals[-1]}
+        kept = [k for k in range(1, len(sizes) + 1) if totals[k - 1] >= TRIM_KEEP * totals[-1]]
+        timed = [self.encoder.forward_ms(totals[k - 1]) for k in kept]
+        if None in timed:
+            timed = [FORWARD_ROWS + self.encoder.computed_tokens(totals[k - 1]) for k in kept]
+        cost = {k: t / totals[k - 1] for k, t in zip(kept, timed)}
         least = min(cost.values())
         return max(k for k, c in cost.items() if c <= least * (1 + 1e-9))
 

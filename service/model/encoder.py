@@ -76,6 +76,11 @@ class Encoder:
             return tokens
         return self.forward.bucket_for(tokens) or tokens
 
+    def forward_ms(self, tokens: int) -> float | None:
+        """The GPU ms of a forward of a pack of `tokens` patches as timed at start-up (`BucketedTower.forward_ms`);
+        None where its buckets were not timed (no CUDA graphs)."""
+        return self.forward.forward_ms(tokens) if self.forward.captured else None
+
     @property
     def backend(self) -> str:
         return self.tower.backend

@@ -213,10 +213,15 @@ def issue_ms(call, device, reps: int = 3) -> float:
 
 def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
     """(host ms, GPU ms) of `forward()` run eagerly, medians of `reps`: the time the host takes to issue its
-    launches (`issue_ms`), and the time the GPU takes to run them, measured with them queued behind a wait long
-    enough for the host to issue them all (so that no launch gap is counted)."""
+    launches (`issue_ms`), and the time the GPU takes to run them (`queued_ms`)."""
     forward()
     host_ms = issue_ms(forward, device, reps)
+    return host_ms, queued_ms(forward, host_ms, reps)
+
+
+def queued_ms(forward, host_ms: float, reps: int = 3) -> float:
+    """Median GPU milliseconds of `reps` calls of `forward()`, each queued behind a wait long enough for the host to
+    issue its launches (about `host_ms`), so that no launch gap is counted."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = 1 << 22
     begin.record()
@@ -232,7 +237,7 @@ def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
         end.record()
         end.synchronize()
         gpu.append(begin.elapsed_time(end))
-    return host_ms, statistics.median(gpu)
+    return statistics.median(gpu)
 
 
 class EagerChoice:
@@ -296,6 +301,12 @@ class EagerChoice:
                      "last %d; %.1f ms at start-up)", limit, self.host_ms, len(self._issued), self.start_host_ms)
 
 
+def _wall_ms(call) -> float:
+    start = time.perf_counter()
+    call()
+    return (time.perf_counter() - start) * 1000
+
+
 def signature(grids) -> Signature:
     return tuple(tuple(int(x) for x in g) for g in grids)
 
@@ -327,6 +338,7 @@ class BucketedTower:
         self.buckets = tuple(sorted(buckets))
         self.eager_margin = eager_margin
         self.eager_choice: EagerChoice | None = None  # where `capture` timed an eager forward
+        self.bucket_ms: dict[int, float] = {}  # each bucket's forward, GPU ms, where `capture` timed them
         self._buckets: dict[int, _Bucket] = {}
         self._plans: OrderedDict[Signature, PackPlan] = OrderedDict()
         self.padded_tokens = 0  # tokens computed as padding, for the benchmarks
@@ -384,6 +396,49 @@ class BucketedTower:
                 with torch.cuda.graph(self._framer, pool=pool):
                     self._patchify_frame()
         log.info("CUDA graphs captured for %d token buckets up to %d", len(self.buckets), self.buckets[-1])
+        if pool is not None:
+            self.time_buckets()
+
+    @torch.inference_mode()
+    def time_buckets(self, reps: int = 2) -> None:
+        """Time each bucket's forward of a full pack of photos (`typical_grids`): on CUDA the GPU's time with the
+        launches queued ahead (`queued_ms`), elsewhere the wall time; medians of `reps` after one run. What a row
+        costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs): the
+        batcher compares the measured forwards when it trims a pack (`forward_ms`)."""
+        tower, cfg = self.tower, self.tower.config
+        pixels = torch.randn((self.buckets[-1], cfg.patch_dim), dtype=tower.dtype, device=tower.device)
+        cuda = tower.device.type == "cuda"
+        for tokens, bucket in self._buckets.items():
+            plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
+
+            def forward(rows=pixels[:tokens], plan=plan, bucket=bucket):
+                bucket.run(rows, plan, True)
+
+            start = time.perf_counter()
+            forward()
+            if cuda:
+                self.bucket_ms[tokens] = queued_ms(forward, (time.perf_counter() - start) * 1000, reps)
+            else:
+                self.bucket_ms[tokens] = statistics.median(_wall_ms(forward) for _ in range(reps))
+        per_row = {tokens: ms / tokens * 1e6 for tokens, ms in self.bucket_ms.items() if tokens > WHOLE_MAX_TOKENS}
+        if per_row:
+            log.info("bucket forwards timed: %.0f to %.0f ns of GPU time a row above %d tokens (least at %d, most at "
+                     "%d)", min(per_row.values()), max(per_row.values()), WHOLE_MAX_TOKENS,
+                     min(per_row, key=per_row.get), max(per_row, key=per_row.get))
+
+    def forward_ms(self, tokens: int) -> float | None:
+        """The GPU ms a forward of a pack of `tokens` patches takes, from the start-up timings (`time_buckets`): its
+        bucket's, or where it runs eagerly (beyond every bucket, or past the eager choice's limit) its tokens at the
+        eager forward's time a token (the largest bucket's without an eager choice). None before the buckets are
+        timed."""
+        if not self.bucket_ms:
+            return None
+        bucket, choice = self.bucket_for(tokens), self.eager_choice
+        if bucket is not None and not (choice is not None and tokens > WHOLE_MAX_TOKENS and tokens >= choice.limit):
+            return self.bucket_ms.get(bucket)
+        largest = self.buckets[-1]
+        per_token = choice.gpu_ms_per_token if choice is not None else self.bucket_ms[largest] / largest
+        return per_token * tokens
 
     @property
     def takes_frames(self) -> bool:

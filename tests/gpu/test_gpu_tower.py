@@ -183,10 +183,13 @@ def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
         assert host_ms > 0 and gpu_ms > 0 and every.eager_choice is None
         assert choice.limit == int(EAGER_MARGIN * host_ms * 32768 / gpu_ms)
         assert measured.buckets == every.buckets == buckets and measured.captured
+        # each bucket's forward timed after capture (`time_buckets`): the largest within a third of its replay below
+        assert sorted(measured.bucket_ms) == list(buckets) and all(ms > 0 for ms in measured.bucket_ms.values())
         grids = typical_grids(32768, cfg.spatial_merge_size)
         pixels = torch.randn(32768, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
         replay_ms = do_bench(lambda: every(pixels, grids), warmup=20, rep=200, return_mode="median")
         assert 0.67 * replay_ms <= gpu_ms <= 1.5 * replay_ms, (gpu_ms, replay_ms)
+        assert 0.67 * replay_ms <= measured.bucket_ms[32768] <= 1.5 * replay_ms, (measured.bucket_ms, replay_ms)
         tokens = min(max(choice.limit, 8192), 32768)  # eager where the limit is within the buckets, else 32768: graphs
         grids = typical_grids(tokens, cfg.spatial_merge_size)
         eager = choice.runs_eagerly(tokens)
