@@ -250,11 +250,11 @@ class Batcher:
         """How many of a pack's items (patch counts `sizes`, in order) go now. A forward computes its whole graph bucket
         (`Encoder.computed_tokens`: a pack of 30 448 px images, 23,520 patches, in a bucket of 25,600 rows computes 8%
         padding), and a row does not cost the same in every bucket (a GEMM's last wave of tiles may leave SMs idle;
-        docs/PERFORMANCE.md, "Graph buckets"). While
-        the GPU is busy the items left out go first in the next pack, a forward later, so of the prefixes holding at
-        least `TRIM_KEEP` of the pack's patches the one whose forward costs the least a patch goes, the longest on a
-        tie: its GPU time as timed at start-up (`Encoder.forward_ms`), or without timings its rows plus a forward's
-        fixed cost (`FORWARD_ROWS`). Packs under `TRIM_MIN_PATCHES` go whole."""
+        docs/PERFORMANCE.md, "What a row costs in each bucket"). While the GPU is busy the items left out go first in
+        the next pack, a forward later, so of the prefixes holding at least `TRIM_KEEP` of the pack's patches the one
+        whose forward costs the least a patch goes, the longest on a tie: its GPU time as timed at start-up
+        (`Encoder.forward_ms`), or without timings its rows plus a forward's fixed cost (`FORWARD_ROWS`). Packs under
+        `TRIM_MIN_PATCHES` go whole."""
         totals = list(itertools.accumulate(sizes))
         if len(sizes) < 2 or totals[-1] < TRIM_MIN_PATCHES:
             return len(sizes)
