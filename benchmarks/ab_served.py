@@ -120,7 +120,8 @@ def main() -> None:
                 try:
                     row = {"round": round_, "ready_s": round(ready, 1)}
                     for n in (int(c) for c in args.clients.split(",")):
-                        spy = (Path(args.out or "benchmarks/results") / f"engine_gil_{name}_{round_}_c{n}.txt") if args.profile else None
+                        spy = ((Path(args.out or "benchmarks/results") / f"engine_gil_{name}_{round_}_c{n}.txt")
+                               if args.profile else None)
                         row[f"c{n}"] = measured(url, server, bodies, n, args.warmup_s, args.seconds, work, trace, spy)
                     print(name, row, flush=True)
                     runs.setdefault(name, []).append(row)

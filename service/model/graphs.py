@@ -32,12 +32,12 @@ Signature = tuple[tuple[int, int, int], ...]
 WHOLE_MAX_TOKENS = 4096
 
 # A pack above WHOLE_MAX_TOKENS runs eagerly, not through its bucket's graphs, when its forward takes the GPU at least
-# this multiple of the host time eager forwards take to issue now (`EagerChoice`; the default of
-# `Settings.cuda_graph_eager_margin`). Past that, an eager forward keeps
-# the GPU as busy (the host issues its launches faster than the GPU runs them) without the bucket's padding rows and
-# the graph launches between its pieces (docs/PERFORMANCE.md, "Large packs run eagerly"). Serving, the launching
-# thread shares the GIL with the engine's loop, its copier threads and, in a dataset job, twelve decoding threads;
-# the margin leaves room for the host time to vary between the forwards it is measured on.
+# this multiple of the host time eager forwards take to issue now (`EagerChoice`; `Settings.cuda_graph_eager_margin`'s
+# default). Past that, an eager forward keeps the GPU as busy (the host issues its launches faster than the GPU runs
+# them) without the bucket's padding rows and the graph launches between its pieces (docs/PERFORMANCE.md, "Large
+# packs run eagerly"). Serving, the launching thread shares the GIL with the engine's loop, its copier threads and, in
+# a dataset job, twelve decoding threads; the margin leaves room for the host time to vary between the forwards it is
+# measured on.
 EAGER_MARGIN = 3.0
 
 
@@ -358,8 +358,9 @@ class BucketedTower:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's pieces (on CUDA; with an `eager_margin`, after timing an eager forward: `EagerChoice`);
-        elsewhere set the buckets up to run their pieces eagerly."""
+        """Capture every bucket's pieces (on CUDA; with an `eager_margin`, after timing an eager forward:
+        `EagerChoice`), then time each bucket's forward (`time_buckets`); elsewhere set the buckets up to run their
+        pieces eagerly."""
         tower = self.tower
         offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
@@ -406,7 +407,12 @@ class BucketedTower:
         costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs): the
         batcher compares the measured forwards when it trims a pack (`forward_ms`)."""
         tower, cfg = self.tower, self.tower.config
-        pixels = torch.randn((self.buckets[-1], cfg.patch_dim), dtype=tower.dtype, device=tower.device)
+        try:
+            pixels = torch.randn((self.buckets[-1], cfg.patch_dim), dtype=tower.dtype, device=tower.device)
+        except torch.OutOfMemoryError as e:  # no room for a full pack's input beside the rest: packs trim by rows
+            log.warning("could not time the buckets' forwards (%s); packs are trimmed by their rows", e)
+            torch.cuda.empty_cache()
+            return
         cuda = tower.device.type == "cuda"
         for tokens, bucket in self._buckets.items():
             plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
