@@ -722,3 +722,17 @@ def test_a_forward_that_fails_while_finishing_leaves_the_launch_model_clean(tiny
     (want,) = tiny.encode([item])
     assert all(rel_err(d.results[0].embeds, want.embeds) <= 1e-5 for d in done)  # packed or not
     assert not eng._flight and eng._gpu_free_at <= time.perf_counter()
+
+
+def test_the_closed_loop_simulator_drives_the_real_batcher_over_graph_buckets():
+    """`tools.sim_closed_loop` (what the launch model's fixes were reproduced with) runs the real `Batcher` against
+    its simulated GPU, which must answer what the batcher asks an encoder (`computed_tokens`, `forward_ms`): 32
+    closed-loop clients over the default buckets keep the simulated GPU busy, in packs of more than one image."""
+    from service.settings import DEFAULT_GRAPH_BUCKETS
+    from tools.sim_closed_loop import SimulatedGPU, run
+
+    gpu = SimulatedGPU(a_s=0.001, b_s=0.002, launch_s=0.002, buckets=DEFAULT_GRAPH_BUCKETS)
+    out = asyncio.run(run(clients=32, frontends=4, frontend_s=0.002, network_s=0.0005, gpu=gpu, seconds=1.0,
+                          warmup_s=0.3, max_items=64))
+    assert out["gpu_busy"] >= 0.5 and out["images_per_forward"] > 1 and out["images_per_s"] > 0, out
+    assert gpu.forward_ms(784 * 30) == pytest.approx((0.001 + 0.002 * 23552 / 784) * 1000)

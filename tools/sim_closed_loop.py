@@ -98,6 +98,10 @@ class SimulatedGPU:
     def computed_tokens(self, tokens: int) -> int:
         return next((b for b in self.buckets if b >= tokens), tokens)
 
+    def forward_ms(self, tokens: int) -> float | None:
+        """A forward's time as start-up's bucket timings give it (`Encoder.forward_ms`): none without buckets."""
+        return (self.a_s + self.b_s * self.computed_tokens(tokens) / PATCHES) * 1000 if self.buckets else None
+
 
 async def run(clients: int, frontends: int, frontend_s: float, network_s: float, gpu: SimulatedGPU,
               seconds: float, warmup_s: float, max_items: int, engine_loop_s: float = 0.0, sticky: bool = False,
