@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -736,3 +737,41 @@ def test_the_closed_loop_simulator_drives_the_real_batcher_over_graph_buckets():
                           warmup_s=0.3, max_items=64))
     assert out["gpu_busy"] >= 0.5 and out["images_per_forward"] > 1 and out["images_per_s"] > 0, out
     assert gpu.forward_ms(784 * 30) == pytest.approx((0.001 + 0.002 * 23552 / 784) * 1000)
+
+
+def test_a_slow_first_launch_does_not_leave_every_later_end_predicted_late(tiny, tmp_path):
+    """A cold start's first launch takes the host long (here 0.3 s: on a GPU, a 256-client burst's first packs), and
+    the idle GPU's wait for it is what the model learns as an idle GPU's wait. Under load every later forward is
+    queued behind a busy GPU, so none teaches the wait again: predicted from it, each end came a first launch late
+    (on an H200 at 256 clients 125-250 ms, `ab_served_defaults.json`), and a pack filling for a lighter load after
+    would wait that long past the GPU's real end. An idle GPU waits for at most the launch's own host time: the ends
+    of the busy forwards are predicted within a forward of when they came (`Batcher._predicted_end`)."""
+    item = tiny.preprocess(random_pngs(1, seed=13)[0])
+
+    class ColdStart(SimulatedDevice):
+        def launch(self, items, deepstack=True, tokens=True):
+            self.launch_s = 0.4 if len(self.packs) < 3 else 0.0
+            return super().launch(items, deepstack, tokens)
+
+    # a pack's compute (0.12 s) above a warm launch's host time (the tiny model's CPU forward in it, ~0.04 s)
+    device = ColdStart(tiny, seconds=0.12, download_s=0.0, launch_s=0.4)
+    trace = tmp_path / "forwards.csv"
+
+    async def go():
+        eng = _engine(device, max_wait_ms=0, max_batch_items=4, trace=str(trace))
+        await eng.start()
+        for _ in range(3):  # the cold first launches, each on an idle GPU
+            await eng.submit([item], timeout_s=10)
+
+        async def client():  # sixteen clients, packs of four: the GPU never idles again
+            for _ in range(4):
+                await eng.submit([item], timeout_s=10)
+
+        await asyncio.gather(*(client() for _ in range(16)))
+        await eng.stop()
+        return eng
+
+    eng = asyncio.run(go())
+    assert eng._wait_s is not None and eng._wait_s >= 0.15  # learned from the cold launches, kept while busy
+    late = [float(line.split(",")[8]) for line in trace.read_text().splitlines()[6:]]  # ms, the busy forwards
+    assert len(late) >= 10 and statistics.median(late) <= 60, late  # half a forward at most, not a cold launch

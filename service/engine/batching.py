@@ -400,8 +400,12 @@ class Batcher:
 
     def _predicted_end(self, launched: "_Launched", free_at: float) -> float:
         """When the GPU should finish `launched` if it finishes what came before at `free_at`: an idle GPU computes
-        once it has waited for the launch's host work (the whole launch until that wait is measured)."""
-        wait = self._wait_s if self._wait_s is not None else launched.returned - launched.start
+        once it has waited for the launch's host work, the learned wait (the whole launch until that is measured)
+        and never longer than this launch took. A wait is learned only where a forward found the GPU idle: one
+        learned from a cold start's slow first launches stays while the GPU is kept busy, and unbounded it put every
+        end a cold launch late."""
+        host = launched.returned - launched.start
+        wait = host if self._wait_s is None else min(self._wait_s, host)
         return max(launched.start + wait, free_at) + self._s_per_patch * launched.patches
 
     async def _finish(self, loop, batch: list[_Work], launched, count: bool = True, poll: bool = False):
