@@ -662,6 +662,15 @@ def test_the_launch_model_learns_the_gpu_compute_and_apart_the_wait_for_a_launch
     assert 0.045 <= eng._s_per_patch * item.num_patches <= 0.07  # queued forwards: the compute again
 
 
+async def _closed_loop(eng, item, clients: int, each: int) -> None:
+    """`clients` closed-loop clients, each submitting `item` alone `each` times, one request after the other."""
+    async def client():
+        for _ in range(each):
+            await eng.submit([item], timeout_s=10)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+
+
 def test_a_compute_estimate_from_a_small_pack_is_mended_and_never_holds_launches_behind_the_gpus_end(tiny):
     """A pack costs much the same GPU time whatever its size here (as a small pack does on a GPU: per patch, more),
     so the first forward, a lone image, teaches a GPU time per patch four times what the packs of four then cost.
@@ -677,12 +686,7 @@ def test_a_compute_estimate_from_a_small_pack_is_mended_and_never_holds_launches
         eng = _engine(device, max_wait_ms=0, max_batch_items=4)
         await eng.start()
         await eng.submit([item], timeout_s=10)  # the lone first pack
-
-        async def client():  # eight clients: two packs of four, one computing while the other launches
-            for _ in range(8):
-                await eng.submit([item], timeout_s=10)
-
-        await asyncio.gather(*(client() for _ in range(8)))
+        await _closed_loop(eng, item, clients=8, each=8)  # two packs of four, one computing while the other launches
         await eng.stop()
         return eng
 
@@ -762,12 +766,7 @@ def test_a_slow_first_launch_does_not_leave_every_later_end_predicted_late(tiny,
         await eng.start()
         for _ in range(3):  # the cold first launches, each on an idle GPU
             await eng.submit([item], timeout_s=10)
-
-        async def client():  # sixteen clients, packs of four: the GPU never idles again
-            for _ in range(4):
-                await eng.submit([item], timeout_s=10)
-
-        await asyncio.gather(*(client() for _ in range(16)))
+        await _closed_loop(eng, item, clients=16, each=4)  # packs of four: the GPU never idles again
         await eng.stop()
         return eng
 

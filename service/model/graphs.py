@@ -420,12 +420,9 @@ class BucketedTower:
             def forward(rows=pixels[:tokens], plan=plan, bucket=bucket):
                 bucket.run(rows, plan, True)
 
-            start = time.perf_counter()
-            forward()
-            if cuda:
-                self.bucket_ms[tokens] = queued_ms(forward, (time.perf_counter() - start) * 1000, reps)
-            else:
-                self.bucket_ms[tokens] = statistics.median(_wall_ms(forward) for _ in range(reps))
+            host_ms = _wall_ms(forward)  # the run before the timed ones; on CUDA its host time sizes their wait
+            self.bucket_ms[tokens] = (queued_ms(forward, host_ms, reps) if cuda
+                                      else statistics.median(_wall_ms(forward) for _ in range(reps)))
         per_row = {tokens: ms / tokens * 1e6 for tokens, ms in self.bucket_ms.items() if tokens > WHOLE_MAX_TOKENS}
         if per_row:
             log.info("bucket forwards timed: %.0f to %.0f ns of GPU time a row above %d tokens (least at %d, most at "
