@@ -232,6 +232,45 @@ def test_each_bucket_is_timed_and_a_pack_costs_its_buckets_time(tower):
     assert not enc.forward.captured and enc.forward_ms(100) is None  # CPU: no graphs, no timings used
 
 
+def test_a_bucket_routes_to_the_fastest_at_or_above_it():
+    """`cheapest_buckets` against a brute-force search over fresh random timings, with ties, flat stretches and
+    buckets at or below the threshold (never routed, never a destination)."""
+    from service.model.graphs import cheapest_buckets
+
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        sizes = sorted(rng.choice(np.arange(1, 60), size=int(rng.integers(1, 12)), replace=False) * 512)
+        ms = {int(t): float(rng.choice([10.0, 11.0, 12.0, 20.0, 25.0]) + t / 4096) for t in sizes}
+        above, gain = int(rng.choice([0, 4096, 8192])), float(rng.choice([0.0, 0.02, 0.2]))
+        expected = {}
+        for t in (t for t in ms if t > above):
+            best = min((b for b in ms if b >= t), key=lambda b: (ms[b], b))
+            if best != t and ms[best] < (1 - gain) * ms[t]:
+                expected[t] = best
+        assert cheapest_buckets(ms, above, gain) == expected, (trial, ms, above, gain)
+    assert cheapest_buckets({8192: 10.0, 9216: 9.9}, 4096, 0.02) == {}  # within the noise margin: stays
+    assert cheapest_buckets({8192: 10.0, 9216: 9.0, 10240: 8.0}, 4096, 0.02) == {8192: 10240, 9216: 10240}
+
+
+def test_a_routed_pack_runs_in_the_larger_bucket_and_equals_the_plain_forward(tower):
+    """A pack whose bucket is routed to a larger one (`routes`, set from start-up's timings on CUDA) computes that
+    bucket's rows, costs that bucket's time, and still equals the plain forward (the extra rows are padding)."""
+    bucketed = BucketedTower(tower, (16, 64, 128), eager_margin=None)
+    bucketed.capture()
+    bucketed.bucket_ms = {16: 1.0, 64: 3.0, 128: 2.0}
+    bucketed.routes = {64: 128}
+    assert bucketed.bucket_for(20) == bucketed.bucket_for(100) == 128 and bucketed.bucket_for(10) == 16
+    assert bucketed.forward_ms(60) == 2.0
+    gen = torch.Generator().manual_seed(1)
+    grids = [(1, 4, 14), (1, 2, 2)]  # 60 tokens: bucket 64, routed to 128
+    pixels = torch.randn(60, tower.config.patch_dim, generator=gen)
+    with torch.inference_mode():
+        merged, ds = bucketed(pixels, grids)
+        ref_merged, ref_ds = tower(pixels, tower.plan(grids))
+    assert rel_err(merged, ref_merged) <= 1e-5 and rel_err(ds, ref_ds) <= 1e-5
+    assert bucketed.padded_tokens == 128 - 60 and bucketed.bucketed == 1
+
+
 def test_packs_the_choice_runs_eagerly_equal_the_plain_forward(tower):
     """A pack within a bucket that `EagerChoice` runs eagerly computes the plain forward (no padding), and its host
     time feeds the choice (last: here that is the whole CPU forward, which moves the limit); a smaller one runs through

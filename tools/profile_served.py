@@ -45,6 +45,9 @@ def main():
     with torch.inference_mode():
         served = BucketedTower(tower, settings.graph_buckets(), settings.graph_eager_margin())
         served.capture()
+        result["bucket_ms"] = {t: round(ms, 3) for t, ms in served.bucket_ms.items()}
+        result["routes"] = served.routes
+        print(f"bucket forwards, GPU ms: {result['bucket_ms']}; routes {served.routes}", flush=True)
         eager = BucketedTower(tower)
         for n in packs:
             grids = [grid] * n

@@ -31,6 +31,13 @@ Signature = tuple[tuple[int, int, int], ...]
 # the GPU's work.
 WHOLE_MAX_TOKENS = 4096
 
+# A pack above WHOLE_MAX_TOKENS runs in the smallest bucket that holds it unless a larger one's timed forward
+# (`BucketedTower.time_buckets`) is at least this much faster: cuBLAS picks its GEMM kernel by the row count, and at
+# some counts its pick is slower than at a few hundred rows more (on an H200, 32,768 rows' fc1 took 12% longer than
+# 32,144 rows'; docs/PERFORMANCE.md, "What a row costs in each bucket"). The margin keeps the timings' noise from
+# moving packs to larger buckets for nothing.
+ROUTE_GAIN = 0.02
+
 # A pack above WHOLE_MAX_TOKENS runs eagerly, not through its bucket's graphs, when its forward takes the GPU at least
 # this multiple of the host time eager forwards take to issue now (`EagerChoice`; `Settings.cuda_graph_eager_margin`'s
 # default). Past that, an eager forward keeps the GPU as busy (the host issues its launches faster than the GPU runs
@@ -187,6 +194,20 @@ class _Bucket:
                 self.deepstack[:, :n // unit].clone() if deepstack else None)
 
 
+def cheapest_buckets(bucket_ms: dict[int, float], above: int = WHOLE_MAX_TOKENS,
+                     gain: float = ROUTE_GAIN) -> dict[int, int]:
+    """Bucket -> the bucket its packs run in, from each bucket's timed forward (ms): the one at or above it whose
+    forward is the fastest, where that is at least `gain` faster than its own; only buckets above `above` tokens,
+    and only to buckets above it."""
+    route, fastest = {}, None
+    for tokens in sorted((t for t in bucket_ms if t > above), reverse=True):
+        ms = bucket_ms[tokens]
+        route[tokens] = fastest if fastest is not None and bucket_ms[fastest] < (1 - gain) * ms else tokens
+        if fastest is None or ms <= bucket_ms[fastest]:
+            fastest = tokens
+    return {t: r for t, r in sorted(route.items()) if r != t}
+
+
 def typical_grids(tokens: int, merge: int) -> list[tuple[int, int, int]]:
     """Grids of `tokens` patches as 32 x 32-patch frames (a 512 px image's) and one smaller: a pack of photos, whose
     attention costs what a served pack's does (one frame of all the tokens would cost quadratically more)."""
@@ -339,6 +360,7 @@ class BucketedTower:
         self.eager_margin = eager_margin
         self.eager_choice: EagerChoice | None = None  # where `capture` timed an eager forward
         self.bucket_ms: dict[int, float] = {}  # each bucket's forward, GPU ms, where `capture` timed them
+        self.routes: dict[int, int] = {}  # bucket -> the larger one its packs run in (`cheapest_buckets`)
         self._buckets: dict[int, _Bucket] = {}
         self._plans: OrderedDict[Signature, PackPlan] = OrderedDict()
         self.padded_tokens = 0  # tokens computed as padding, for the benchmarks
@@ -404,8 +426,10 @@ class BucketedTower:
     def time_buckets(self, reps: int = 2) -> None:
         """Time each bucket's forward of a full pack of photos (`typical_grids`): on CUDA the GPU's time with the
         launches queued ahead (`queued_ms`), elsewhere the wall time; medians of `reps` after one run. What a row
-        costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs): the
-        batcher compares the measured forwards when it trims a pack (`forward_ms`)."""
+        costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs, and cuBLAS
+        picks its kernel by the row count): on CUDA a bucket whose forward a larger one's beats hands its packs to
+        that one (`cheapest_buckets`, `bucket_for`), and the batcher compares the measured forwards when it trims a
+        pack (`forward_ms`)."""
         tower, cfg = self.tower, self.tower.config
         try:
             pixels = torch.randn((self.buckets[-1], cfg.patch_dim), dtype=tower.dtype, device=tower.device)
@@ -428,6 +452,12 @@ class BucketedTower:
             log.info("bucket forwards timed: %.0f to %.0f ns of GPU time a row above %d tokens (least at %d, most at "
                      "%d)", min(per_row.values()), max(per_row.values()), WHOLE_MAX_TOKENS,
                      min(per_row, key=per_row.get), max(per_row, key=per_row.get))
+        log.debug("bucket forwards, GPU ms: %s", {t: round(ms, 3) for t, ms in self.bucket_ms.items()})
+        self.routes = cheapest_buckets(self.bucket_ms) if cuda else {}
+        if self.routes:
+            log.info("packs of %d buckets run in larger ones whose forwards timed faster: %s", len(self.routes),
+                     ", ".join(f"{t} -> {r} ({self.bucket_ms[t]:.1f} -> {self.bucket_ms[r]:.1f} ms)"
+                               for t, r in self.routes.items()))
 
     def forward_ms(self, tokens: int) -> float | None:
         """The GPU ms a forward of a pack of `tokens` patches takes, from the start-up timings (`time_buckets`): its
@@ -495,7 +525,12 @@ class BucketedTower:
         return plan
 
     def bucket_for(self, tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= tokens), None) if self._buckets else None
+        """The bucket a pack of `tokens` patches runs in: the smallest that holds it, or the larger one start-up's
+        timings route it to (`routes`); None past the largest (or before `capture`)."""
+        if not self._buckets:
+            return None
+        smallest = next((b for b in self.buckets if b >= tokens), None)
+        return self.routes.get(smallest, smallest)
 
     def __call__(self, pixel_values: torch.Tensor, grids,
                  deepstack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
