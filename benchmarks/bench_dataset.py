@@ -180,8 +180,8 @@ def main():
         torch.cuda.empty_cache()
         spy_dir = Path(args.out or os.environ.get("OUT") or "benchmarks/results") if args.profile else None
         one = job(sets[args.images_per_gpu], work / f"out-{quant}-1", "0", profile=spy_dir, tag=f"{quant}_1gpu")
-        every = job(sets[args.images_per_gpu * gpus], work / f"out-{quant}-{gpus}", "all", profile=spy_dir,
-                    tag=f"{quant}_{gpus}gpu")
+        every = one if gpus == 1 else job(sets[args.images_per_gpu * gpus], work / f"out-{quant}-{gpus}", "all",
+                                          profile=spy_dir, tag=f"{quant}_{gpus}gpu")  # one GPU: the same job
         result[quant] = {"forward": fwd, "gpus_1": one, f"gpus_{gpus}": every}
         key = "" if quant == "bf16" else f"_{quant}"
         summary[f"ratio_to_forward_1gpu{key}"] = round(one["images_per_s"] / fwd["images_per_s"], 3)
