@@ -423,13 +423,15 @@ class BucketedTower:
             self.time_buckets()
 
     @torch.inference_mode()
-    def time_buckets(self, reps: int = 2) -> None:
+    def time_buckets(self, reps: int = 3) -> None:
         """Time each bucket's forward of a full pack of photos (`typical_grids`): on CUDA the GPU's time with the
-        launches queued ahead (`queued_ms`), elsewhere the wall time; medians of `reps` after one run. What a row
-        costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs, and cuBLAS
-        picks its kernel by the row count): on CUDA a bucket whose forward a larger one's beats hands its packs to
-        that one (`cheapest_buckets`, `bucket_for`), and the batcher compares the measured forwards when it trims a
-        pack (`forward_ms`)."""
+        launches queued ahead (`queued_ms`), elsewhere the wall time; after one run of each, `reps` rounds over every
+        bucket in turn, the median of each bucket's: a drift of the GPU's clock as it warms under its power cap spreads
+        over every bucket instead of falling on the ones timed last.
+        What a row costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs,
+        and cuBLAS picks its kernel by the row count): on CUDA a bucket whose forward a larger one's beats hands its
+        packs to that one (`cheapest_buckets`, `bucket_for`), and the batcher compares the measured forwards when it
+        trims a pack (`forward_ms`)."""
         tower, cfg = self.tower, self.tower.config
         try:
             pixels = torch.randn((self.buckets[-1], cfg.patch_dim), dtype=tower.dtype, device=tower.device)
@@ -438,21 +440,26 @@ class BucketedTower:
             torch.cuda.empty_cache()
             return
         cuda = tower.device.type == "cuda"
+        forwards, host_ms = {}, {}
         for tokens, bucket in self._buckets.items():
             plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
 
             def forward(rows=pixels[:tokens], plan=plan, bucket=bucket):
                 bucket.run(rows, plan, True)
 
-            host_ms = _wall_ms(forward)  # the run before the timed ones; on CUDA its host time sizes their wait
-            self.bucket_ms[tokens] = (queued_ms(forward, host_ms, reps) if cuda
-                                      else statistics.median(_wall_ms(forward) for _ in range(reps)))
+            forwards[tokens] = forward
+            host_ms[tokens] = _wall_ms(forward)  # the run before the timed ones; on CUDA its host time sizes their wait
+        times: dict[int, list[float]] = {tokens: [] for tokens in forwards}
+        for _ in range(reps):
+            for tokens, forward in forwards.items():
+                times[tokens].append(queued_ms(forward, host_ms[tokens], 1) if cuda else _wall_ms(forward))
+        self.bucket_ms = {tokens: statistics.median(ms) for tokens, ms in times.items()}
         per_row = {tokens: ms / tokens * 1e6 for tokens, ms in self.bucket_ms.items() if tokens > WHOLE_MAX_TOKENS}
         if per_row:
             log.info("bucket forwards timed: %.0f to %.0f ns of GPU time a row above %d tokens (least at %d, most at "
                      "%d)", min(per_row.values()), max(per_row.values()), WHOLE_MAX_TOKENS,
                      min(per_row, key=per_row.get), max(per_row, key=per_row.get))
-        log.debug("bucket forwards, GPU ms: %s", {t: round(ms, 3) for t, ms in self.bucket_ms.items()})
+        log.info("bucket forwards, GPU ms: %s", {t: round(ms, 2) for t, ms in self.bucket_ms.items()})
         self.routes = cheapest_buckets(self.bucket_ms) if cuda else {}
         if self.routes:
             log.info("packs of %d buckets run in larger ones whose forwards timed faster: %s", len(self.routes),
