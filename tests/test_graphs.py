@@ -227,6 +227,11 @@ def test_each_bucket_is_timed_and_a_pack_costs_its_buckets_time(tower):
     bucketed.eager_choice = EagerChoice(host_ms=1.0, gpu_ms=3.0, tokens=6000)  # a limit of 6000 tokens
     assert bucketed.forward_ms(6100) == pytest.approx(6100 * 3.0 / 6000)  # eager: its time a token
     assert bucketed.forward_ms(5121) == bucketed.bucket_ms[6144] and 5121 > WHOLE_MAX_TOKENS
+    for _ in range(EagerChoice.window):  # eager forwards as served took the host twice as long: the limit doubles
+        bucketed.eager_choice.issued(2.0)
+    assert [bucketed.forward_ms(6100) for _ in range(2 * EagerChoice.probe_every)] == [bucketed.bucket_ms[6144]] * (
+        2 * EagerChoice.probe_every)  # asking is not a pack: none of them counts as a probe
+    assert bucketed.eager_choice._declined == 0
     enc = Encoder(tower, Preprocessor(PreprocessConfig()), buckets)
     enc.forward.bucket_ms = dict(bucketed.bucket_ms)
     assert not enc.forward.captured and enc.forward_ms(100) is None  # CPU: no graphs, no timings used

@@ -302,10 +302,12 @@ class EagerChoice:
         """The pack size in tokens from which an eager forward issued in `host_ms` pays."""
         return int(self.margin * host_ms / self.gpu_ms_per_token)
 
-    def runs_eagerly(self, tokens: int) -> bool:
+    def runs_eagerly(self, tokens: int, probe: bool = True) -> bool:
+        """Whether a pack of `tokens` runs eagerly now: past the limit, or (with `probe`, a pack about to run) as the
+        `probe_every`-th pack past start-up's limit. `probe=False` asks without counting a pack (`forward_ms`)."""
         if tokens >= self.limit:
             return True
-        if tokens >= self._start_limit:
+        if probe and tokens >= self._start_limit:
             self._declined += 1
             if self._declined >= self.probe_every:
                 self._declined = 0
@@ -474,11 +476,19 @@ class BucketedTower:
         if not self.bucket_ms:
             return None
         bucket, choice = self.bucket_for(tokens), self.eager_choice
-        if bucket is not None and not (choice is not None and tokens > WHOLE_MAX_TOKENS and tokens >= choice.limit):
+        if not self._runs_eagerly(tokens, bucket, probe=False):
             return self.bucket_ms.get(bucket)
         largest = self.buckets[-1]
         per_token = choice.gpu_ms_per_token if choice is not None else self.bucket_ms[largest] / largest
         return per_token * tokens
+
+    def _runs_eagerly(self, tokens: int, bucket: int | None, probe: bool) -> bool:
+        """Whether a pack of `tokens` (in `bucket`, None past every bucket) runs eagerly: past every bucket, or above
+        WHOLE_MAX_TOKENS where the eager choice runs it so (`EagerChoice.runs_eagerly`; `probe`: a pack about to
+        run, which the choice's probes count)."""
+        choice = self.eager_choice
+        return bucket is None or (choice is not None and tokens > WHOLE_MAX_TOKENS
+                                  and choice.runs_eagerly(tokens, probe))
 
     @property
     def takes_frames(self) -> bool:
@@ -545,10 +555,8 @@ class BucketedTower:
         plan = self.plan(grids)
         if pixel_values.shape[0] != plan.num_tokens:
             raise ValueError(f"{pixel_values.shape[0]} patch rows for grids totalling {plan.num_tokens}")
-        tokens = self.bucket_for(plan.num_tokens)
-        choice = self.eager_choice
-        if tokens is None or (choice is not None and plan.num_tokens > WHOLE_MAX_TOKENS
-                              and choice.runs_eagerly(plan.num_tokens)):
+        tokens, choice = self.bucket_for(plan.num_tokens), self.eager_choice
+        if self._runs_eagerly(plan.num_tokens, tokens, probe=True):
             self.eager += 1
             start = time.perf_counter()
             out = self.tower(pixel_values, plan)
