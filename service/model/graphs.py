@@ -345,7 +345,7 @@ def eager_pass(forward, device) -> None:
 
 class BucketedTower:
     """`(pixel_values, grids) -> (merged, deepstack)` for any mix of grids, through CUDA graphs captured once per
-    token-count bucket (`capture`, at start-up): a pack is padded to the smallest bucket that holds it, its plan is
+    token-count bucket (`capture`, at start-up): a pack is padded to the smallest bucket that holds it (or a larger one that timed faster: `routes`), its plan is
     copied into the bucket's static inputs, and the graph pieces replay with the attention run eagerly between
     them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS` replays one graph of the whole forward
     instead. Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly (such a pack keeps
@@ -428,8 +428,8 @@ class BucketedTower:
     def time_buckets(self, reps: int = 3) -> None:
         """Time each bucket's forward of a full pack of photos (`typical_grids`): on CUDA the GPU's time with the
         launches queued ahead (`queued_ms`), elsewhere the wall time; after one run of each, `reps` rounds over every
-        bucket in turn, the median of each bucket's: a drift of the GPU's clock as it warms under its power cap spreads
-        over every bucket instead of falling on the ones timed last.
+        bucket, in ascending then descending order, the median of each bucket's: a drift of the GPU's clock as it warms
+        under its power cap spreads over every bucket instead of falling on the ones timed last.
         What a row costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs,
         and cuBLAS picks its kernel by the row count): on CUDA a bucket whose forward a larger one's beats hands its
         packs to that one (`cheapest_buckets`, `bucket_for`), and the batcher compares the measured forwards when it
@@ -452,8 +452,8 @@ class BucketedTower:
             forwards[tokens] = forward
             host_ms[tokens] = _wall_ms(forward)  # the run before the timed ones; on CUDA its host time sizes their wait
         times: dict[int, list[float]] = {tokens: [] for tokens in forwards}
-        for _ in range(reps):
-            for tokens, forward in forwards.items():
+        for r in range(reps):  # ascending, then descending, ...: no bucket is always timed last in a round
+            for tokens, forward in (forwards.items() if r % 2 == 0 else reversed(forwards.items())):
                 times[tokens].append(queued_ms(forward, host_ms[tokens], 1) if cuda else _wall_ms(forward))
         self.bucket_ms = {tokens: statistics.median(ms) for tokens, ms in times.items()}
         per_row = {tokens: ms / tokens * 1e6 for tokens, ms in self.bucket_ms.items() if tokens > WHOLE_MAX_TOKENS}
