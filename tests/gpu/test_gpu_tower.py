@@ -168,7 +168,7 @@ def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
     graph replay (the bucket that holds it exactly)."""
     from triton.testing import do_bench
 
-    from service.model.graphs import EAGER_MARGIN, BucketedTower, typical_grids
+    from service.model.graphs import EAGER_MARGIN, BucketedTower, cheapest_buckets, typical_grids
 
     cfg = preset("qwen3-vl-2b")
     tower = random_tower(cfg, "cuda", torch.bfloat16, seed=5)
@@ -185,6 +185,11 @@ def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
         assert measured.buckets == every.buckets == buckets and measured.captured
         # each bucket's forward timed after capture (`time_buckets`): the largest within a third of its replay below
         assert sorted(measured.bucket_ms) == list(buckets) and all(ms > 0 for ms in measured.bucket_ms.values())
+        assert measured.routes == cheapest_buckets(measured.bucket_ms)  # routed where a larger bucket timed faster
+        for small, large in measured.routes.items():
+            assert measured.bucket_for(small) == large
+            if not measured.eager_choice.runs_eagerly(small, probe=False):
+                assert measured.forward_ms(small) == measured.bucket_ms[large]
         grids = typical_grids(32768, cfg.spatial_merge_size)
         pixels = torch.randn(32768, cfg.patch_dim, device="cuda", dtype=torch.bfloat16)
         replay_ms = do_bench(lambda: every(pixels, grids), warmup=20, rep=200, return_mode="median")
