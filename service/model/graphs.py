@@ -34,7 +34,7 @@ WHOLE_MAX_TOKENS = 4096
 # A pack above WHOLE_MAX_TOKENS runs in the smallest bucket that holds it unless a larger one's timed forward
 # (`BucketedTower.time_buckets`) is at least this much faster: cuBLAS picks its GEMM kernel by the row count, and at
 # some counts its pick is slower than at a few hundred rows more (on an H200, 32,768 rows' fc1 took 12% longer than
-# 32,144 rows'; docs/PERFORMANCE.md, "What a row costs in each bucket"). The margin keeps the timings' noise from
+# 32,144 rows'; docs/PERFORMANCE.md, "Why rows cost more in some buckets"). The margin keeps the timings' noise from
 # moving packs to larger buckets for nothing.
 ROUTE_GAIN = 0.02
 
@@ -345,9 +345,9 @@ def eager_pass(forward, device) -> None:
 
 class BucketedTower:
     """`(pixel_values, grids) -> (merged, deepstack)` for any mix of grids, through CUDA graphs captured once per
-    token-count bucket (`capture`, at start-up): a pack is padded to the smallest bucket that holds it (or a larger one that timed faster: `routes`), its plan is
-    copied into the bucket's static inputs, and the graph pieces replay with the attention run eagerly between
-    them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS` replays one graph of the whole forward
+    token-count bucket (`capture`, at start-up): a pack is padded to the smallest bucket that holds it (or to a larger
+    one that timed faster: `routes`), its plan is copied into the bucket's static inputs, and the graph pieces replay
+    with the attention run eagerly between them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS` replays one graph of the whole forward
     instead. Nothing is captured once traffic flows; a pack larger than every bucket runs eagerly (such a pack keeps
     the GPU busier than its launches take to issue). With an `eager_margin`, `capture` also times an eager forward, and
     packs from where that is as fast run eagerly too (`EagerChoice`, which follows the host time eager forwards take
@@ -429,11 +429,11 @@ class BucketedTower:
         """Time each bucket's forward of a full pack of photos (`typical_grids`): on CUDA the GPU's time with the
         launches queued ahead (`queued_ms`), elsewhere the wall time; after one run of each, `reps` rounds over every
         bucket, in ascending then descending order, the median of each bucket's: a drift of the GPU's clock as it warms
-        under its power cap spreads over every bucket instead of falling on the ones timed last.
-        What a row costs is not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs,
-        and cuBLAS picks its kernel by the row count): on CUDA a bucket whose forward a larger one's beats hands its
-        packs to that one (`cheapest_buckets`, `bucket_for`), and the batcher compares the measured forwards when it
-        trims a pack (`forward_ms`)."""
+        under its power cap spreads over every bucket instead of falling on the ones timed last. What a row costs is
+        not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs, and cuBLAS picks its
+        kernel by the row count): on CUDA a bucket whose forward a larger one's beats hands its packs to that one
+        (`cheapest_buckets`, `bucket_for`), and the batcher compares the measured forwards when it trims a pack
+        (`forward_ms`)."""
         tower, cfg = self.tower, self.tower.config
         try:
             pixels = torch.randn((self.buckets[-1], cfg.patch_dim), dtype=tower.dtype, device=tower.device)
