@@ -349,9 +349,10 @@ class BucketedTower:
     one that timed faster: `routes`), its plan is copied into the bucket's static inputs, and the graph pieces replay
     with the attention run eagerly between them (see `_Bucket`); a pack of one frame within `WHOLE_MAX_TOKENS`
     replays one graph of the whole forward instead. Nothing is captured once traffic flows; a pack larger than every
-    bucket runs eagerly (such a pack keeps the GPU busier than its launches take to issue). With an `eager_margin`, `capture` also times an eager forward, and
-    packs from where that is as fast run eagerly too (`EagerChoice`, which follows the host time eager forwards take
-    as served). Plans of recent signatures are kept, so a repeated layout skips building its plan."""
+    bucket runs eagerly (such a pack keeps the GPU busier than its launches take to issue). With an `eager_margin`,
+    `capture` also times an eager forward, and packs from where that is as fast run eagerly too (`EagerChoice`,
+    which follows the host time eager forwards take as served). Plans of recent signatures are kept, so a repeated
+    layout skips building its plan."""
 
     plan_cache_size = 256
 
