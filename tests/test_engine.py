@@ -181,8 +181,9 @@ class BucketedDevice(SimulatedDevice):
     """A simulated device whose forwards compute whole graph buckets (`Encoder.computed_tokens`), with the GPU ms of
     each bucket's forward where `bucket_ms` gives them (`Encoder.forward_ms`)."""
 
-    def __init__(self, inner: Encoder, seconds: float, buckets: tuple[int, ...], bucket_ms: dict | None = None):
-        super().__init__(inner, seconds)
+    def __init__(self, inner: Encoder, seconds: float, buckets: tuple[int, ...], bucket_ms: dict | None = None,
+                 launch_s: float = 0.0):
+        super().__init__(inner, seconds, launch_s=launch_s)
         self.buckets, self.bucket_ms = buckets, bucket_ms
 
     def computed_tokens(self, tokens: int) -> int:
@@ -195,13 +196,15 @@ class BucketedDevice(SimulatedDevice):
 def test_a_busy_gpus_pack_leaves_out_the_items_that_would_pad_its_graph_bucket(tiny, monkeypatch):
     """Five requests arrive while a forward runs; with buckets of 4 and 8 items' patches, the five would compute 8
     items' rows: the next pack takes 4 (its bucket full) and the fifth goes first in the pack after. An idle GPU's
-    pack is never trimmed, and every result is the item's own."""
+    pack is never trimmed, and every result is the item's own. Margins for a loaded host (a CI run once saw the five go
+    whole): the forward takes 0.8 s, so the five arrive within its first fifth, and the launches take 50 ms of host
+    time, so the next pack is taken 75 ms before the forward's predicted end, not 1 ms."""
     monkeypatch.setattr(batching, "FORWARD_ROWS", 0)
     monkeypatch.setattr(batching, "TRIM_MIN_PATCHES", 0)
     rng = np.random.default_rng(11)
     items = [tiny.preprocess(Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8))) for _ in range(6)]
     n = items[0].num_patches
-    device = BucketedDevice(tiny, seconds=0.3, buckets=(4 * n, 8 * n))
+    device = BucketedDevice(tiny, seconds=0.8, buckets=(4 * n, 8 * n), launch_s=0.05)
 
     async def go():
         eng = _engine(device, max_wait_ms=0)
