@@ -240,16 +240,23 @@ def eager_costs(forward, device, reps: int = 3) -> tuple[float, float]:
     return host_ms, queued_ms(forward, host_ms, reps)
 
 
-def queued_ms(forward, host_ms: float, reps: int = 3) -> float:
-    """Median GPU milliseconds of `reps` calls of `forward()`, each queued behind a wait long enough for the host to
-    issue its launches (about `host_ms`), so that no launch gap is counted."""
+def sleep_cycles_per_ms() -> float:
+    """The rate of `torch.cuda._sleep` on the current device, in cycles a millisecond (timed once: `queued_ms`)."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     cycles = 1 << 22
     begin.record()
     torch.cuda._sleep(cycles)
     end.record()
     end.synchronize()
-    wait = int(cycles * 2 * host_ms / max(begin.elapsed_time(end), 1e-3)) + 1
+    return cycles / max(begin.elapsed_time(end), 1e-3)
+
+
+def queued_ms(forward, host_ms: float, reps: int = 3, cycles_per_ms: float | None = None) -> float:
+    """Median GPU milliseconds of `reps` calls of `forward()`, each queued behind a wait long enough for the host to
+    issue its launches (about `host_ms`), so that no launch gap is counted; `cycles_per_ms`: the wait's rate where
+    the caller timed it already (`sleep_cycles_per_ms`)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    wait = int(2 * host_ms * (cycles_per_ms or sleep_cycles_per_ms())) + 1
     gpu = []
     for _ in range(reps):
         torch.cuda._sleep(wait)
@@ -453,9 +460,10 @@ class BucketedTower:
             forwards[tokens] = forward
             host_ms[tokens] = _wall_ms(forward)  # the run before the timed ones; on CUDA its host time sizes their wait
         times: dict[int, list[float]] = {tokens: [] for tokens in forwards}
+        rate = sleep_cycles_per_ms() if cuda else None  # the queued wait's, once for every timing
         for r in range(reps):  # ascending, then descending, ...: no bucket is always timed last in a round
             for tokens, forward in (forwards.items() if r % 2 == 0 else reversed(forwards.items())):
-                times[tokens].append(queued_ms(forward, host_ms[tokens], 1) if cuda else _wall_ms(forward))
+                times[tokens].append(queued_ms(forward, host_ms[tokens], 1, rate) if cuda else _wall_ms(forward))
         self.bucket_ms = {tokens: statistics.median(ms) for tokens, ms in times.items()}
         per_row = {tokens: ms / tokens * 1e6 for tokens, ms in self.bucket_ms.items() if tokens > WHOLE_MAX_TOKENS}
         if per_row:
