@@ -51,22 +51,20 @@ def tree_cpu_s(root: int) -> float:
     return total
 
 
-def spy(proc: subprocess.Popen, devices: str, out: Path, tag: str,
-        seconds: int = 10) -> list[tuple[str, Path, subprocess.Popen]]:
-    """py-spy (where installed, `common.py_spy`) for `seconds`, in the background, on the process that runs the first
-    device's engine (the job's own with one device, else its first device process): its threads holding the
-    interpreter lock, and its threads on a CPU whatever they hold. Returns (kind, raw profile path, py-spy process)
-    for `top_frames` once the job is done."""
+def spy(proc: subprocess.Popen, out: Path, tag: str, seconds: int = 10) -> list[tuple[str, Path, subprocess.Popen]]:
+    """py-spy (where installed, `common.py_spy`) for `seconds`, in the background, on the job's first engine process
+    (its oldest child: the engines start before the decoding processes) and on a decoding process (its youngest):
+    the threads holding each one's interpreter lock, and the decoding process's threads on a CPU whatever they hold.
+    Returns (kind, raw profile path, py-spy process) for `top_frames` once the job is done."""
     import psutil
 
-    pid = proc.pid
-    if devices != "0":
-        kids = [c for c in psutil.Process(proc.pid).children() if "multiprocessing" in " ".join(c.cmdline())]
-        if not kids:
-            return []
-        pid = min(kids, key=lambda c: c.create_time()).pid
+    kids = sorted((c for c in psutil.Process(proc.pid).children() if "multiprocessing" in " ".join(c.cmdline())
+                   and "resource_tracker" not in " ".join(c.cmdline())), key=lambda c: c.create_time())
+    if not kids:
+        return []
     made = []
-    for kind, gil in (("gil", True), ("cpu", False)):
+    for kind, pid, gil in (("engine_gil", kids[0].pid, True), ("worker_gil", kids[-1].pid, True),
+                           ("worker_cpu", kids[-1].pid, False)):
         path = out / f"profile_dataset_{tag}_{kind}.txt"
         job = py_spy(pid, seconds, path, gil=gil)
         if job is not None:
@@ -77,7 +75,7 @@ def spy(proc: subprocess.Popen, devices: str, out: Path, tag: str,
 def job(images: Path, out: Path, devices: str, kill_at: float | None = None, profile: Path | None = None,
         tag: str = "") -> dict:
     """One run of the CLI; its rate and CPU between 10% and 90% of its shards; `kill_at`: SIGKILL to its process
-    group once that fraction of the shards is committed; `profile`: py-spy on its first device's process from 10% of
+    group once that fraction of the shards is committed; `profile`: py-spy on its first engine and a decoding process from 10% of
     the shards (`spy`), the top frames in the row."""
     shards = -(-len(list(images.iterdir())) // SHARD)
     cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", MODEL,
@@ -97,7 +95,7 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
             if name not in marks and n >= at:
                 marks[name] = (time.perf_counter(), n, tree_cpu_s(proc.pid))
                 if name == "lo" and profile is not None:
-                    spied = spy(proc, devices, profile, tag)
+                    spied = spy(proc, profile, tag)
         time.sleep(0.02)
     err = proc.stderr.read()
     if proc.returncode != 0:
@@ -149,7 +147,7 @@ def main():
     ap.add_argument("--images-per-gpu", type=int, default=20000)
     ap.add_argument("--quant", default="bf16,fp8")
     ap.add_argument("--no-resume", dest="resume", action="store_false", help="without the kill-and-rerun test")
-    ap.add_argument("--profile", action="store_true", help="py-spy on the first device's process during each job "
+    ap.add_argument("--profile", action="store_true", help="py-spy on an engine and a decoding process during each job "
                     "(raw profiles in --out, their top frames in the rows)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

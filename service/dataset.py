@@ -25,10 +25,12 @@ Columns: `id` (the file's path relative to its directory, the list's line, `TAR/
   it (`num_tokens` lists of float32: the merged tokens, then each DeepStack level); its `image_grid_thw` is
   `[grid_thw]`.
 
-The encoding is the server's: one `LocalEngine` per device (`--devices`, default every visible GPU; with several, a
-process each), each with its batcher, packing the inputs of every shard in flight into forwards; decoding in threads,
-videos in the sandbox; the same limits (`Settings`) as the server. A corrupt or hostile input fails alone, into the
-errors file.
+The encoding is the server's, in the server's processes without HTTP: an engine process per device (`--devices`,
+default every visible GPU), each with its batcher, packing the inputs of every shard in flight into forwards, and
+restarted if it dies; as many decoding processes as the server has front-ends (`--http-workers`), each decoding in
+threads (videos in the sandbox) and sending each input to the least loaded engine; the same limits (`Settings`) as
+the server. On one CPU device, as `serve` there, the engine runs in the job's process. A corrupt or hostile input
+fails alone, into the errors file.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .errors import EncoderError, InvalidInput
+from .errors import EncoderError, EngineUnavailable, InferenceFailed, InvalidInput, Overloaded, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ FORMAT_VERSION = 1
 # Face `datasets`: a leading "__"): pandas, pyarrow, Ray and `datasets` read the output directory as it is
 JOB_DIR = "__job__"
 MANIFEST, ERRORS = f"{JOB_DIR}/manifest.json", f"{JOB_DIR}/errors"
+RETRIES = 3  # an input's tries after the first where a forward failed or the queue was full (`DatasetJob._retried`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,15 +190,16 @@ def shard_name(k: int) -> str:
 
 
 class DatasetJob:
-    """Encodes shards of `entries` into `out_dir` with `engine` (a started `LocalEngine`; None for `prepare` alone);
-    `run()` returns the counts.
+    """Encodes shards of `entries` into `out_dir` with `engine` (a started `api.Engine`: a `LocalEngine`, or a
+    decoding process's `EnginePool`; None for `prepare` alone); `run()` returns the counts.
     `shards`: the shard numbers to encode, by default every one not written yet; an async iterator of them (a work
-    queue shared by processes) is taken as it comes. `report(n)`: called as inputs finish, instead of a progress bar."""
+    queue shared by processes) is taken as it comes. `report(n)`: called as inputs finish, instead of a progress bar.
+    `window`: inputs in flight at once, across shards."""
 
     def __init__(self, entries: list[Entry], out_dir: Path, engine, opts: JobOptions, model: str,
-                 progress: bool = True, report=None):
+                 progress: bool = True, report=None, window: int = 256):
         self.entries, self.out_dir, self.engine, self.opts, self.model = entries, out_dir, engine, opts, model
-        self.progress, self.report = progress, report
+        self.progress, self.report, self.window = progress, report, window
         self.shards = [entries[i:i + opts.shard_size] for i in range(0, len(entries), opts.shard_size)]
 
     def manifest(self) -> dict:
@@ -230,8 +234,7 @@ class DatasetJob:
         total = sum(len(self.shards[k]) for k in shards) if isinstance(shards, list) else None
         bar = tqdm(total=total, unit="img", disable=not self.progress, smoothing=0.05)
         done = self.report or bar.update
-        # inputs in flight at once, across shards: enough to fill the engine's largest pack four times over
-        window = asyncio.Semaphore(max(64, 4 * self.engine.settings.max_batch_items))
+        window = asyncio.Semaphore(self.window)
         counts = {"shards_done_before": len(self.shards) - len(shards) if total is not None else 0, "shards_written": 0,
                   "rows": 0, "errors": 0}
         start = time.perf_counter()
@@ -270,12 +273,27 @@ class DatasetJob:
             try:
                 if isinstance(data, Exception):
                     raise EncoderError(f"cannot read: {data}")
-                return await self._encode(entry, data)
+                return await self._retried(entry, data)
             except EncoderError as e:
                 message = e.message if isinstance(e, InvalidInput) else str(e)  # (not "input 0: ...")
                 return {"id": entry.id, "source": entry.source, "error": type(e).__name__, "message": message}
             finally:
                 done(1)
+
+    async def _retried(self, entry: Entry, data: bytes) -> dict:
+        """`_encode`, again after its `retry_after` where the engine could not take it: while no engine process is
+        up (one restarting: its supervisor restarts it or stops the job) for as long as that lasts; a full queue or
+        a failed forward up to `RETRIES` times, then the input goes to the errors file with the reason."""
+        failures = 0
+        while True:
+            try:
+                return await self._encode(entry, data)
+            except (EngineUnavailable, ShuttingDown, Overloaded, InferenceFailed) as e:
+                if not isinstance(e, (EngineUnavailable, ShuttingDown)):
+                    failures += 1
+                    if failures > RETRIES:
+                        raise
+                await asyncio.sleep(e.retry_after)
 
     async def _encode(self, entry: Entry, data: bytes) -> dict:
         o = self.opts
@@ -386,71 +404,104 @@ async def _aiter(shards):
             yield k
 
 
-def dataset_decoders(devices: int) -> int:
-    """Decoding threads per device's process unless set (`preprocess_workers`): the server's 4 are its engines'
-    share beside the front-ends, which decode its images; here each device's process decodes all of its own. 12 kept
-    a 2B's H200 fed with 448 px JPEGs (4 gave 0.62 of the forward on 4 GPUs, 12 gave 0.91), within the cores there
-    are, two kept for the rest of each process."""
-    return max(2, min(12, (os.cpu_count() or 8) // devices - 2))
-
-
 async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOptions, progress: bool = True) -> dict:
-    """Encode `entries` on every device of `settings` (`resolved_devices`). One device: its engine here. Several: one
-    process per device, each with its engine and its own decoding threads (a process's interpreter lock would bound
-    the decoding of every GPU otherwise), taking shards from one queue as it has room; this process keeps the
-    manifest and the progress bar."""
+    """Encode `entries` as `serve` would on `settings`' devices (`resolved_devices`). Where the server runs its
+    model in its own process (`resolved_http_workers` 0: one CPU device), the engine runs here. Otherwise the
+    server's process layout (`_run_processes`): an engine process per device, restarted if it dies, and as many
+    decoding processes as the server has front-ends, each routing its inputs to the least loaded engine and taking
+    shards from one queue as it has room; this process keeps the manifest and the progress bar."""
     devices = settings.resolved_devices()
-    if "preprocess_workers" not in settings.model_fields_set:
-        settings = settings.model_copy(update={"preprocess_workers": dataset_decoders(len(devices))})
-    log.info("encoding %d inputs in %d shards on %s, %d decoding threads each", len(entries),
-             -(-len(entries) // opts.shard_size), ", ".join(devices), settings.preprocess_workers)
-    if len(devices) == 1:
+    workers = settings.resolved_http_workers()
+    log.info("encoding %d inputs in %d shards on %s, %d decoding processes of %d threads", len(entries),
+             -(-len(entries) // opts.shard_size), ", ".join(devices), max(1, workers), settings.preprocess_workers)
+    if not workers:
         from .engine.local import LocalEngine
 
         engine = LocalEngine(settings.model_copy(update={"device": devices[0], "devices": None}))
         await engine.start()
         try:
-            return await DatasetJob(entries, out_dir, engine, opts, settings.model, progress).run()
+            return await DatasetJob(entries, out_dir, engine, opts, settings.model, progress,
+                                    window=in_flight(settings, 1, 1)).run()
         finally:
             await engine.stop()
-    return await asyncio.to_thread(_run_processes, entries, out_dir, settings, opts, devices, progress)
+    return await asyncio.to_thread(_run_processes, entries, out_dir, settings, opts, devices, workers, progress)
 
 
-def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: list[str], progress: bool) -> dict:
+def in_flight(settings, devices: int, workers: int) -> int:
+    """Inputs a decoding process keeps in flight: between them, enough to fill each engine's largest pack four times
+    over (the next packs queue while one computes), at least 16 each."""
+    return max(16, -(-4 * settings.max_batch_items * devices // workers))
+
+
+def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: list[str], workers: int,
+                   progress: bool) -> dict:
+    """The server's layout without HTTP: `EngineSupervisor`s over one engine process per device, `workers` decoding
+    processes (`_worker_main`) connected to all of them as the front-ends are (`EnginePool`), shards from one
+    queue. An engine that dies is restarted and its inputs retried (`DatasetJob._one`); one that cannot start or
+    keeps dying stops the job, the shards written kept."""
     import multiprocessing as mp
     import queue as queues
+    import shutil
+    import tempfile
 
     from tqdm import tqdm
 
-    from .engine.supervisor import engine_environment
+    from .engine.supervisor import EngineSupervisor, engine_environment, started_marker
+    from .engine.wiring import Wiring
 
     job = DatasetJob(entries, out_dir, None, opts, settings.model)
     todo = job.prepare()
     start = time.perf_counter()
+    workdir = tempfile.mkdtemp(prefix="qwen3vl-dataset-")
+    sockets = [os.path.join(workdir, f"engine-{i}.sock") for i in range(len(devices))]
+    settings = settings.model_copy(update={"devices": ",".join(devices), "http_workers": workers,
+                                           "cuda_graphs": settings.resolved_cuda_graphs()})
+    wiring = Wiring(engine_sockets=tuple(sockets))
+    env = {**settings.as_env(), **wiring.to_env()}
+    engines = [EngineSupervisor({**env, **engine_environment(device), **Wiring(engine_sockets=(sock,)).to_env()},
+                                backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
+                                window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
+                                name=device, retry_start=False)
+               for device, sock in zip(devices, sockets)]
     ctx = mp.get_context("spawn")
     work, reports = ctx.Queue(), ctx.Queue()
-    for k in todo:
-        work.put((k, job.shards[k]))
-    procs = []
-    for i, device in enumerate(devices):
-        env = engine_environment(device)
-        child = settings.model_copy(update={"device": env["QWEN3VL_DEVICE"], "devices": None})
-        procs.append(ctx.Process(target=_device_main, args=(i, env, child, out_dir, opts, work, reports),
-                                 name=f"qwen3vl-dataset-{device}", daemon=True))
-        work.put(None)  # one end marker per process
-    for proc in procs:
-        proc.start()
+    procs: list = []
     counts = {"shards_done_before": len(job.shards) - len(todo), "shards_written": 0, "rows": 0, "errors": 0}
     bar = tqdm(total=sum(len(job.shards[k]) for k in todo), unit="img", disable=not progress, smoothing=0.05)
     finished, failure = set(), None
+
+    def given_up() -> str | None:
+        dead = next((e for e in engines if e.exit_code is not None), None)
+        if dead is None:
+            return None
+        return f"the engine on {dead.name} {'stopped' if dead.ready.is_set() or dead.restarts else 'could not start'}" \
+               f": {dead.last_error}"
+
     try:
+        for engine in engines:
+            engine.start()
+        while not all(e.ready.is_set() for e in engines) and (failure := given_up()) is None:
+            time.sleep(0.1)
+        if failure is None:
+            with open(started_marker(sockets[0]), "w"):
+                pass
+            for k in todo:
+                work.put((k, job.shards[k]))
+            for i in range(workers):
+                procs.append(ctx.Process(target=_worker_main, args=(i, settings, wiring, out_dir, opts, work, reports,
+                                                                    in_flight(settings, len(devices), workers)),
+                                         name=f"qwen3vl-dataset-{i}", daemon=True))
+                work.put(None)  # one end marker per process
+            for proc in procs:
+                proc.start()
         while len(finished) < len(procs) and failure is None:
             try:
                 i, kind, value = reports.get(timeout=1.0)
             except queues.Empty:
                 dead = [i for i, p in enumerate(procs) if i not in finished and not p.is_alive()]
                 if dead:
-                    failure = f"the process for {devices[dead[0]]} exited with code {procs[dead[0]].exitcode}"
+                    failure = f"decoding process {dead[0]} exited with code {procs[dead[0]].exitcode}"
+                failure = failure or given_up()
                 continue
             if kind == "done":
                 bar.update(value)
@@ -459,28 +510,30 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                 for key in ("shards_written", "rows", "errors"):
                     counts[key] += value[key]
             else:
-                failure = f"{devices[i]}: {value}"
+                failure = f"decoding process {i}: {value}"
     finally:
         bar.close()
         for proc in procs:
             if failure is not None and proc.is_alive():
                 proc.terminate()
             proc.join()
+        for engine in engines:
+            engine.stop(settings.graceful_shutdown_s + 30)
+        shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:
         raise EncoderError(f"{failure}; the shards written are kept: run the same command again to go on")
     counts["seconds"] = round(time.perf_counter() - start, 2)
     return counts
 
 
-def _device_main(index: int, env: dict, settings, out_dir: Path, opts: JobOptions, work, reports) -> None:
-    """A device's process: its engine (the device alone visible, `engine_environment`), then shards from `work` until
-    its end marker; reports the inputs done, then its counts (or its error)."""
+def _worker_main(index: int, settings, wiring, out_dir: Path, opts: JobOptions, work, reports, window: int) -> None:
+    """A decoding process: the engine processes as a front-end sees them (`open_engine`), then shards from `work`
+    until its end marker; reports the inputs done, then its counts (or its error)."""
     import threading
 
-    os.environ.update(env)
     parent = os.getppid()
 
-    def watch():  # the parent killed: stop rather than hold the GPU
+    def watch():  # the parent killed: stop (its engines stop as their pipes to it close)
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
@@ -493,13 +546,15 @@ def _device_main(index: int, env: dict, settings, out_dir: Path, opts: JobOption
         done[0] += n
 
     async def main():
-        from .engine.local import LocalEngine
+        from .engine.factory import open_engine
         from .runtime import configure_process
 
-        configure_process("local")
-        engine = LocalEngine(settings)
+        configure_process("frontend")
+        engine = open_engine(settings, wiring)
         await engine.start()
-        job = DatasetJob([], out_dir, engine, opts, settings.model, progress=False, report=report)
+        while not engine.started:  # connected to every engine (all ready before this process started)
+            await asyncio.sleep(0.02)
+        job = DatasetJob([], out_dir, engine, opts, settings.model, progress=False, report=report, window=window)
         job.shards = {}
 
         async def shards():

@@ -15,6 +15,12 @@ class CheckpointError(EncoderError):
     reason = "checkpoint"
 
 
+class DeviceUnavailable(EncoderError):
+    """The device the settings name cannot be used by this process (no CUDA, no such GPU)."""
+
+    reason = "device"
+
+
 class InvalidInput(EncoderError):
     """One input item is unusable. `index` is its position in the request, when known."""
 

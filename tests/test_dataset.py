@@ -250,7 +250,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     (tmp_path / "a.png").write_bytes(random_pngs(1, seed=45)[0])
     for model, devices, message in (
             ("random:nope", "cpu,cpu", "unknown preset"),  # told before any engine starts
-            ("random:tiny", "cpu,cuda:7", "cuda:7: RuntimeError"),  # a device whose engine cannot start: the job stops
+            # a device whose engine cannot start: the job stops
+            ("random:tiny", "cpu,cuda:7", "the engine on cuda:7 could not start: cuda:0: CUDA is not available"),
     ):
         done = subprocess.run([sys.executable, "-m", "service.cli", "dataset", str(tmp_path / "a.png"), "-o",
                                str(tmp_path / "o2"), "--model", model, "--devices", devices, "--quiet"],

@@ -32,6 +32,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -54,7 +55,13 @@ def _engine_main(conn, env: dict[str, str], open_device: bool = False) -> int:
         open_device_early(env)
     from .process import engine_process_main
 
-    return engine_process_main(conn, env, imported_s=time.monotonic() - began)
+    code = engine_process_main(conn, env, imported_s=time.monotonic() - began)
+    # out without the interpreter's teardown, as a forked child leaves: everything is flushed and closed, and at
+    # teardown Triton's bindings report each of their objects still alive as a leak, dozens of lines per engine
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def open_device_early(env: dict[str, str]) -> threading.Thread | None:
@@ -110,10 +117,13 @@ class EngineSupervisor:
     def __init__(self, env: dict[str, str], *, backoff_s: float = 0.5, max_backoff_s: float = 15.0,
                  max_restarts: int = 5, window_s: float = 600.0, standby: bool = True,
                  on_restart: Callable[[], None] | None = None, on_give_up: Callable[[int], None] | None = None,
-                 name: str = "engine"):
+                 name: str = "engine", retry_start: bool = True):
         """`env`: the engine's settings as QWEN3VL_* variables; `on_restart()`: called at each restart (a metric);
-        `on_give_up(exit_code)`: called once if the supervisor gives up (the server then stops)."""
+        `on_give_up(exit_code)`: called once if the supervisor gives up (the server then stops); `retry_start`
+        False: an engine that fails before it was ever ready gives up at once, without a log line (the caller says
+        why, from `last_error`)."""
         self.env = env
+        self.retry_start = retry_start
         self.name = name  # its device, in logs
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.max_restarts, self.window_s = max_restarts, window_s
@@ -200,7 +210,8 @@ class EngineSupervisor:
             if status == "ready":
                 ever_ready = True
                 self.ready.set()
-                log.info("engine process %d on %s ready%s", proc.pid, self.name, f" (restart {self.restarts})" if self.restarts else "")
+                log.info("engine process %d on %s ready%s", proc.pid, self.name,
+                         f" (restart {self.restarts})" if self.restarts else "")
                 if self.standby:
                     with self._lock:
                         if not self._stopping.is_set():
@@ -211,9 +222,10 @@ class EngineSupervisor:
             if self._stopping.is_set():
                 return
             how = message if status in ("error", "fatal") else _exit_description(proc.exitcode)
-            if status == "fatal" and not ever_ready:
+            if not ever_ready and (status == "fatal" or not self.retry_start):
                 self.last_error = how
-                log.error("the engine on %s could not start: %s", self.name, how)
+                if self.retry_start:
+                    log.error("the engine on %s could not start: %s", self.name, how)
                 return self._give_up(LOAD_ERROR_EXIT)
             now = time.monotonic()
             deaths.append(now)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import DeviceUnavailable
 from .graphs import EAGER_MARGIN, BucketedTower
 from .loader import load_tower
 from .preprocess import Preprocessor, Preprocessed, lut_table, patchify
@@ -30,7 +31,7 @@ def bind_thread(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"{device}: CUDA is not available to this process (torch {torch.__version__}, CUDA "
+            raise DeviceUnavailable(f"{device}: CUDA is not available to this process (torch {torch.__version__}, CUDA "
                                f"build {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
                                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         torch.cuda.set_device(device.index if device.index is not None else 0)
