@@ -58,8 +58,14 @@ def spy(proc: subprocess.Popen, out: Path, tag: str, seconds: int = 10) -> list[
     Returns (kind, raw profile path, py-spy process) for `top_frames` once the job is done."""
     import psutil
 
-    kids = sorted((c for c in psutil.Process(proc.pid).children() if "multiprocessing" in " ".join(c.cmdline())
-                   and "resource_tracker" not in " ".join(c.cmdline())), key=lambda c: c.create_time())
+    def command(c) -> str:
+        try:
+            return " ".join(c.cmdline())
+        except psutil.Error:  # gone, or a zombie (an engine's standby that exited)
+            return ""
+
+    kids = sorted((c for c in psutil.Process(proc.pid).children() if "multiprocessing" in command(c)
+                   and "resource_tracker" not in command(c)), key=lambda c: c.create_time())
     if not kids:
         return []
     made = []
