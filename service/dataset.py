@@ -250,11 +250,12 @@ class DatasetJob:
             counts["rows"] += len(rows)
             counts["errors"] += len(errors)
 
-        # shards start in order and overlap: the next one's inputs queue while the last items of one finish
+        # shards start in order and overlap: the next one is read and its inputs queue while the last items of one
+        # finish (two at once: a node's dozens of decoding processes each hold their shards' bytes in memory)
         running: set[asyncio.Task] = set()
         try:
             async for k in _aiter(shards):
-                while len(running) >= 4:
+                while len(running) >= 2:
                     finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                     for t in finished:
                         t.result()
@@ -265,7 +266,7 @@ class DatasetJob:
             for t in running:
                 t.cancel()
             bar.close()
-        counts["seconds"] = round(time.perf_counter() - start, 2)
+        counts["encode_s"] = round(time.perf_counter() - start, 2)
         return counts
 
     async def _one(self, entry: Entry, data, window: asyncio.Semaphore, done) -> dict:
@@ -417,13 +418,16 @@ async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOption
     if not workers:
         from .engine.local import LocalEngine
 
+        began = time.perf_counter()
         engine = LocalEngine(settings.model_copy(update={"device": devices[0], "devices": None}))
         await engine.start()
+        started = time.perf_counter()
         try:
-            return await DatasetJob(entries, out_dir, engine, opts, settings.model, progress,
-                                    window=in_flight(settings, 1, 1)).run()
+            counts = await DatasetJob(entries, out_dir, engine, opts, settings.model, progress,
+                                      window=in_flight(settings, 1, 1)).run()
         finally:
             await engine.stop()
+        return {**counts, "startup_s": round(started - began, 2)}
     return await asyncio.to_thread(_run_processes, entries, out_dir, settings, opts, devices, workers, progress)
 
 
@@ -482,6 +486,7 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
             engine.start()
         while not all(e.ready.is_set() for e in engines) and (failure := given_up()) is None:
             time.sleep(0.1)
+        ready = time.perf_counter()
         if failure is None:
             with open(started_marker(sockets[0]), "w"):
                 pass
@@ -522,7 +527,8 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
         shutil.rmtree(workdir, ignore_errors=True)
     if failure is not None:
         raise EncoderError(f"{failure}; the shards written are kept: run the same command again to go on")
-    counts["seconds"] = round(time.perf_counter() - start, 2)
+    counts["startup_s"] = round(ready - start, 2)
+    counts["encode_s"] = round(time.perf_counter() - ready, 2)
     return counts
 
 

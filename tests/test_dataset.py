@@ -178,6 +178,22 @@ def test_the_device_processes_stop_when_the_job_is_killed(tmp_path):
         time.sleep(0.1)
 
 
+def test_an_engine_killed_mid_job_is_restarted_and_its_inputs_retried(tmp_path):
+    """SIGKILL to one of the job's two engine processes once shards are being written: its supervisor starts another
+    and the inputs it held are sent again, none of them to the errors file; the job ends with exit code 0."""
+    import psutil
+
+    proc, out, _ = _cli_job_with_shards_written(tmp_path, 40, 46, ["--devices", "cpu,cpu", "--shard-size", "2"], 1)
+    kids = sorted((c for c in psutil.Process(proc.pid).children() if "resource_tracker" not in " ".join(c.cmdline())),
+                  key=lambda c: c.create_time())
+    kids[0].kill()  # the first engine (engines start before their standbys and the decoding processes)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    assert "starting a new one" in stderr.decode()  # the supervisor's restart, not a job that ended first
+    ids = _read(out).column("id").to_pylist()
+    assert sorted(ids) == [f"{i:03d}.png" for i in range(40)] and not _errors(out)
+
+
 def test_parquet_readers_read_the_output_directory_as_it_is(inputs, tmp_path):
     """pandas, pyarrow's datasets, `pq.read_table` and Hugging Face `datasets` given the directory (the job's manifest
     and errors beside the shards): every row once, the columns typed. (Ray's `read_parquet`: the Ray test.)"""
