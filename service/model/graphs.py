@@ -42,9 +42,9 @@ ROUTE_GAIN = 0.02
 # this multiple of the host time eager forwards take to issue now (`EagerChoice`; `Settings.cuda_graph_eager_margin`'s
 # default). Past that, an eager forward keeps the GPU as busy (the host issues its launches faster than the GPU runs
 # them) without the bucket's padding rows and the graph launches between its pieces (docs/PERFORMANCE.md, "Large
-# packs run eagerly"). Serving, the launching thread shares the GIL with the engine's loop, its copier threads and, in
-# a dataset job, twelve decoding threads; the margin leaves room for the host time to vary between the forwards it is
-# measured on.
+# packs run eagerly"). Serving, the launching thread shares the GIL with the engine's loop and its copier threads,
+# and the host's cores with the decoding processes; the margin leaves room for the host time to vary between the
+# forwards it is measured on.
 EAGER_MARGIN = 3.0
 
 
@@ -273,8 +273,8 @@ class EagerChoice:
     eager forward takes to issue, that host time being the median of the last `window` eager forwards' as served
     (`issued`), first start-up's (`measure`). The GPU time is linear in the tokens, from start-up's measurement.
 
-    The host time is what varies: beside the engine's other threads, the front-ends' or a dataset job's decoding,
-    and on a node of several engines, an eager forward took the host twice its start-up time (4 x H200: 21 against
+    The host time is what varies: beside the engine's other threads and the decoding processes, and on a node of
+    several engines, an eager forward took the host twice its start-up time (4 x H200: 21 against
     10-11 ms, each engine's start-up measurement giving a limit of its own). Measured as served, host-bound eager
     forwards raise the limit until packs run through their graphs again. Every `probe_every`-th pack that start-up's
     measurement would run eagerly but the current one does not runs eagerly, so that the estimate follows the
