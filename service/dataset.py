@@ -453,6 +453,10 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
     from .engine.supervisor import EngineSupervisor, engine_environment, started_marker
     from .engine.wiring import Wiring
 
+    try:
+        device_envs = [engine_environment(device) for device in devices]
+    except ValueError as e:
+        raise EncoderError(f"invalid setting devices: {e}") from None
     job = DatasetJob(entries, out_dir, None, opts, settings.model)
     todo = job.prepare()
     start = time.perf_counter()
@@ -462,11 +466,11 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                                            "cuda_graphs": settings.resolved_cuda_graphs()})
     wiring = Wiring(engine_sockets=tuple(sockets))
     env = {**settings.as_env(), **wiring.to_env()}
-    engines = [EngineSupervisor({**env, **engine_environment(device), **Wiring(engine_sockets=(sock,)).to_env()},
+    engines = [EngineSupervisor({**env, **device_env, **Wiring(engine_sockets=(sock,)).to_env()},
                                 backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
                                 window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
                                 name=device, retry_start=False)
-               for device, sock in zip(devices, sockets)]
+               for device, sock, device_env in zip(devices, sockets, device_envs)]
     ctx = mp.get_context("spawn")
     work, reports = ctx.Queue(), ctx.Queue()
     procs: list = []
