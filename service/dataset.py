@@ -441,7 +441,7 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                    progress: bool) -> dict:
     """The server's layout without HTTP: `EngineSupervisor`s over one engine process per device, `workers` decoding
     processes (`_worker_main`) connected to all of them as the front-ends are (`EnginePool`), shards from one
-    queue. An engine that dies is restarted and its inputs retried (`DatasetJob._one`); one that cannot start or
+    queue. An engine that dies is restarted and its inputs retried (`DatasetJob._retried`); one that cannot start or
     keeps dying stops the job, the shards written kept."""
     import multiprocessing as mp
     import queue as queues
@@ -450,7 +450,7 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
 
     from tqdm import tqdm
 
-    from .engine.supervisor import EngineSupervisor, engine_environment, started_marker
+    from .engine.supervisor import LOAD_ERROR_EXIT, EngineSupervisor, engine_environment, started_marker
     from .engine.wiring import Wiring
 
     try:
@@ -482,8 +482,8 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
         dead = next((e for e in engines if e.exit_code is not None), None)
         if dead is None:
             return None
-        return f"the engine on {dead.name} {'stopped' if dead.ready.is_set() or dead.restarts else 'could not start'}" \
-               f": {dead.last_error}"
+        how = "could not start" if dead.exit_code == LOAD_ERROR_EXIT else "kept dying"
+        return f"the engine on {dead.name} {how}: {dead.last_error}"
 
     try:
         for engine in engines:
