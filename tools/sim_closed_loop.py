@@ -17,7 +17,7 @@ jitter stays small.
 
 Usage: python -m tools.sim_closed_loop [--clients 64,256] [--frontend-ms 2,4,6,8] [--frontends 8]
        [--engine-loop-ms 0,0.5] [--launch-ms 2] [--eager-above 0,30720] [--sticky] [--seeds 0,1] [--max-items 64]
-       [--gpu-s events,compute] [--gpu-waits 0,0.5,1] [--ramp-ms 10] [--seconds 6] [--out FILE]
+       [--gpu-s events,compute] [--gpu-waits 0,0.5,1] [--ramp-ms 10] [--trim on,off] [--seconds 6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -105,9 +105,11 @@ class SimulatedGPU:
 
 async def run(clients: int, frontends: int, frontend_s: float, network_s: float, gpu: SimulatedGPU,
               seconds: float, warmup_s: float, max_items: int, engine_loop_s: float = 0.0, sticky: bool = False,
-              seed: int = 0, ramp_s: float = 0.0, **batcher_args) -> dict:
+              seed: int = 0, ramp_s: float = 0.0, trim: bool = True, **batcher_args) -> dict:
     batcher = Batcher(gpu, max_batch_patches=32768, max_batch_items=max_items, max_wait_ms=0,
                       max_queue_items=4 * clients, **batcher_args)
+    if not trim:  # a busy GPU's pack goes whole (`Batcher._trim` off)
+        batcher._trim = len
     await batcher.start()
     locks = [asyncio.Lock() for _ in range(frontends)]
     turn = itertools.count()
@@ -168,27 +170,29 @@ def main() -> None:
                     "computing (1: all of it; 0: none, its work issued faster than it runs), comma-separated")
     ap.add_argument("--ramp-ms", type=float, default=0.0, help="client c starts c × this late")
     ap.add_argument("--seeds", default="0", help="the clients' front-ends, drawn per seed (with --sticky)")
+    ap.add_argument("--trim", default="on", help="on, off or both (on,off): a busy GPU's pack trimmed to the "
+                    "cheapest a patch (`Batcher._trim`), or whole")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     k = args.scale / 1000
     rows = []
     floats = lambda text: [float(x) for x in text.split(",")]  # noqa: E731
     served = parse_buckets(Settings().cuda_graph_buckets)
-    for clients, fe_ms, max_items, loop_ms, launch_ms, eager_above, seed, gpu_s, waits in itertools.product(
+    for clients, fe_ms, max_items, loop_ms, launch_ms, eager_above, seed, gpu_s, waits, trim in itertools.product(
             [int(c) for c in args.clients.split(",")], floats(args.frontend_ms),
             [int(m) for m in args.max_items.split(",")], floats(args.engine_loop_ms), floats(args.launch_ms),
             [int(e) for e in args.eager_above.split(",")], [int(s) for s in args.seeds.split(",")],
-            args.gpu_s.split(","), floats(args.gpu_waits)):
+            args.gpu_s.split(","), floats(args.gpu_waits), args.trim.split(",")):
         buckets = tuple(b for b in served if b <= eager_above)
         gpu = SimulatedGPU(args.a_ms * k, args.b_ms * k, launch_ms * k, buckets, events=gpu_s == "events",
                            waits=waits)
         r = asyncio.run(run(clients, args.frontends, fe_ms * k, args.network_ms * k, gpu, args.seconds * args.scale,
                             args.warmup_s * args.scale, max_items, loop_ms * k, args.sticky, seed,
-                            args.ramp_ms * k))
+                            args.ramp_ms * k, trim == "on"))
         r["images_per_s"] = round(r["images_per_s"] * args.scale, 1)  # in the GPU's time, not the scaled one
         row = {"clients": clients, "frontends": args.frontends, "frontend_ms": fe_ms, "engine_loop_ms": loop_ms,
                "launch_ms": launch_ms, "eager_above": eager_above, "max_items": max_items, "seed": seed,
-               "gpu_s": gpu_s, "gpu_waits": waits, **r}
+               "gpu_s": gpu_s, "gpu_waits": waits, "trim": trim, **r}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:
