@@ -8,7 +8,7 @@ vectors out, shards of 100 (`SHARD`). Per precision:
 - the job on `--devices 0` and on every GPU. Its rate is counted from the output directory alone: the inputs of the
   shards committed between 10% and 90% of the shards (engine start-up and the last shards' tail outside the window),
   and the CPU of the job's whole process tree (psutil) over the same window: CPU cores per image/s, and per GPU;
-  beside it the job's own figure, its inputs over the time from its engines' start-up to its end (`job_images_per_s`,
+  beside it the job's own figure, its inputs over the time from its processes' start-up to its end (`job_images_per_s`,
   the last shards' tail included).
 Then the resume test: the job on every GPU, SIGKILLed with its process group (what a scheduler's preemption sends)
 half-way, run again to the end: every input in the output exactly once.
@@ -117,9 +117,9 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
            "window_shards": nb - na, "images_per_s": round(rate, 1),
            "cpu_cores": round((cb - ca) / (tb - ta), 2),
            "cpu_ms_per_image": round((cb - ca) / ((nb - na) * SHARD) * 1e3, 3)}
-    if (m := re.search(r"engines ready in ([\d.]+) s, then encoded in ([\d.]+) s", err)) is not None:
+    if (m := re.search(r"started in ([\d.]+) s, then encoded in ([\d.]+) s", err)) is not None:
         row["startup_s"], row["encode_s"] = float(m.group(1)), float(m.group(2))
-        row["job_images_per_s"] = round(shards * SHARD / row["encode_s"], 1)  # the whole job once its engines are up
+        row["job_images_per_s"] = round(shards * SHARD / row["encode_s"], 1)  # the whole job once its processes are up
     for kind, path, spying in spied:
         with contextlib.suppress(subprocess.TimeoutExpired):  # py-spy writes its file when its duration is over
             spying.wait(10)

@@ -76,8 +76,8 @@ def dataset_main(args) -> int:
     configure_process("local")
     counts = asyncio.run(run_job(entries, Path(args.output), settings, opts, progress=not args.quiet))
     done = counts["rows"] + counts["errors"]
-    log.info("%s: %d shards written now (%d were already), %d rows, %d errors (__job__/errors/); engines ready in "
-             "%.1f s, then encoded in %.1f s: %.1f inputs/s", args.output, counts["shards_written"],
+    log.info("%s: %d shards written now (%d were already), %d rows, %d errors (__job__/errors/); started in %.1f s, "
+             "then encoded in %.1f s: %.1f inputs/s", args.output, counts["shards_written"],
              counts["shards_done_before"], counts["rows"], counts["errors"], counts["startup_s"], counts["encode_s"],
              done / max(counts["encode_s"], 1e-9))
     return 0

@@ -490,7 +490,8 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
             engine.start()
         while not all(e.ready.is_set() for e in engines) and (failure := given_up()) is None:
             time.sleep(0.1)
-        ready = time.perf_counter()
+        ready = time.perf_counter()  # then once every decoding process is up (`up`)
+        up: set[int] = set()
         if failure is None:
             with open(started_marker(sockets[0]), "w"):
                 pass
@@ -512,7 +513,11 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                     failure = f"decoding process {dead[0]} exited with code {procs[dead[0]].exitcode}"
                 failure = failure or given_up()
                 continue
-            if kind == "done":
+            if kind == "up":
+                up.add(i)
+                if len(up) == len(procs):
+                    ready = time.perf_counter()
+            elif kind == "done":
                 bar.update(value)
             elif kind == "counts":
                 finished.add(i)
@@ -564,6 +569,7 @@ def _worker_main(index: int, settings, wiring, out_dir: Path, opts: JobOptions, 
         await engine.start()
         while not engine.started:  # connected to every engine (all ready before this process started)
             await asyncio.sleep(0.02)
+        reports.put((index, "up", None))
         job = DatasetJob([], out_dir, engine, opts, settings.model, progress=False, report=report, window=window)
         job.shards = {}
 

@@ -155,6 +155,7 @@ def test_one_process_per_device_writes_what_one_process_writes(inputs, tmp_path)
     two = _run(paths, tmp_path / "two", opts, devices="cpu,cpu", warmup=False)
     assert two["rows"] == one["rows"] == len(by_id) and two["errors"] == one["errors"] == 1
     assert two["shards_written"] == one["shards_written"] == 8
+    assert two["startup_s"] > 0 and two["encode_s"] > 0  # the processes' start-up apart from the encoding
     a = {r["id"]: r for r in _read(tmp_path / "one").to_pylist()}
     b = {r["id"]: r for r in _read(tmp_path / "two").to_pylist()}
     assert sorted(a) == sorted(b) == sorted(by_id) and len(_read(tmp_path / "two")) == len(by_id)
