@@ -86,8 +86,8 @@ def spy(proc: subprocess.Popen, out: Path, tag: str, seconds: int = 10) -> list[
 def job(images: Path, out: Path, devices: str, kill_at: float | None = None, profile: Path | None = None,
         tag: str = "") -> dict:
     """One run of the CLI; its rate and CPU between 10% and 90% of its shards; `kill_at`: SIGKILL to its process
-    group once that fraction of the shards is committed; `profile`: py-spy on its first engine and a decoding process from 10% of
-    the shards (`spy`), the top frames in the row."""
+    group once that fraction of the shards is committed; `profile`: py-spy on its first engine and a decoding process
+    from 10% of the shards (`spy`), the top frames in the row; and the job's own rate (`job_images_per_s`)."""
     shards = -(-len(list(images.iterdir())) // SHARD)
     cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", MODEL,
            "--devices", devices, "--shard-size", str(SHARD), "--quiet"]
