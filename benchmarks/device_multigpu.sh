@@ -9,7 +9,8 @@
 #   c512     bf16, one GPU and every GPU under 512 clients (is 256 clients' concurrency what bounds every GPU?)
 #   fp8-c512 the same in FP8
 #   dataset  benchmarks.bench_dataset: the dataset job on one GPU and on every GPU, bf16 and FP8, and its resume test;
-#            py-spy on the first device process of each job
+#            py-spy on an engine and a decoding process of each job; DATASET_ARGS (default: 12,000 inputs a GPU, which
+#            fits one 600 s device call on 4 GPUs with the forward's timings and the resume test)
 # SCALING_ARGS adds to both scaling steps (default: 12 s measured after 4 s of warm-up).
 # The generator comes built (.bin/openloop: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go).
 set -uo pipefail
@@ -32,7 +33,7 @@ for step in "$@"; do
     bf16-scaling) python -m benchmarks.multigpu --part scaling --no-fault --no-mixed $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_bf16_scaling.out" | grep -v "^ " | tail -n 12 ;;
     fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --profile $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8.out" | grep -v "^ " | tail -n 30 ;;
     c512) python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_c512.out" | grep -v "^ " | tail -n 8 ;;
-    dataset) python -m benchmarks.bench_dataset --profile --out "$OUT" 2>&1 | tee "$OUT/bench_dataset.log" | grep -v "^RANDOM" | tail -n 16 ;;
+    dataset) python -m benchmarks.bench_dataset --profile ${DATASET_ARGS:---images-per-gpu 12000} --out "$OUT" 2>&1 | tee "$OUT/bench_dataset.log" | grep -v "^RANDOM" | tail -n 16 ;;
     fp8-c512) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8_c512.out" | grep -v "^ " | tail -n 8 ;;
   esac
 done
