@@ -69,8 +69,9 @@ def spy(proc: subprocess.Popen, out: Path, tag: str, seconds: int = 10) -> list[
         except psutil.Error:  # gone, or a zombie (an engine's standby that exited)
             return ""
 
-    kids = sorted((c for c in psutil.Process(proc.pid).children() if "multiprocessing" in command(c)
-                   and "resource_tracker" not in command(c)), key=lambda c: c.create_time())
+    kids = sorted((c for c in psutil.Process(proc.pid).children()
+                   if "multiprocessing" in (cmd := command(c)) and "resource_tracker" not in cmd),
+                  key=lambda c: c.create_time())
     if not kids:
         return []
     made = []

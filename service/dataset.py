@@ -462,14 +462,10 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
     start = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix="qwen3vl-dataset-")
     sockets = [os.path.join(workdir, f"engine-{i}.sock") for i in range(len(devices))]
-    settings = settings.model_copy(update={"devices": ",".join(devices), "http_workers": workers,
-                                           "cuda_graphs": settings.resolved_cuda_graphs()})
+    settings = settings.for_processes(devices)
     wiring = Wiring(engine_sockets=tuple(sockets))
     env = {**settings.as_env(), **wiring.to_env()}
-    engines = [EngineSupervisor({**env, **device_env, **Wiring(engine_sockets=(sock,)).to_env()},
-                                backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
-                                window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
-                                name=device, retry_start=False)
+    engines = [EngineSupervisor.of(settings, env, device, device_env, sock, retry_start=False)
                for device, sock, device_env in zip(devices, sockets, device_envs)]
     ctx = mp.get_context("spawn")
     work, reports = ctx.Queue(), ctx.Queue()

@@ -238,9 +238,7 @@ def run_with_engine_process(settings: Settings) -> int:
         return 2
     sockets = [os.path.join(workdir, f"engine-{i}.sock") for i in range(len(devices))]
     cache_dir = make_cache_dir() if settings.embedding_cache_mib else None  # shared by the front-ends
-    settings = settings.model_copy(update={"devices": ",".join(devices),
-                                           "http_workers": settings.resolved_http_workers(),
-                                           "cuda_graphs": settings.resolved_cuda_graphs()})
+    settings = settings.for_processes(devices)
     wiring = Wiring(engine_sockets=tuple(sockets), cache_dir=cache_dir)  # the front-ends': every engine
     env = {**settings.as_env(), **wiring.to_env(), "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     os.environ.update(env)  # the spawned front-ends rebuild their Settings from it
@@ -272,11 +270,8 @@ def run_with_engine_process(settings: Settings) -> int:
             frontends.should_exit.set()
 
     for device, sock, device_env in zip(devices, sockets, device_envs):
-        engines.append(EngineSupervisor(
-            {**env, **device_env, **Wiring(engine_sockets=(sock,)).to_env()},
-            backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
-            window_s=settings.engine_restart_window_s, standby=settings.engine_standby,
-            on_restart=restarts.labels(device).inc, on_give_up=gave_up, name=device))
+        engines.append(EngineSupervisor.of(settings, env, device, device_env, sock,
+                                           on_restart=restarts.labels(device).inc, on_give_up=gave_up))
     log.info("engine processes on %s (%.2f s after the server's launch; devices counted in %.2f s)", ", ".join(devices),
              seconds_since_launch(), counted_s)
     for engine in engines:

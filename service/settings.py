@@ -295,6 +295,12 @@ class Settings(BaseSettings):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 4)
         return default_http_workers(len(self.resolved_devices()), cores)
 
+    def for_processes(self, devices: list[str]) -> "Settings":
+        """These settings with what each process would otherwise resolve for itself fixed once (the devices, the
+        front-end count, graphs on or off), as `serve` and the dataset job hand them to their processes."""
+        return self.model_copy(update={"devices": ",".join(devices), "http_workers": self.resolved_http_workers(),
+                                       "cuda_graphs": self.resolved_cuda_graphs()})
+
     def resolved_cuda_graphs(self) -> bool:
         """Graphs pay off once the engine's host work is not shared with HTTP handling (in one process they
         measured slower: docs/PERFORMANCE.md)."""

@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Callable
 
+from .wiring import Wiring
+
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,15 @@ class EngineSupervisor:
         self._conn = None
         self._spare: tuple | None = None  # (process, conn) of the standby engine
         self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
+
+    @classmethod
+    def of(cls, settings, env: dict[str, str], device: str, device_env: dict[str, str], socket: str,
+           **kwargs) -> "EngineSupervisor":
+        """The supervisor of `device`'s engine, listening at `socket`, with `settings`' restart policy; its
+        environment `env` (every engine's variables) with the device's (`engine_environment`) and its socket's."""
+        return cls({**env, **device_env, **Wiring(engine_sockets=(socket,)).to_env()},
+                   backoff_s=settings.engine_restart_backoff_s, max_restarts=settings.engine_max_restarts,
+                   window_s=settings.engine_restart_window_s, standby=settings.engine_standby, name=device, **kwargs)
 
     def start(self) -> None:
         self._thread.start()

@@ -31,9 +31,9 @@ def bind_thread(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceUnavailable(f"{device}: CUDA is not available to this process (torch {torch.__version__}, CUDA "
-                               f"build {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+            raise DeviceUnavailable(f"{device}: CUDA is not available to this process (torch {torch.__version__}, "
+                                    f"CUDA build {torch.version.cuda}, CUDA_VISIBLE_DEVICES="
+                                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         torch.cuda.set_device(device.index if device.index is not None else 0)
 
 
