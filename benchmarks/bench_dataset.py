@@ -121,6 +121,8 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
     if (m := re.search(r"started in ([\d.]+) s, then encoded in ([\d.]+) s", err)) is not None:
         row["startup_s"], row["encode_s"] = float(m.group(1)), float(m.group(2))
         row["job_images_per_s"] = round(shards * SHARD / row["encode_s"], 1)  # the whole job once its processes are up
+    if (m := re.search(r"CPU per input: ([\d.]+) ms decoding, ([\d.]+) ms in the engines", err)) is not None:
+        row["decode_cpu_ms_per_image"], row["engine_cpu_ms_per_image"] = float(m.group(1)), float(m.group(2))
     for kind, path, spying in spied:
         with contextlib.suppress(subprocess.TimeoutExpired):  # py-spy writes its file when its duration is over
             spying.wait(10)
@@ -204,6 +206,10 @@ def main():
         summary[f"ratio_to_sustained_forward_{gpus}gpu{key}"] = round(every["images_per_s"] / (gpus * held), 3)
         summary[f"scaling_{gpus}gpu{key}"] = round(every["images_per_s"] / one["images_per_s"], 3)
         summary[f"cpu_cores_per_gpu{key}"] = round(every["cpu_cores"] / gpus, 2)
+        for n, row in ((1, one), (gpus, every)):  # the job's own rate: start-up left out, its ramp and tail in
+            if "job_images_per_s" in row:
+                ratio = row["job_images_per_s"] / (n * fwd["images_per_s"])
+                summary[f"job_ratio_to_forward_{n}gpu{key}"] = round(ratio, 3)
         print(quant, json.dumps(summary), flush=True)
     os.environ.pop("QWEN3VL_QUANTIZATION", None)
     if args.resume:

@@ -80,6 +80,10 @@ def dataset_main(args) -> int:
              "then encoded in %.1f s: %.1f inputs/s", args.output, counts["shards_written"],
              counts["shards_done_before"], counts["rows"], counts["errors"], counts["startup_s"], counts["encode_s"],
              done / max(counts["encode_s"], 1e-9))
+    if done and "engine_cpu_s" in counts:  # the processes' layout (`dataset._run_processes`)
+        log.info("CPU per input: %.2f ms decoding, %.2f ms in the engines (%.1f cores in all at that rate)",
+                 1e3 * counts["decode_cpu_s"] / done, 1e3 * counts["engine_cpu_s"] / done,
+                 (counts["decode_cpu_s"] + counts["engine_cpu_s"]) / max(counts["encode_s"], 1e-9))
     return 0
 
 

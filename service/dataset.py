@@ -431,6 +431,16 @@ async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOption
     return await asyncio.to_thread(_run_processes, entries, out_dir, settings, opts, devices, workers, progress)
 
 
+def process_cpu_s(pid: int | None) -> float | None:
+    """The CPU seconds (user and system, every thread) process `pid` has used, where /proc gives them (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError, TypeError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def in_flight(settings, devices: int, workers: int) -> int:
     """Inputs a decoding process keeps in flight: between them, enough to fill each engine's largest pack four times
     over (the next packs queue while one computes), at least 16 each."""
@@ -442,7 +452,9 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
     """The server's layout without HTTP: `EngineSupervisor`s over one engine process per device, `workers` decoding
     processes (`_worker_main`) connected to all of them as the front-ends are (`EnginePool`), shards from one
     queue. An engine that dies is restarted and its inputs retried (`DatasetJob._retried`); one that cannot start or
-    keeps dying stops the job, the shards written kept."""
+    keeps dying stops the job, the shards written kept. The counts add the CPU seconds the decoding processes and
+    the engines used while encoding (`decode_cpu_s`, `engine_cpu_s`; the engines' where /proc gives them and none
+    was restarted), their start-ups left out."""
     import multiprocessing as mp
     import queue as queues
     import shutil
@@ -470,7 +482,9 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
     ctx = mp.get_context("spawn")
     work, reports = ctx.Queue(), ctx.Queue()
     procs: list = []
-    counts = {"shards_done_before": len(job.shards) - len(todo), "shards_written": 0, "rows": 0, "errors": 0}
+    counts = {"shards_done_before": len(job.shards) - len(todo), "shards_written": 0, "rows": 0, "errors": 0,
+              "decode_cpu_s": 0.0}
+    engine_cpu: list[tuple[int | None, float | None]] = []  # each engine's process and its CPU seconds at `ready`
     bar = tqdm(total=sum(len(job.shards[k]) for k in todo), unit="img", disable=not progress, smoothing=0.05)
     finished, failure = set(), None
 
@@ -513,14 +527,18 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                 up.add(i)
                 if len(up) == len(procs):
                     ready = time.perf_counter()
+                    engine_cpu = [(e.pid, process_cpu_s(e.pid)) for e in engines]
             elif kind == "done":
                 bar.update(value)
             elif kind == "counts":
                 finished.add(i)
-                for key in ("shards_written", "rows", "errors"):
+                for key in ("shards_written", "rows", "errors", "decode_cpu_s"):
                     counts[key] += value[key]
             else:
                 failure = f"decoding process {i}: {value}"
+        now = [process_cpu_s(e.pid) if e.pid == pid else None for e, (pid, _) in zip(engines, engine_cpu)]
+        if engine_cpu and None not in now and all(before is not None for _, before in engine_cpu):
+            counts["engine_cpu_s"] = round(sum(n - before for n, (_, before) in zip(now, engine_cpu)), 2)
     finally:
         bar.close()
         for proc in procs:
@@ -566,6 +584,7 @@ def _worker_main(index: int, settings, wiring, out_dir: Path, opts: JobOptions, 
         while not engine.started:  # connected to every engine (all ready before this process started)
             await asyncio.sleep(0.02)
         reports.put((index, "up", None))
+        cpu = time.process_time()  # every thread's; the imports and connecting left out
         job = DatasetJob([], out_dir, engine, opts, settings.model, progress=False, report=report, window=window)
         job.shards = {}
 
@@ -593,7 +612,7 @@ def _worker_main(index: int, settings, wiring, out_dir: Path, opts: JobOptions, 
             await engine.stop()
         if done[0]:
             reports.put((index, "done", done[0]))
-        reports.put((index, "counts", counts))
+        reports.put((index, "counts", {**counts, "decode_cpu_s": time.process_time() - cpu}))
 
     try:
         asyncio.run(main())

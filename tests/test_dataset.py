@@ -156,6 +156,10 @@ def test_one_process_per_device_writes_what_one_process_writes(inputs, tmp_path)
     assert two["rows"] == one["rows"] == len(by_id) and two["errors"] == one["errors"] == 1
     assert two["shards_written"] == one["shards_written"] == 8
     assert two["startup_s"] > 0 and two["encode_s"] > 0  # the processes' start-up apart from the encoding
+    # the CPU the decoding process and the engines (their forwards here) used while encoding: within what the
+    # machine's cores give in that time
+    bound = os.cpu_count() * two["encode_s"] + 0.5
+    assert 0 < two["decode_cpu_s"] <= bound and 0 < two["engine_cpu_s"] <= bound, two
     a = {r["id"]: r for r in _read(tmp_path / "one").to_pylist()}
     b = {r["id"]: r for r in _read(tmp_path / "two").to_pylist()}
     assert sorted(a) == sorted(b) == sorted(by_id) and len(_read(tmp_path / "two")) == len(by_id)

@@ -155,6 +155,12 @@ class EngineSupervisor:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def pid(self) -> int | None:
+        """The serving engine process's id (None while there is none)."""
+        proc = self._proc
+        return proc.pid if proc is not None else None
+
     def stop(self, timeout_s: float) -> int:
         """Stop the engine: a ready one finishes its queue first. 0 if it exited cleanly in time, else 1."""
         self._stopping.set()
