@@ -13,7 +13,11 @@ vectors out, shards of 100 (`SHARD`). Per precision:
 Then the resume test: the job on every GPU, SIGKILLed with its process group (what a scheduler's preemption sends)
 half-way, run again to the end: every input in the output exactly once.
 
+With `--cpu` (a machine without a GPU): the decoding processes' CPU per input alone, from the job on two CPU
+engines (the processes' layout) with the tiny tower standing in for the GPUs' forward (`dataset_cpu.json`).
+
 Usage: python -m benchmarks.bench_dataset [--images-per-gpu N] [--quant bf16,fp8] [--profile] [--out DIR]
+       python -m benchmarks.bench_dataset --cpu [--images-per-gpu 1500]
 """
 
 from __future__ import annotations
@@ -166,9 +170,12 @@ def main():
     ap.add_argument("--no-resume", dest="resume", action="store_false", help="without the kill-and-rerun test")
     ap.add_argument("--profile", action="store_true", help="py-spy on an engine and a decoding process during each job "
                     "(raw profiles in --out, their top frames in the rows)")
+    ap.add_argument("--cpu", action="store_true", help="the decoding's CPU per input on two CPU engines")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     MODEL = args.model
+    if args.cpu:
+        return decoding_on_cpu(args)
     import torch
 
     gpus = torch.cuda.device_count()
@@ -217,6 +224,33 @@ def main():
     result["summary"] = summary
     write_results("dataset", result, args.out)
     print(json.dumps(summary, indent=1))
+
+
+def decoding_on_cpu(args) -> None:
+    """The job's decoding processes' CPU per 448 px JPEG, measured where no GPU is: two CPU engines with the tiny
+    tower (its forward, not the decoding, sets the rate here), the job's own accounting (`decode_cpu_ms_per_image`),
+    and what it comes to a GPU at the forward rates of the 2B on an H200 (`dataset.json`)."""
+    global MODEL
+    MODEL = "random:tiny"
+    work = Path(tempfile.mkdtemp(prefix="qwen3vl-dataset-"))
+    photos = photo_jpegs([(448, 448)] * 64)
+    images = work / "images"
+    images.mkdir()
+    n = min(args.images_per_gpu, 1500)
+    for i in range(n):
+        (images / f"{i:07d}.jpg").write_bytes(unique(photos[i % len(photos)], i))
+    rows = [job(images, work / f"out-{k}", "cpu,cpu") for k in range(3)]
+    decode = sorted(r["decode_cpu_ms_per_image"] for r in rows)[1]
+    forward = {"bf16": 975.0, "fp8": 1219.0}  # one H200's forward of the 2B, img/s (`dataset.json`, one_gpu_0a94fd5)
+    result = {"benchmark": "dataset_cpu", "env": environment(), "model": MODEL, "inputs": n, "shard_size": SHARD,
+              "what": "the decoding processes' CPU per input (448 px JPEGs read from disk, decoded, sent to the "
+                      "engines, their pooled vectors written to Parquet), from the job's own accounting on two CPU "
+                      "engines; median of 3 runs", "runs": rows,
+              "summary": {"decode_cpu_ms_per_image": decode}}
+    for quant, rate in forward.items():
+        result["summary"][f"decode_cores_per_gpu_{quant}"] = round(decode * rate / 1e3, 2)
+    write_results("dataset_cpu", result, args.out)
+    print(json.dumps(result["summary"], indent=1))
 
 
 def resume(args, sets, work, result, summary):
