@@ -11,8 +11,11 @@
 #   dataset  benchmarks.bench_dataset: the dataset job on one GPU and on every GPU, bf16 and FP8, and its resume test;
 #            py-spy on an engine and a decoding process of each job; DATASET_ARGS (default: 12,000 inputs a GPU, which
 #            fits one 600 s device call on 4 GPUs with the forward's timings and the resume test)
+#   fp8-ab   benchmarks.ab_served in FP8 on every GPU at 256 clients: each revision in .ab (git archive REV service
+#            kernels > .ab/REV.tar; carry .ab) and this tree, one after another, py-spy on an engine of each
 # SCALING_ARGS adds to both scaling steps (default: 12 s measured after 4 s of warm-up).
-# The generator comes built (.bin/openloop: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go).
+# The generator comes built (.bin/openloop: CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o .bin/openloop
+# tools/openloop/main.go; stripped, 4.8 MB, so that .whl, .bin and two .ab trees travel within 64 MiB).
 set -uo pipefail
 # (under device_run.sh the tree is a copy without .whl, and /tmp/site already holds them)
 if [ -d .whl ]; then
@@ -34,6 +37,7 @@ for step in "$@"; do
     fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --profile $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8.out" | grep -v "^ " | tail -n 30 ;;
     c512) python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_c512.out" | grep -v "^ " | tail -n 8 ;;
     dataset) python -m benchmarks.bench_dataset --profile ${DATASET_ARGS:---images-per-gpu 12000} --out "$OUT" 2>&1 | tee "$OUT/bench_dataset.log" | grep -v "^RANDOM" | tail -n 16 ;;
+    fp8-ab) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.ab_served --clients 256 --warmup-s 6 --seconds 12 --profile --out "$OUT" 2>&1 | tee "$OUT/ab_served_fp8_4gpu.out" | grep -v "^RANDOM" | tail -n 20 ;;
     fp8-c512) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.multigpu --part scaling --clients 512 --no-fault --no-mixed --no-two $SCALING_ARGS --out "$OUT" 2>&1 | tee "$OUT/multigpu_fp8_c512.out" | grep -v "^ " | tail -n 8 ;;
   esac
 done
