@@ -235,16 +235,16 @@ def metric_sums(url: str, names) -> dict[str, float]:
 def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float("inf")) -> list[tuple]:
     """The engines' forwards between unix times t0 and t1 from their trace (`Settings.forward_trace`), in order:
     (unix time, items, patches, GPU ms, launch-to-outputs ms, launch ms, GPU idle ms before it, ms its end was
-    predicted late, 1.0 where it ran eagerly, the launch model's wait ms for a launch on an idle GPU), the last five
-    nan where the line has none (an older revision's trace, or the GPU's times unread); none where the file is
-    missing."""
+    predicted late, 1.0 where it ran eagerly, the launch model's wait ms for a launch on an idle GPU, then the
+    launch's ms in its inputs' upload, its forward and its outputs' copies), the last eight nan where the line has
+    none (an older revision's trace, or the GPU's times unread); none where the file is missing."""
     if not trace.exists():
         return []
     rows = []
     for line in trace.read_text().splitlines():
         t, _device, items, patches, gpu_ms, wall_ms, *more = line.split(",")
         if t0 <= float(t) <= t1:
-            more = [float(x) for x in more[:5]] + [float("nan")] * (5 - len(more[:5]))
+            more = [float(x) for x in more[:8]] + [float("nan")] * (8 - len(more[:8]))
             rows.append((float(t), int(items), int(patches), float(gpu_ms), float(wall_ms), *more))
     return rows
 
@@ -253,7 +253,8 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
     """What a trace's forwards (`read_forward_trace`) say of the GPUs between them over a window of `seconds`: the
     idle time between one engine's forwards as a fraction of the window (over `devices` engines) and per forward
     (10th, 50th and 90th percentiles), how late the batcher predicted their ends, their launches' host time, and the
-    share of them that ran eagerly, with those launches' host time apart."""
+    share of them that ran eagerly, with those launches' host time apart, and the launches' host time in its parts
+    (the inputs' upload, the forward, the outputs' copies): where a slow launch spent it."""
     def pct(values):
         values = [v for v in values if v == v]  # not nan
         return [round(float(np.percentile(values, q)), 2) for q in (10, 50, 90)] if values else None
@@ -264,7 +265,9 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
             "gpu_idle_ms": pct(idle), "predicted_late_ms": pct([r[7] for r in rows]),
             "launch_ms": pct([r[5] for r in rows]), "launch_to_outputs_ms": pct([r[4] for r in rows]),
             "eager_fraction": round(sum(r[8] == 1 for r in rows) / len(rows), 3) if rows else None,
-            "eager_launch_ms": pct([r[5] for r in rows if r[8] == 1]), "model_wait_ms": pct([r[9] for r in rows])}
+            "eager_launch_ms": pct([r[5] for r in rows if r[8] == 1]), "model_wait_ms": pct([r[9] for r in rows]),
+            "launch_parts_ms": {part: pct([r[10 + i] for r in rows])
+                                for i, part in enumerate(("inputs", "forward", "outputs"))}}
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:

@@ -176,8 +176,10 @@ class Settings(BaseSettings):
                                       "device, items, patches, GPU ms, launch-to-outputs ms, launch ms, the GPU's "
                                       "idle ms before it, ms its end was predicted late (these two from CUDA "
                                       "events, nan without), 1 where it ran eagerly, not through graphs, the "
-                                      "batcher's estimate of an idle GPU's wait for a launch's host work): the "
-                                      "packs the batcher forms and what each costs, for tuning and diagnosis")
+                                      "batcher's estimate of an idle GPU's wait for a launch's host work, then "
+                                      "the launch ms in parts: the inputs' upload, the forward, the outputs' "
+                                      "copies): the packs the batcher forms and what each costs, for tuning and "
+                                      "diagnosis")
     cuda_graphs: bool | None = Field(None, description="run packs of up to the largest graph bucket as CUDA graphs, "
                                      "captured at start-up for every bucket (nothing is captured once traffic "
                                      "flows). Default: on with CUDA and HTTP front-end processes")

@@ -321,6 +321,29 @@ def test_the_forward_trace_has_a_line_per_forward_with_its_pack_and_times(tiny, 
     assert all(r[1] == "cpu" and float(r[4]) == 50.0 and float(r[5]) >= 45.0 for r in rows), rows
 
 
+def test_the_trace_splits_each_launch_s_host_time_into_its_inputs_forward_and_outputs(tiny, tmp_path):
+    """The real encoder gives its launch's host time in parts (`Pending.host_s`), the last three columns of a
+    trace line: each at least 0, together within the launch's ms that the batcher measured around the call (which
+    adds the hop to the forward thread); on the CPU the forward itself runs in the launch, so it takes more than
+    the inputs' patchify."""
+    items = [tiny.preprocess(i) for i in random_pngs(5, seed=12)]
+    trace = tmp_path / "forwards.csv"
+
+    async def go():
+        eng = _engine(tiny, max_wait_ms=0, max_batch_items=2, trace=str(trace))
+        await eng.start()
+        await eng.submit(items, timeout_s=30)
+        await eng.stop()
+
+    asyncio.run(go())
+    rows = [[float(x) for x in line.split(",")[2:]] for line in trace.read_text().splitlines()]
+    assert [int(r[0]) for r in rows] == [2, 2, 1]
+    for r in rows:
+        launch, (inputs, forward, outputs) = r[4], r[9:]
+        assert min(inputs, forward, outputs) >= 0 and inputs + forward + outputs <= launch + 0.01, r
+        assert forward > inputs, r
+
+
 def test_the_trace_says_how_long_the_gpu_idled_before_each_forward_and_how_late_its_end_was_predicted(tiny, tmp_path):
     """Where the GPU's times can be read (CUDA events; here the simulated device's), a forward's trace line adds its
     launch's host ms, the GPU's idle ms between the previous forward's end and its start, and how many ms after its
@@ -343,7 +366,8 @@ def test_the_trace_says_how_long_the_gpu_idled_before_each_forward_and_how_late_
 
     asyncio.run(go())
     rows = [line.split(",") for line in trace.read_text().splitlines()]
-    assert len(rows) == len(device.packs) == 6 and all(len(r) == 11 and r[9] == "0" for r in rows)
+    assert len(rows) == len(device.packs) == 6 and all(len(r) == 14 and r[9] == "0" for r in rows)
+    assert all(x == "nan" for r in rows for x in r[11:])  # a launch's parts: this device does not give them
     assert all(0 <= float(r[10]) <= max(float(x[6]) for x in rows) for r in rows[1:])  # the wait: within a launch
     launch, idle, late = ([float(r[i]) for r in rows] for i in (6, 7, 8))
     assert all(0 <= x < 50 for x in launch), launch
@@ -776,7 +800,7 @@ def test_a_slow_first_launch_does_not_leave_every_later_end_predicted_late(tiny,
             self.launch_s = 0.4 if len(self.packs) < 3 else 0.0
             return super().launch(items, deepstack, tokens)
 
-    # a pack's compute (0.12 s) above a warm launch's host time (the tiny model's CPU forward in it, ~0.04 s)
+    # a pack's compute (0.12 s) above a warm launch's host time (none: the device keeps the item's result)
     device = ColdStart(tiny, seconds=0.12, download_s=0.0, launch_s=0.4)
     trace = tmp_path / "forwards.csv"
 

@@ -504,8 +504,10 @@ class Batcher:
         launch-to-outputs ms, the launch's host ms, and where the GPU's times could be read (CUDA events): the GPU's
         idle ms between the previous forward's end and this one's start, and how many ms after the GPU finished it
         the batcher had predicted at its launch it would (what the next pack's filling waits for); then 1 where the
-        forward ran eagerly rather than through graphs, else 0; and the ms the model now takes an idle GPU to wait for
-        a launch's host work (`_learn`; nan until a forward has found the GPU idle)."""
+        forward ran eagerly rather than through graphs, else 0; the ms the model now takes an idle GPU to wait for
+        a launch's host work (`_learn`; nan until a forward has found the GPU idle); and the launch's host ms in its
+        parts, where the encoder gives them (`Pending.host_s`): the inputs' upload and patchify, the forward, the
+        outputs' copies (a launch that stalls shows in which)."""
         idle = error = None
         if computed_at is not None:
             if previous is not None:
@@ -515,10 +517,11 @@ class Batcher:
         def ms(s):
             return f"{s * 1e3:.3f}" if s is not None else "nan"
 
+        parts = getattr(launched.pending, "host_s", None) or (None, None, None)
         self._trace.write(f"{time.time():.4f},{self.encoder.device},{len(batch)},"
                           f"{sum(w.item.num_patches for w in batch)},{ms(gpu_s)},{ms(done - launched.start)},"
                           f"{ms(launched.returned - launched.start)},{ms(idle)},{ms(error)},{int(eager)},"
-                          f"{ms(self._wait_s)}\n")
+                          f"{ms(self._wait_s)},{','.join(map(ms, parts))}\n")
 
     async def _polled(self, pending, items: int) -> bool:
         """Whether a lone forward finished while this loop polled it, once per turn, until other work came (False).

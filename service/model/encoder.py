@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,20 +172,28 @@ class Encoder:
     def launch(self, items: list[Preprocessed], deepstack: bool = True, tokens: bool = True) -> "Pending":
         """Dispatch one packed forward, the per-item mean of its merged tokens, and the copies of the outputs asked
         for (`tokens`: the merged tokens, `deepstack`: the DeepStack features; the pooled vectors always) to pinned
-        host memory, without waiting for the GPU. `finish` waits and splits the outputs per item."""
+        host memory, without waiting for the GPU. `finish` waits and splits the outputs per item. The pending forward
+        keeps the host time of each part of the launch (`Pending.host_s`)."""
+        began = time.perf_counter()
         started = self._event() if self.device.type == "cuda" else None
         if started is not None:
             started.record()
         eager_before = self.forward.eager
         lone = self.forward.frame(torch.from_numpy(items[0].frames), self._lut(items[0]), items[0].grid_thw,
                                   deepstack) if len(items) == 1 and self.forward.takes_frames else None
-        merged, ds = lone or self.forward(self.pixels(items), [it.grid_thw for it in items], deepstack)
+        uploaded, pixels = began, None  # a lone frame is uploaded within its forward
+        if lone is None:
+            pixels = self.pixels(items)
+            uploaded = time.perf_counter()
+        merged, ds = lone or self.forward(pixels, [it.grid_thw for it in items], deepstack)
         counts = [it.num_patches // self.config.merge_unit for it in items]
         pooled = _segment_mean(merged, counts)
         outputs = [merged if tokens else None, ds if deepstack else None, pooled]
         eager = self.forward.eager > eager_before
+        forwarded = time.perf_counter()
         if started is None:
-            return Pending(items, counts, *outputs, None, eager=eager)
+            return Pending(items, counts, *outputs, None, eager=eager,
+                           host_s=(uploaded - began, forwarded - uploaded, time.perf_counter() - forwarded))
         computed = self._event()
         computed.record()
         # a lone frame's outputs come back on the compute stream: nothing computes beside them, so a hand-over to
@@ -202,7 +211,8 @@ class Encoder:
                 host.append(t)
             done = self._event()
             done.record()
-        return Pending(items, counts, *host, done, started, computed, eager=eager)
+        host_s = (uploaded - began, forwarded - uploaded, time.perf_counter() - forwarded)
+        return Pending(items, counts, *host, done, started, computed, eager=eager, host_s=host_s)
 
     def _event(self) -> "torch.cuda.Event":
         try:
@@ -252,6 +262,9 @@ class Pending:
     gpu_s: float | None = None  # that time in seconds, set by `Encoder.finish` (None on the CPU)
     download_s: float | None = None  # and from its end to the outputs on the host (done - computed)
     eager: bool = False  # the pack ran its forward eagerly, not through graphs (`BucketedTower`)
+    # the launch's host seconds: the inputs' upload and patchify issued (0 for a lone frame, uploaded within its
+    # forward), the forward and the pooling issued, the outputs' copies to the host issued
+    host_s: tuple[float, float, float] | None = None
 
     def ready(self) -> bool:
         """Whether the outputs are on the host already (`Encoder.finish` would not wait)."""
