@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchmarks.common import environment, write_results
-from service.engine.cache import CachedItem, EncoderCache, cache_parent
+from service.engine.cache import CachedItem, EncoderCache, _nbytes, cache_parent
 from service.model.results import EncodeResult
 from service.settings import Settings
 
@@ -52,7 +52,7 @@ def main() -> None:
         directory = tempfile.mkdtemp(prefix="qwen3vl-cache-bench-", dir=cache_parent())
         try:
             cache = EncoderCache(directory, budget)
-            nbytes = sum(t.nbytes for t in (value[1].embeds, value[1].deepstack, value[1].pooled))
+            nbytes = _nbytes(value[1])
             fill = budget // nbytes
             for i in range(min(fill + 16, 20 * args.n)):  # past the budget: every write then evicts in turn
                 cache._put(f"fill-{i:08x}", value)

@@ -136,6 +136,14 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
     return row
 
 
+def write_images(directory: Path, n: int, photos: list[bytes]) -> Path:
+    """`directory`, made, holding `n` JPEGs named by their number, each the bytes of one of `photos` made its own."""
+    directory.mkdir()
+    for i in range(n):
+        (directory / f"{i:07d}.jpg").write_bytes(unique(photos[i % len(photos)], i))
+    return directory
+
+
 def forward_best(jpeg: bytes) -> dict:
     from benchmarks.bench_clients import forward_table
 
@@ -181,13 +189,8 @@ def main():
     gpus = torch.cuda.device_count()
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-dataset-"))
     photos = photo_jpegs([(448, 448)] * 64)
-    sets = {}
-    for n in sorted({args.images_per_gpu, args.images_per_gpu * gpus}):
-        d = work / f"images-{n}"
-        d.mkdir()
-        for i in range(n):
-            (d / f"{i:07d}.jpg").write_bytes(unique(photos[i % len(photos)], i))
-        sets[n] = d
+    sets = {n: write_images(work / f"images-{n}", n, photos)
+            for n in sorted({args.images_per_gpu, args.images_per_gpu * gpus})}
     path = Path(args.out or os.environ.get("OUT") or "benchmarks/results") / "dataset.json"
     result = json.loads(path.read_text()) if path.exists() else {}  # other precisions' runs kept
     result.update({"benchmark": "dataset", "env": environment(), "model": MODEL, "gpus": gpus, "shard_size": SHARD,
@@ -233,12 +236,8 @@ def decoding_on_cpu(args) -> None:
     global MODEL
     MODEL = "random:tiny"
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-dataset-"))
-    photos = photo_jpegs([(448, 448)] * 64)
-    images = work / "images"
-    images.mkdir()
     n = min(args.images_per_gpu, 1500)
-    for i in range(n):
-        (images / f"{i:07d}.jpg").write_bytes(unique(photos[i % len(photos)], i))
+    images = write_images(work / "images", n, photo_jpegs([(448, 448)] * 64))
     rows = [job(images, work / f"out-{k}", "cpu,cpu") for k in range(3)]
     decode = sorted(r["decode_cpu_ms_per_image"] for r in rows)[1]
     forward = {"bf16": 975.0, "fp8": 1219.0}  # one H200's forward of the 2B, img/s (`dataset.json`, one_gpu_0a94fd5)

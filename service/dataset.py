@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import EncoderError, EngineUnavailable, InferenceFailed, InvalidInput, Overloaded, ShuttingDown
+from .runtime import configure_process, process_cpu_s
 
 log = logging.getLogger(__name__)
 
@@ -431,14 +432,16 @@ async def run_job(entries: list[Entry], out_dir: Path, settings, opts: JobOption
     return await asyncio.to_thread(_run_processes, entries, out_dir, settings, opts, devices, workers, progress)
 
 
-def process_cpu_s(pid: int | None) -> float | None:
-    """The CPU seconds (user and system, every thread) process `pid` has used, where /proc gives them (Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError, TypeError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _engines_cpu_s(engines, marks: list[tuple[int | None, float | None]]) -> float | None:
+    """The CPU seconds `engines` used since `marks` (each one's process and its CPU seconds then); None where one is
+    unknown (no /proc, no process) or the engine was restarted since (another process)."""
+    spent = 0.0
+    for engine, (pid, before) in zip(engines, marks):
+        now = process_cpu_s(pid) if pid is not None and engine.pid == pid else None
+        if now is None or before is None:
+            return None
+        spent += now - before
+    return spent
 
 
 def in_flight(settings, devices: int, workers: int) -> int:
@@ -527,7 +530,7 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                 up.add(i)
                 if len(up) == len(procs):
                     ready = time.perf_counter()
-                    engine_cpu = [(e.pid, process_cpu_s(e.pid)) for e in engines]
+                    engine_cpu = [(e.pid, process_cpu_s(e.pid) if e.pid is not None else None) for e in engines]
             elif kind == "done":
                 bar.update(value)
             elif kind == "counts":
@@ -536,9 +539,8 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                     counts[key] += value[key]
             else:
                 failure = f"decoding process {i}: {value}"
-        now = [process_cpu_s(e.pid) if e.pid == pid else None for e, (pid, _) in zip(engines, engine_cpu)]
-        if engine_cpu and None not in now and all(before is not None for _, before in engine_cpu):
-            counts["engine_cpu_s"] = round(sum(n - before for n, (_, before) in zip(now, engine_cpu)), 2)
+        if engine_cpu and (spent := _engines_cpu_s(engines, engine_cpu)) is not None:
+            counts["engine_cpu_s"] = round(spent, 2)
     finally:
         bar.close()
         for proc in procs:
@@ -576,7 +578,6 @@ def _worker_main(index: int, settings, wiring, out_dir: Path, opts: JobOptions, 
 
     async def main():
         from .engine.factory import open_engine
-        from .runtime import configure_process
 
         configure_process("frontend")
         engine = open_engine(settings, wiring)

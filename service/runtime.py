@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 ROLES = ("engine", "frontend", "local")
@@ -30,6 +31,22 @@ BATCHER_SWITCH_INTERVAL_S = 0.0005
 # forward's blocks mapped and unmapped at every pack cost a CPU server 12-24% of its throughput.
 MALLOC_RETURN_BYTES = 8 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
+
+
+def proc_stat(pid: int | str = "self") -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (Linux; `proc(5)`'s field 3 at index 0), or None where
+    there is no such file or process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def process_cpu_s(pid: int | str = "self") -> float | None:
+    """The CPU seconds (user and system, every thread) process `pid` has used, where /proc gives them."""
+    fields = proc_stat(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else None
 
 
 def return_freed_memory(threshold: int = MALLOC_RETURN_BYTES) -> bool:

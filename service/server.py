@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from .errors import CheckpointError
 from .model.config import model_tower_config
-from .runtime import configure_process, settle_process
+from .runtime import configure_process, proc_stat, settle_process
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,12 @@ log = logging.getLogger(__name__)
 
 def seconds_since_launch() -> float:
     """Seconds since this process started (Linux: /proc), for the start-up's log; NaN elsewhere."""
+    fields = proc_stat()
     try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime: clock ticks after boot
+        ticks = int(fields[19])  # field 22, starttime: clock ticks after boot
         with open("/proc/uptime") as f:
             return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+    except (TypeError, OSError, ValueError, IndexError):
         return float("nan")
 
 
