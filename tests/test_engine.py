@@ -244,6 +244,11 @@ def test_a_busy_gpus_pack_leaves_out_the_items_that_would_pad_its_graph_bucket(t
         assert rel_err(r.results[0].embeds, ref.embeds) <= 1e-5
 
 
+# the trimming tests' buckets: up to 16,384 as the defaults were before every 512, then every 1024
+TRIM_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 4608, 5120, 5632, 6400, 7168,
+                8192, 9216, 10240, 11776, 12800, 14336, *range(16384, 32769, 1024))
+
+
 def _trimmer(buckets, bucket_ms=None):
     """A stand-in for `Batcher` with what `Batcher._trim` reads: an encoder of these buckets (and timings)."""
     class Fake:
@@ -257,10 +262,8 @@ def test_trimming_picks_the_prefix_that_fills_its_bucket_and_never_trims_without
     """Untimed buckets (rows plus a forward's fixed cost): 448 px images (784 patches) on the buckets up to 16,384
     then every 1024: a pack of 34 (26,656 patches; 27,648 rows) goes as 30 (23,520 in 23,552), packs of 30 and 13
     (fill 99.9% and 99.5%) go whole, and so does every pack where forwards compute no padding (no graphs)."""
-    from service.settings import DEFAULT_GRAPH_BUCKETS
-
     trim = Batcher._trim
-    bucketed, eager = _trimmer(DEFAULT_GRAPH_BUCKETS), _trimmer(())
+    bucketed, eager = _trimmer(TRIM_BUCKETS), _trimmer(())
     assert trim(bucketed, [784] * 34) == 30
     assert trim(bucketed, [784] * 30) == 30
     assert trim(bucketed, [784] * 13) == 13
@@ -287,15 +290,13 @@ def test_trimming_follows_the_timed_buckets_where_a_row_costs_more_in_some():
     its neighbours (a GEMM's last wave of tiles on few SMs), a pack of 41 448 px images goes as 35 (27,440 patches
     in 27,648 rows), not 39 (30,576 in 30,720, which the rows alone pick); with the same time a row everywhere it
     goes as 39."""
-    from service.settings import DEFAULT_GRAPH_BUCKETS
-
-    even = {b: 1.4e-3 * b + 0.5 for b in DEFAULT_GRAPH_BUCKETS}  # ms: a fixed cost and the same time a row
+    even = {b: 1.4e-3 * b + 0.5 for b in TRIM_BUCKETS}  # ms: a fixed cost and the same time a row
     uneven = {**even, 30720: even[30720] * 1.04}
     trim = Batcher._trim
-    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS), [784] * 41) == 39  # the rows alone
-    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS, even), [784] * 41) == 39
-    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS, uneven), [784] * 41) == 35
-    assert trim(_trimmer(DEFAULT_GRAPH_BUCKETS, uneven), [784] * 30) == 30  # 23,552 rows: not that bucket
+    assert trim(_trimmer(TRIM_BUCKETS), [784] * 41) == 39  # the rows alone
+    assert trim(_trimmer(TRIM_BUCKETS, even), [784] * 41) == 39
+    assert trim(_trimmer(TRIM_BUCKETS, uneven), [784] * 41) == 35
+    assert trim(_trimmer(TRIM_BUCKETS, uneven), [784] * 30) == 30  # 23,552 rows: not that bucket
 
 
 def test_the_forward_trace_has_a_line_per_forward_with_its_pack_and_times(tiny, tmp_path):
