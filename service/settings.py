@@ -16,9 +16,9 @@ DEFAULT_MODEL = "random:qwen3-vl-2b"
 CPU_MAX_PIXELS = 1024 * 1024  # the default max_pixels_limit on the CPU
 GPU_MAX_REQUEST_PATCHES, CPU_MAX_REQUEST_PATCHES = 262_144, 65_536  # the default max_request_patches
 # token counts of the CUDA graph buckets, up to the default patch budget of a pack: each about 1.25x the last up to
-# 4096, then every 512, where the padding's share of a forward's GPU time is what it costs (a pack of 19 448 px images,
-# 14,896 patches, ran in 16,384 rows when the step was 1.125x); the batcher trims packs to the buckets whose forwards
-# cost the least a patch, and start-up's timings route a bucket to a larger one whose forward is faster
+# 4096, then every 512, where the padding's share of a forward's GPU time is what it costs (at most 3% above 16,384
+# tokens); the batcher trims packs to the buckets whose forwards cost the least a patch, and start-up's timings route
+# a bucket to a larger one whose forward is faster
 DEFAULT_GRAPH_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, *range(4096, 32769, 512))
 
 
@@ -186,9 +186,9 @@ class Settings(BaseSettings):
     cuda_graph_buckets: str = Field(
         ",".join(map(str, DEFAULT_GRAPH_BUCKETS)), description="token counts (patches) of the graph buckets: a pack is "
         "padded to the smallest that holds it (each about 1.25x the last up to 4096, then every 512: at most 20% of "
-        "a padded forward is padding below 4096 tokens, 11% above, 3% above 16384); start-up times each bucket's forward, "
-        "a pack above 4096 patches runs in a larger bucket where that one's forward timed at least 2% faster, and a "
-        "busy GPU's pack is trimmed to the cheapest a patch. Buckets above the first that holds "
+        "a padded forward is padding below 4096 tokens, 11% above, 3% above 16384); start-up times each bucket's "
+        "forward, a pack above 4096 patches runs in a larger bucket where that one's forward timed at least 2% "
+        "faster, and a busy GPU's pack is trimmed to the cheapest a patch. Buckets above the first that holds "
         "max_batch_patches are not captured; a larger pack (one item over the budget) runs eagerly")
     cuda_graph_eager_above: bool = Field(True, description="run eagerly, without the bucket's padding, the packs whose "
                                          "forward keeps the GPU busier than an eager forward's launches take the host "

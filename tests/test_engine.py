@@ -244,7 +244,8 @@ def test_a_busy_gpus_pack_leaves_out_the_items_that_would_pad_its_graph_bucket(t
         assert rel_err(r.results[0].embeds, ref.embeds) <= 1e-5
 
 
-# the trimming tests' buckets: up to 16,384 as the defaults were before every 512, then every 1024
+# the trimming tests' own buckets (about 1.125x apart up to 16,384, then every 1024): they test the trim, not the
+# defaults
 TRIM_BUCKETS = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 4608, 5120, 5632, 6400, 7168,
                 8192, 9216, 10240, 11776, 12800, 14336, *range(16384, 32769, 1024))
 
