@@ -91,8 +91,8 @@ class Settings(BaseSettings):
     warmup: bool = Field(True, description="compile and tune kernels before /ready turns true")
 
     cache_dir: str = Field(default_factory=lambda: default_cache_dir(), description=(
-        "compiled Triton kernels and the kernel tuner's choices, kept across restarts (a volume in the container): a "
-        "second start skips compiling and timing; empty: no cache"))
+        "compiled Triton kernels, the kernel tuner's choices and the graph buckets' timed forwards, kept across "
+        "restarts (a volume in the container): a second start skips compiling and timing; empty: no cache"))
 
     # kernels
     attention_backend: Literal["auto", "triton", "sdpa"] = Field(

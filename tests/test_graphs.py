@@ -237,6 +237,48 @@ def test_each_bucket_is_timed_and_a_pack_costs_its_buckets_time(tower):
     assert not enc.forward.captured and enc.forward_ms(100) is None  # CPU: no graphs, no timings used
 
 
+def test_an_earlier_starts_bucket_timings_are_taken_for_the_same_tower_and_buckets_and_kept_in_the_cache(
+        tower, tmp_path, monkeypatch, caplog):
+    """A restart takes the timings an earlier start saved (`time_buckets(known=...)`) instead of timing: every bucket
+    gets the saved time, none is run (a forward here would raise); timings for other buckets are not taken, and the
+    buckets are timed. The engine's cache file (`build.bucket_timings_file`) is named by what the timings depend on
+    (the GPU and versions, the tower's shapes, dtype, options and buckets), round-trips through JSON, and a corrupt or
+    unwritable one costs a warning and a timing, never the start."""
+    from service.engine import build
+
+    buckets = (64, 256, 1024)
+    bucketed = BucketedTower(tower, buckets, eager_margin=None)
+    bucketed.capture()
+    saved = {64: 1.5, 256: 2.25, 1024: 7.0}
+    monkeypatch.setattr(BucketedTower, "_timed", lambda *a: pytest.fail("timed despite known timings"))
+    bucketed.time_buckets(known=saved)
+    assert bucketed.bucket_ms == saved and bucketed.forward_ms(200) == 2.25
+    monkeypatch.undo()
+    bucketed.time_buckets(reps=1, known={64: 1.5, 256: 2.25})  # other buckets: timed
+    assert sorted(bucketed.bucket_ms) == list(buckets) and bucketed.bucket_ms[1024] != 7.0
+
+    other = BucketedTower(tower, (64, 256, 2048), eager_margin=None)
+    half = BucketedTower(random_tower(preset("tiny"), "cpu", torch.float16, seed=2), buckets, eager_margin=None)
+    assert len({bucketed.timing_key(), other.timing_key(), half.timing_key()}) == 3
+    assert bucketed.timing_key() == BucketedTower(tower, buckets, eager_margin=None).timing_key()
+
+    path = tmp_path / "buckets" / "t.json"
+    build.save_bucket_timings(path, saved)
+    assert build.load_bucket_timings(path) == saved
+    assert build.load_bucket_timings(tmp_path / "none.json") is None and build.load_bucket_timings(None) is None
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        assert build.load_bucket_timings(path) is None
+        (tmp_path / "ro").write_text("")  # a file where the directory should be: not writable
+        build.save_bucket_timings(tmp_path / "ro" / "t.json", saved)
+    assert "ignoring the bucket timings" in caplog.text and "could not write the bucket timings" in caplog.text
+
+    class Enc:  # what the file's name reads from an encoder
+        device, forward = torch.device("cpu"), bucketed
+
+    assert build.bucket_timings_file(Settings(cache_dir=str(tmp_path)), Enc) is None  # no GPU: nothing kept
+
+
 def test_a_bucket_routes_to_the_fastest_at_or_above_it():
     """`cheapest_buckets` against a brute-force search over fresh random timings, with ties, flat stretches and
     buckets at or below the threshold (never routed, never a destination)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -119,6 +120,43 @@ def save_tuning(path: Path | None) -> None:
         log.warning("could not write the kernel tuning cache %s (%s); the next start tunes again", path, e)
 
 
+def bucket_timings_file(settings: Settings, enc: Encoder) -> Path | None:
+    """The file of the graph buckets' timed forwards for this tower on this GPU model with these versions (None: no
+    cache, or no GPU): what start-up measures after capturing them, kept so that a restart (an engine's, or the
+    server's on its cache volume) takes them instead of timing again."""
+    if not settings.cache_dir or enc.device.type != "cuda":
+        return None
+    import triton
+
+    ident = "|".join([torch.cuda.get_device_name(enc.device), torch.__version__, triton.__version__,
+                      kernels_source_digest(), enc.forward.timing_key()])
+    return Path(settings.cache_dir) / "buckets" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
+
+
+def load_bucket_timings(path: Path | None) -> dict[int, float] | None:
+    """The timings saved in `path` (None where there are none, or the file is unreadable: the buckets are timed)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        return {int(tokens): float(ms) for tokens, ms in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError) as e:
+        log.warning("ignoring the bucket timings in %s (%s)", path, e)
+        return None
+
+
+def save_bucket_timings(path: Path | None, timings: dict[int, float]) -> None:
+    """Write `timings` atomically (a concurrent reader sees the old file or the new one); nothing where none."""
+    if path is None or not timings:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+            json.dump({str(tokens): ms for tokens, ms in timings.items()}, f)
+        os.replace(f.name, path)
+    except OSError as e:
+        log.warning("could not write the bucket timings %s (%s); the next start times them again", path, e)
+
+
 def tower_options(settings: Settings) -> TowerOptions:
     return TowerOptions(attention_backend=settings.attention_backend, fused_qkv_rope=settings.fused_qkv_rope,
                         residual_in_gemm=settings.residual_in_gemm, quantization=settings.quantization)
@@ -163,7 +201,11 @@ def warmup(enc: Encoder, settings: Settings):
         log.info("warm-up done (multiples of %d px)", enc.preprocessor.config.factor)
     else:
         start = time.perf_counter()
-        enc.capture_graphs()  # after the kernels are compiled and tuned: a capture must not tune
+        timings_file = bucket_timings_file(settings, enc)
+        known = load_bucket_timings(timings_file)
+        enc.capture_graphs(known)  # after the kernels are compiled and tuned: a capture must not tune
+        if known is None or known != enc.forward.bucket_ms:
+            save_bucket_timings(timings_file, enc.forward.bucket_ms)
         log.info("warm-up done (multiples of %d px); CUDA graphs captured in %.1f s", enc.preprocessor.config.factor,
                  time.perf_counter() - start)
     kernels_serving()  # a kernel compiled from now on is logged

@@ -66,10 +66,11 @@ class Encoder:
         tower, pre_cfg = load_tower(model, device, dtype, options)
         return cls(tower, Preprocessor(pre_cfg), graph_buckets, eager_margin)
 
-    def capture_graphs(self) -> None:
-        """Record the CUDA graphs of every token bucket (start-up, after the kernels are compiled and tuned)."""
+    def capture_graphs(self, timings: dict[int, float] | None = None) -> None:
+        """Record the CUDA graphs of every token bucket (start-up, after the kernels are compiled and tuned), and
+        time their forwards (`timings`: an earlier start's, taken instead: `BucketedTower.time_buckets`)."""
         if self.forward.buckets and self.device.type == "cuda":
-            self.forward.capture()
+            self.forward.capture(timings)
 
     def computed_tokens(self, tokens: int) -> int:
         """The rows a forward of a pack of `tokens` patches computes: its graph bucket's (the rest is padding), or

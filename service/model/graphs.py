@@ -389,10 +389,11 @@ class BucketedTower:
         return bool(self._buckets) and all(b.graphs is not None for b in self._buckets.values())
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, timings: dict[int, float] | None = None) -> None:
         """Capture every bucket's pieces (on CUDA; with an `eager_margin`, after timing an eager forward:
-        `EagerChoice`), then time each bucket's forward (`time_buckets`); elsewhere set the buckets up to run their
-        pieces eagerly."""
+        `EagerChoice`), then time each bucket's forward (`time_buckets`; `timings`: an earlier start's, for these
+        buckets of this tower on this GPU, taken instead); elsewhere set the buckets up to run their pieces
+        eagerly."""
         tower = self.tower
         offsets = tower._bias_offsets() if tower.residual_in_gemm else None
         pool = torch.cuda.graph_pool_handle() if tower.device.type == "cuda" else None
@@ -430,10 +431,16 @@ class BucketedTower:
                     self._patchify_frame()
         log.info("CUDA graphs captured for %d token buckets up to %d", len(self.buckets), self.buckets[-1])
         if pool is not None:
-            self.time_buckets()
+            self.time_buckets(known=timings)
+
+    def timing_key(self) -> str:
+        """What the buckets' timings depend on in this tower: its shapes, dtype, kernels' options and the buckets
+        (the GPU and the software versions are the caller's to add)."""
+        tower = self.tower
+        return "|".join(map(str, (tower.config, tower.dtype, tower.backend, tower.options, self.buckets)))
 
     @torch.inference_mode()
-    def time_buckets(self, reps: int = 3) -> None:
+    def time_buckets(self, reps: int = 3, known: dict[int, float] | None = None) -> None:
         """Time each bucket's forward of a full pack of photos (`typical_grids`): on CUDA the GPU's time with the
         launches queued ahead (`queued_ms`), elsewhere the wall time; after one run of each, `reps` rounds over every
         bucket, in ascending then descending order, the median of each bucket's: a drift of the GPU's clock as it warms
@@ -441,15 +448,38 @@ class BucketedTower:
         not the same in every bucket (a GEMM's last wave of tiles may fill few of the GPU's SMs, and cuBLAS picks its
         kernel by the row count): on CUDA a bucket whose forward a larger one's beats hands its packs to that one
         (`cheapest_buckets`, `bucket_for`), and the batcher compares the measured forwards when it trims a pack
-        (`forward_ms`)."""
+        (`forward_ms`). `known`: timings of every bucket from an earlier start (`timing_key` the same), taken as
+        they are: a restart, which may come while the host's other GPUs run at their power cap, skips ten-odd seconds
+        of timing and keeps the first start's routes."""
+        cuda = self.tower.device.type == "cuda"
+        if known is not None and set(known) == set(self.buckets):
+            self.bucket_ms = {tokens: float(known[tokens]) for tokens in self.buckets}
+            log.info("bucket forwards: the timings of an earlier start")
+        else:
+            self.bucket_ms = self._timed(reps, cuda)
+            if not self.bucket_ms:
+                return
+        per_row = {tokens: ms / tokens * 1e6 for tokens, ms in self.bucket_ms.items() if tokens > WHOLE_MAX_TOKENS}
+        if per_row:
+            log.info("bucket forwards timed: %.0f to %.0f ns of GPU time a row above %d tokens (least at %d, most at "
+                     "%d)", min(per_row.values()), max(per_row.values()), WHOLE_MAX_TOKENS,
+                     min(per_row, key=per_row.get), max(per_row, key=per_row.get))
+        log.info("bucket forwards, GPU ms: %s", {t: round(ms, 2) for t, ms in self.bucket_ms.items()})
+        self.routes = cheapest_buckets(self.bucket_ms) if cuda else {}
+        if self.routes:
+            log.info("packs of %d buckets run in larger ones whose forwards timed faster: %s", len(self.routes),
+                     ", ".join(f"{t} -> {r} ({self.bucket_ms[t]:.1f} -> {self.bucket_ms[r]:.1f} ms)"
+                               for t, r in self.routes.items()))
+
+    def _timed(self, reps: int, cuda: bool) -> dict[int, float]:
+        """`time_buckets`' timings: each bucket's median ms ({} where a full pack's input finds no room)."""
         tower, cfg = self.tower, self.tower.config
         try:
             pixels = torch.randn((self.buckets[-1], cfg.patch_dim), dtype=tower.dtype, device=tower.device)
         except torch.OutOfMemoryError as e:  # no room for a full pack's input beside the rest: packs trim by rows
             log.warning("could not time the buckets' forwards (%s); packs are trimmed by their rows", e)
             torch.cuda.empty_cache()
-            return
-        cuda = tower.device.type == "cuda"
+            return {}
         forwards, host_ms = {}, {}
         for tokens, bucket in self._buckets.items():
             plan = tower.plan(typical_grids(tokens, cfg.spatial_merge_size))
@@ -464,18 +494,7 @@ class BucketedTower:
         for r in range(reps):  # ascending, then descending, ...: no bucket is always timed last in a round
             for tokens, forward in (forwards.items() if r % 2 == 0 else reversed(forwards.items())):
                 times[tokens].append(queued_ms(forward, host_ms[tokens], 1, rate) if cuda else _wall_ms(forward))
-        self.bucket_ms = {tokens: statistics.median(ms) for tokens, ms in times.items()}
-        per_row = {tokens: ms / tokens * 1e6 for tokens, ms in self.bucket_ms.items() if tokens > WHOLE_MAX_TOKENS}
-        if per_row:
-            log.info("bucket forwards timed: %.0f to %.0f ns of GPU time a row above %d tokens (least at %d, most at "
-                     "%d)", min(per_row.values()), max(per_row.values()), WHOLE_MAX_TOKENS,
-                     min(per_row, key=per_row.get), max(per_row, key=per_row.get))
-        log.info("bucket forwards, GPU ms: %s", {t: round(ms, 2) for t, ms in self.bucket_ms.items()})
-        self.routes = cheapest_buckets(self.bucket_ms) if cuda else {}
-        if self.routes:
-            log.info("packs of %d buckets run in larger ones whose forwards timed faster: %s", len(self.routes),
-                     ", ".join(f"{t} -> {r} ({self.bucket_ms[t]:.1f} -> {self.bucket_ms[r]:.1f} ms)"
-                               for t, r in self.routes.items()))
+        return {tokens: statistics.median(ms) for tokens, ms in times.items()}
 
     def forward_ms(self, tokens: int) -> float | None:
         """The GPU ms a forward of a pack of `tokens` patches takes, from the start-up timings (`time_buckets`): its
