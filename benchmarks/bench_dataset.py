@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_service import photo_jpegs, unique
-from benchmarks.common import environment, py_spy, top_frames, write_results
+from benchmarks.common import ClockLog, environment, py_spy, top_frames, write_results
 
 # the CLI's default is 1,000: a node's 24 decoding processes would then commit 48,000 inputs in two bursts, and the
 # rate between 10% and 90% of the shards committed would measure the bursts, not the job
@@ -91,9 +91,11 @@ def spy(proc: subprocess.Popen, out: Path, tag: str, seconds: int = 10) -> list[
 
 def job(images: Path, out: Path, devices: str, kill_at: float | None = None, profile: Path | None = None,
         tag: str = "") -> dict:
-    """One run of the CLI; its rate and CPU between 10% and 90% of its shards; `kill_at`: SIGKILL to its process
-    group once that fraction of the shards is committed; `profile`: py-spy on its first engine and a decoding process
-    from 10% of the shards (`spy`), the top frames in the row; and the job's own rate (`job_images_per_s`)."""
+    """One run of the CLI; its rate and CPU between 10% and 90% of its shards, and the first GPU's SM clock and power
+    over them (`ClockLog`: what tells a window run at a cooler chip's clock from the sustained forward's); `kill_at`:
+    SIGKILL to its process group once that fraction of the shards is committed; `profile`: py-spy on its first
+    engine and a decoding process from 10% of the shards (`spy`), the top frames in the row; and the job's own rate
+    (`job_images_per_s`)."""
     shards = -(-len(list(images.iterdir())) // SHARD)
     cmd = [sys.executable, "-m", "service.cli", "dataset", str(images), "-o", str(out), "--model", MODEL,
            "--devices", devices, "--shard-size", str(SHARD), "--quiet"]
@@ -102,18 +104,24 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
     lo, hi = max(1, round(0.1 * shards)), round(0.9 * shards)
     marks: dict[str, tuple[float, int, float]] = {}
     spied: list[tuple[str, Path, subprocess.Popen]] = []
-    while proc.poll() is None:
-        n = len(list(out.glob("part-*.parquet"))) if out.exists() else 0
-        if kill_at is not None and n >= kill_at * shards:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return {"killed_after_shards": n, "of_shards": shards}
-        for name, at in (("lo", lo), ("hi", hi)):
-            if name not in marks and n >= at:
-                marks[name] = (time.perf_counter(), n, tree_cpu_s(proc.pid))
-                if name == "lo" and profile is not None:
-                    spied = spy(proc, profile, tag)
-        time.sleep(0.02)
+    clocks = ClockLog(interval_ms=200)
+    with contextlib.ExitStack() as window:
+        while proc.poll() is None:
+            n = len(list(out.glob("part-*.parquet"))) if out.exists() else 0
+            if kill_at is not None and n >= kill_at * shards:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return {"killed_after_shards": n, "of_shards": shards}
+            for name, at in (("lo", lo), ("hi", hi)):
+                if name not in marks and n >= at:
+                    marks[name] = (time.perf_counter(), n, tree_cpu_s(proc.pid))
+                    if name == "lo":
+                        window.enter_context(clocks)
+                        if profile is not None:
+                            spied = spy(proc, profile, tag)
+                    else:
+                        window.close()
+            time.sleep(0.02)
     err = proc.stderr.read()
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {err[-2000:]}")
@@ -123,6 +131,8 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
            "window_shards": nb - na, "images_per_s": round(rate, 1),
            "cpu_cores": round((cb - ca) / (tb - ta), 2),
            "cpu_ms_per_image": round((cb - ca) / ((nb - na) * SHARD) * 1e3, 3)}
+    if gpu := clocks.summary():
+        row["sm_clock_mhz"], row["power_w"] = gpu["sm_mhz_median"], gpu["power_w_median"]
     if (m := re.search(r"started in ([\d.]+) s, then encoded in ([\d.]+) s", err)) is not None:
         row["startup_s"], row["encode_s"] = float(m.group(1)), float(m.group(2))
         row["job_images_per_s"] = round(shards * SHARD / row["encode_s"], 1)  # the whole job once its processes are up
