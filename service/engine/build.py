@@ -56,16 +56,33 @@ def _writable_dir(path: Path) -> str:
         return fallback
 
 
-def tuning_cache(settings: Settings, device: torch.device) -> Path | None:
-    """The file of the kernel tuner's choices for this device, kernel source and versions (None: no cache, or no
-    GPU). Any change to the kernels' code, the GPU model or the torch/Triton versions names another file."""
+def _cache_file(settings: Settings, device: torch.device, folder: str, suffix: str, *more: str) -> Path | None:
+    """A file in `cache_dir`/`folder` named by the GPU model, the torch and Triton versions, the kernels' source
+    digest and `more` (None: no cache, or no GPU): a change to any of them names another file."""
     if not settings.cache_dir or device.type != "cuda":
         return None
     import triton
 
     ident = "|".join([torch.cuda.get_device_name(device), torch.__version__, triton.__version__,
-                      kernels_source_digest()])
-    return Path(settings.cache_dir) / "tuning" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.pkl"
+                      kernels_source_digest(), *more])
+    return Path(settings.cache_dir) / folder / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}{suffix}"
+
+
+def _write_atomically(path: Path, write, mode: str, what: str, then: str) -> None:
+    """`write(file)` into a temporary file beside `path`, then renamed onto it (a concurrent reader sees the old
+    file or the new one); a failure is a warning naming `what` and what `then` happens."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(mode, dir=path.parent, delete=False) as f:
+            write(f)
+        os.replace(f.name, path)
+    except OSError as e:
+        log.warning("could not write %s %s (%s); %s", what, path, e, then)
+
+
+def tuning_cache(settings: Settings, device: torch.device) -> Path | None:
+    """The file of the kernel tuner's choices for this device, kernel source and versions (`_cache_file`)."""
+    return _cache_file(settings, device, "tuning", ".pkl")
 
 
 def load_tuning(path: Path | None) -> bool:
@@ -108,29 +125,17 @@ def tuning_lock(path: Path | None):
 
 
 def save_tuning(path: Path | None) -> None:
-    """Write the tuner's choices atomically (a concurrent reader sees the old file or the new one)."""
-    if path is None:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-            pickle.dump(tuned_choices(), f)
-        os.replace(f.name, path)
-    except OSError as e:
-        log.warning("could not write the kernel tuning cache %s (%s); the next start tunes again", path, e)
+    """Write the tuner's choices atomically."""
+    if path is not None:
+        _write_atomically(path, lambda f: pickle.dump(tuned_choices(), f), "wb", "the kernel tuning cache",
+                          "the next start tunes again")
 
 
 def bucket_timings_file(settings: Settings, enc: Encoder) -> Path | None:
-    """The file of the graph buckets' timed forwards for this tower on this GPU model with these versions (None: no
-    cache, or no GPU): what start-up measures after capturing them, kept so that a restart (an engine's, or the
+    """The file of the graph buckets' timed forwards for this tower on this GPU model with these versions
+    (`_cache_file`): what start-up measures after capturing them, kept so that a restart (an engine's, or the
     server's on its cache volume) takes them instead of timing again."""
-    if not settings.cache_dir or enc.device.type != "cuda":
-        return None
-    import triton
-
-    ident = "|".join([torch.cuda.get_device_name(enc.device), torch.__version__, triton.__version__,
-                      kernels_source_digest(), enc.forward.timing_key()])
-    return Path(settings.cache_dir) / "buckets" / f"{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
+    return _cache_file(settings, enc.device, "buckets", ".json", enc.forward.timing_key())
 
 
 def load_bucket_timings(path: Path | None) -> dict[int, float] | None:
@@ -145,16 +150,10 @@ def load_bucket_timings(path: Path | None) -> dict[int, float] | None:
 
 
 def save_bucket_timings(path: Path | None, timings: dict[int, float]) -> None:
-    """Write `timings` atomically (a concurrent reader sees the old file or the new one); nothing where none."""
-    if path is None or not timings:
-        return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-            json.dump({str(tokens): ms for tokens, ms in timings.items()}, f)
-        os.replace(f.name, path)
-    except OSError as e:
-        log.warning("could not write the bucket timings %s (%s); the next start times them again", path, e)
+    """Write `timings` atomically; nothing where none."""
+    if path is not None and timings:
+        _write_atomically(path, lambda f: json.dump({str(t): ms for t, ms in timings.items()}, f), "w",
+                          "the bucket timings", "the next start times them again")
 
 
 def tower_options(settings: Settings) -> TowerOptions:
