@@ -100,12 +100,12 @@ def main() -> None:
                 for name, spec in (v.split(":", 1) for v in args.variant)}
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-ab-"))
     bodies = write_bodies(photo_jpegs([(448, 448)] * 256), work)
-    caches = {}  # a tuning cache per revision, kept across rounds
+    caches = {}  # a cache directory per tree (the tuner's, the buckets' timings), kept across rounds and variants
     runs: dict[str, list] = {}
     try:
         for round_ in range(args.rounds):
             for name, tree in {**trees(Path(args.ab)), **dict.fromkeys(variants)}.items():
-                cache = caches.setdefault(name, tempfile.mkdtemp(prefix=f"qwen3vl-cache-{name}-"))
+                cache = caches.setdefault(tree or "head", tempfile.mkdtemp(prefix=f"qwen3vl-cache-{name}-"))
                 trace = work / f"forwards-{name}-{round_}.csv"
                 saved = dict(os.environ)
                 os.environ.update({"QWEN3VL_FORWARD_TRACE": str(trace), **variants.get(name, {})})

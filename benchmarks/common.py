@@ -236,15 +236,16 @@ def read_forward_trace(trace: Path, t0: float = float("-inf"), t1: float = float
     """The engines' forwards between unix times t0 and t1 from their trace (`Settings.forward_trace`), in order:
     (unix time, items, patches, GPU ms, launch-to-outputs ms, launch ms, GPU idle ms before it, ms its end was
     predicted late, 1.0 where it ran eagerly, the launch model's wait ms for a launch on an idle GPU, then the
-    launch's ms in its inputs' upload, its forward and its outputs' copies), the last eight nan where the line has
-    none (an older revision's trace, or the GPU's times unread); none where the file is missing."""
+    launch's ms in its inputs' upload, its forward and its outputs' copies, then how many ms the launch returned after
+    the GPU finished the forward before), the last nine nan where the line has none (an older revision's trace, the
+    GPU's times unread, or a launch that returned in time); none where the file is missing."""
     if not trace.exists():
         return []
     rows = []
     for line in trace.read_text().splitlines():
         t, _device, items, patches, gpu_ms, wall_ms, *more = line.split(",")
         if t0 <= float(t) <= t1:
-            more = [float(x) for x in more[:8]] + [float("nan")] * (8 - len(more[:8]))
+            more = [float(x) for x in more[:9]] + [float("nan")] * (9 - len(more[:9]))
             rows.append((float(t), int(items), int(patches), float(gpu_ms), float(wall_ms), *more))
     return rows
 
@@ -254,12 +255,16 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
     idle time between one engine's forwards as a fraction of the window (over `devices` engines) and per forward
     (10th, 50th and 90th percentiles), how late the batcher predicted their ends, their launches' host time, and the
     share of them that ran eagerly, with those launches' host time apart, and the launches' host time in its parts
-    (the inputs' upload, the forward, the outputs' copies): where a slow launch spent it."""
+    (the inputs' upload, the forward, the outputs' copies): where a slow launch spent it; and the launches that
+    returned after the GPU had finished the forward before (`exposed`: their share, and the ms by which, summed over
+    the window as a fraction of it: the most the GPU can have waited for launches within its busy time)."""
     def pct(values):
         values = [v for v in values if v == v]  # not nan
         return [round(float(np.percentile(values, q)), 2) for q in (10, 50, 90)] if values else None
 
     idle = [r[6] for r in rows if r[6] == r[6]]
+    exposed = [r[13] for r in rows if r[13] == r[13]]
+    timed = sum(r[6] == r[6] for r in rows)  # forwards whose GPU times were read: those that can show exposure
     return {"forwards": len(rows), "images": pct([r[1] for r in rows]),
             "gpu_idle_fraction": round(sum(max(0.0, i) for i in idle) / 1e3 / seconds / devices, 4) if idle else None,
             "gpu_idle_ms": pct(idle), "predicted_late_ms": pct([r[7] for r in rows]),
@@ -267,7 +272,10 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
             "eager_fraction": round(sum(r[8] == 1 for r in rows) / len(rows), 3) if rows else None,
             "eager_launch_ms": pct([r[5] for r in rows if r[8] == 1]), "model_wait_ms": pct([r[9] for r in rows]),
             "launch_parts_ms": {part: pct([r[10 + i] for r in rows])
-                                for i, part in enumerate(("inputs", "forward", "outputs"))}}
+                                for i, part in enumerate(("inputs", "forward", "outputs"))},
+            "exposed": {"fraction_of_forwards": round(len(exposed) / timed, 3) if timed else None,
+                        "ms": pct(exposed),
+                        "fraction_of_window": round(sum(exposed) / 1e3 / seconds / devices, 4) if timed else None}}
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:

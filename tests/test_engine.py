@@ -341,7 +341,7 @@ def test_the_trace_splits_each_launch_s_host_time_into_its_inputs_forward_and_ou
     rows = [[float(x) for x in line.split(",")[2:]] for line in trace.read_text().splitlines()]
     assert [int(r[0]) for r in rows] == [2, 2, 1]
     for r in rows:
-        launch, (inputs, forward, outputs) = r[4], r[9:]
+        launch, (inputs, forward, outputs) = r[4], r[9:12]
         assert min(inputs, forward, outputs) >= 0 and inputs + forward + outputs <= launch + 0.01, r
         assert forward > inputs, r
 
@@ -368,14 +368,39 @@ def test_the_trace_says_how_long_the_gpu_idled_before_each_forward_and_how_late_
 
     asyncio.run(go())
     rows = [line.split(",") for line in trace.read_text().splitlines()]
-    assert len(rows) == len(device.packs) == 6 and all(len(r) == 14 and r[9] == "0" for r in rows)
-    assert all(x == "nan" for r in rows for x in r[11:])  # a launch's parts: this device does not give them
+    assert len(rows) == len(device.packs) == 6 and all(len(r) == 15 and r[9] == "0" for r in rows)
+    assert all(x == "nan" for r in rows for x in r[11:14])  # a launch's parts: this device does not give them
     assert all(0 <= float(r[10]) <= max(float(x[6]) for x in rows) for r in rows[1:])  # the wait: within a launch
     launch, idle, late = ([float(r[i]) for r in rows] for i in (6, 7, 8))
     assert all(0 <= x < 50 for x in launch), launch
     assert math.isnan(idle[0]) and 195 <= idle[1] <= 320, idle  # the first has no forward before it
     assert all(abs(x) <= 10 for x in idle[3:]), idle  # queued: started as the one before ended (10 ms: wake-ups)
     assert all(abs(x) <= 50 + max(launch) for x in late[1:]), (late, launch)
+    # the last column: how long after the GPU's previous end a launch returned; the one on the idle GPU, all of
+    # its idle time; those queued behind another, none (nan: returned in time; 10 ms: wake-ups)
+    exposed = [float(r[14]) for r in rows]
+    assert math.isnan(exposed[0]) and abs(exposed[1] - idle[1]) <= launch[1] + 1, (exposed, idle)
+    assert all(math.isnan(x) or x <= 10 for x in exposed[3:]), exposed
+
+
+def test_the_next_pack_is_dispatched_a_launch_s_tail_time_before_the_gpu_frees(tiny):
+    """`Batcher._lead`: the `lead_quantile` of the last 32 launches' host time plus 1 ms, at least 1.5 times their
+    moving average plus 1 ms; with a long tail (one launch in five at 9 ms, the rest at 4) the 0.9 quantile covers
+    the tail where 1.5 times the average does not, and quantile 0 is 1.5 times the average; only the last 32 count."""
+    def lead(q, launches):
+        eng = _engine(tiny, lead_quantile=q)
+        for s in launches:
+            eng._launches.append(s)
+            eng._launch_s = batching._ema(eng._launch_s, s)
+        return eng._lead(), eng._launch_s
+
+    tail = [0.004, 0.004, 0.004, 0.004, 0.009] * 8
+    got, average = lead(0.9, tail)
+    assert got == pytest.approx(0.010) and 1.5 * average + 0.001 < got
+    assert lead(0.0, tail)[0] == pytest.approx(1.5 * average + 0.001)
+    got, average = lead(1.0, [0.030] + [0.010] * 32)  # the 30 ms launch has left the window
+    assert got == pytest.approx(1.5 * average + 0.001) and got < 0.0161
+    assert lead(0.9, [])[0] == pytest.approx(0.001)  # nothing launched yet
 
 
 def test_clients_take_turns_in_a_pack_so_a_large_request_cannot_hold_a_lone_image_behind_it(tiny):
