@@ -100,12 +100,13 @@ def main() -> None:
                 for name, spec in (v.split(":", 1) for v in args.variant)}
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-ab-"))
     bodies = write_bodies(photo_jpegs([(448, 448)] * 256), work)
-    caches = {}  # a cache directory per tree (the tuner's, the buckets' timings), kept across rounds and variants
+    # one cache directory (the tuner's, the buckets' timings) for every tree and round: its files are keyed by the
+    # kernels' source and the tower's options, so trees whose kernels differ do not share entries
+    cache = tempfile.mkdtemp(prefix="qwen3vl-ab-cache-")
     runs: dict[str, list] = {}
     try:
         for round_ in range(args.rounds):
             for name, tree in {**trees(Path(args.ab)), **dict.fromkeys(variants)}.items():
-                cache = caches.setdefault(tree or "head", tempfile.mkdtemp(prefix=f"qwen3vl-cache-{name}-"))
                 trace = work / f"forwards-{name}-{round_}.csv"
                 saved = dict(os.environ)
                 os.environ.update({"QWEN3VL_FORWARD_TRACE": str(trace), **variants.get(name, {})})
@@ -129,6 +130,7 @@ def main() -> None:
                     stop_server(server)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
     write_results("ab_served", {"benchmark": "ab_served", "env": environment(), "model": args.model,
                                 "clients": args.clients, "variants": variants, "runs": runs}, args.out)
 

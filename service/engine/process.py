@@ -116,8 +116,11 @@ class EngineServer:
                 op = header["op"]
                 if op == "submit":
                     self._expected_until = 0.0  # it came: the batcher takes over
+                    # frames in the arena once its page-lock is in place go to the GPU where they lie; before,
+                    # they are staged through pinned memory
+                    pinned = locking is not None and locking.done() and locking.result() is not None
                     task = asyncio.create_task(self._submit(header, payload, writer, abandoned_fn(header["id"]),
-                                                            arena))
+                                                            arena, pinned))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 elif op == "cancel":
@@ -133,7 +136,7 @@ class EngineServer:
                             log.warning("cannot map the front-end's frame arena (%s); frames come over the socket", e)
                         else:
                             # the hello is answered at once: frames that come before the lock is in place are
-                            # staged through pinned memory (`Encoder.pixels` asks each frame whether it is pinned)
+                            # staged through pinned memory
                             if device.type == "cuda":
                                 locking = asyncio.get_running_loop().run_in_executor(
                                     self._pinner, _page_lock, arena, device)
@@ -155,7 +158,7 @@ class EngineServer:
                     page_unlock(locked, device)
             writer.close()
 
-    async def _submit(self, header, payload, writer, abandoned, arena=None):
+    async def _submit(self, header, payload, writer, abandoned, arena=None, pinned=False):
         rid = header["id"]
         items, offset = [], 0
         pre = self.engine.model.preprocessor
@@ -166,7 +169,7 @@ class EngineServer:
                 offset += n
             else:  # in the front-end's arena
                 frames = np.frombuffer(arena, np.uint8, n, at)
-            items.append(pre.item(frames.reshape(shape), tuple(grid), meta))
+            items.append(pre.item(frames.reshape(shape), tuple(grid), meta, pinned=pinned and at is not None))
         try:
             done = await self.engine.submit(items, time.monotonic() + header["timeout_s"], abandoned=abandoned,
                                             deepstack=header["deepstack"], tokens=header["tokens"],

@@ -104,6 +104,9 @@ class Preprocessed:
     lut: np.ndarray  # [C, 256] float32: uint8 value -> normalised value, per channel
     config: "PreprocessConfig"
     meta: dict = field(default_factory=dict)
+    # the frames lie in page-locked host memory (an engine's registered arena): the copy engine reads them where
+    # they lie, with no copy through a pinned buffer first
+    pinned: bool = False
 
     @property
     def kind(self) -> str:
@@ -268,14 +271,15 @@ class Preprocessor:
         grid = (-(-n // c.temporal_patch_size), height // c.patch_size, width // c.patch_size)
         return self.item(frames, grid, meta)
 
-    def item(self, frames: np.ndarray, grid: tuple[int, int, int], meta: dict) -> Preprocessed:
-        """Wrap resized uint8 frames (e.g. decoded in a worker process) as an item of this preprocessor."""
+    def item(self, frames: np.ndarray, grid: tuple[int, int, int], meta: dict, pinned: bool = False) -> Preprocessed:
+        """Wrap resized uint8 frames (e.g. decoded in a worker process) as an item of this preprocessor; `pinned`:
+        they lie in page-locked host memory (`Preprocessed.pinned`)."""
         lut = self.lut
         if meta.get("kind") == "video":
             if self._video_lut is None:
                 self._video_lut = self.config.video.lut()
             lut = self._video_lut
-        return Preprocessed(frames, grid, lut, self.config, meta)
+        return Preprocessed(frames, grid, lut, self.config, meta, pinned)
 
 
 # -- sandbox processes -------------------------------------------------------------------------------

@@ -28,9 +28,9 @@ def test_patchify_kernel_bf16(batch, frames, height, width, patch):
 
 
 def test_frames_from_a_page_locked_arena_equal_staged_ones():
-    """Items whose frames lie in the engine's page-locked mapping of a front-end's arena (copied by the GPU from
-    there) give the pack the same rows as the same frames in pageable memory (staged through pinned memory), mixed
-    in one pack."""
+    """Items whose frames lie in the engine's page-locked mapping of a front-end's arena (`pinned`: copied by the GPU
+    from there, all in one call) give the pack the same rows as the same frames in pageable memory (staged through
+    pinned memory), mixed in one pack; and an all-pinned pack and an all-pageable one the same as each alone."""
     enc = Encoder.load("random:tiny", "cuda", "bfloat16")
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((64, 64), (64, 64), (32, 96), (448, 448))]
@@ -43,12 +43,15 @@ def test_frames_from_a_page_locked_arena_equal_staged_ones():
         assert locked is not None
         try:
             mapped = [enc.preprocessor.item(np.frombuffer(mapping, np.uint8, it.frames.size, at).reshape(
-                it.frames.shape), it.grid_thw, it.meta) for it, at in zip(items, offsets)]
+                it.frames.shape), it.grid_thw, it.meta, pinned=True) for it, at in zip(items, offsets)]
             assert torch.from_numpy(mapped[0].frames.reshape(-1)).is_pinned()
             pack = [mapped[0], items[1], mapped[2], mapped[3], items[0]]  # locked and pageable, interleaved
             got = enc.pixels(pack)
             expected = torch.cat([torch.from_numpy(it.pixel_values) for it in pack]).to("cuda", torch.bfloat16)
             assert torch.equal(got, expected)
+            for alike in (mapped, items):
+                want = torch.cat([torch.from_numpy(it.pixel_values) for it in alike]).to("cuda", torch.bfloat16)
+                assert torch.equal(enc.pixels(alike), want)
         finally:
             page_unlock(locked, enc.device)
         assert not torch.from_numpy(mapped[0].frames.reshape(-1)).is_pinned()
@@ -76,7 +79,7 @@ def test_a_lone_frame_from_its_frames_equals_its_pixel_rows_path():
             if k % 2:  # every other one from the page-locked arena, as the engine reads them
                 at = arena.put(np.ascontiguousarray(it.frames))
                 it = enc.preprocessor.item(np.frombuffer(mapping, np.uint8, it.frames.size, at).reshape(
-                    it.frames.shape), it.grid_thw, it.meta)
+                    it.frames.shape), it.grid_thw, it.meta, pinned=True)
             before = enc.forward.whole_forwards
             got = enc.encode([it], deepstack=True, tokens=True)[0]
             assert enc.forward.whole_forwards == before + 1, it.grid_thw
