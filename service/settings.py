@@ -172,10 +172,6 @@ class Settings(BaseSettings):
     max_batch_items: int = Field(64, ge=1)
     max_wait_ms: float = Field(0.0, ge=0, description="how long a pack waits to fill up when the GPU is idle (0: it "
                                "goes at once; while the GPU is busy a pack fills until just before it frees up)")
-    launch_lead_quantile: float = Field(0.9, ge=0, le=1, description="while the GPU is busy, the next pack is "
-                                        "dispatched this quantile of the last 32 launches' host time (at least 1.5 "
-                                        "times their moving average) plus 1 ms before it is expected to free up: "
-                                        "a launch still running when the GPU gets to it leaves the GPU waiting")
     forward_trace: str | None = Field(None, description="append a CSV line per forward to this file (unix time, "
                                       "device, items, patches, GPU ms, launch-to-outputs ms, launch ms, the GPU's "
                                       "idle ms before it, ms its end was predicted late (these two from CUDA "

@@ -383,26 +383,6 @@ def test_the_trace_says_how_long_the_gpu_idled_before_each_forward_and_how_late_
     assert all(math.isnan(x) or x <= 10 for x in exposed[3:]), exposed
 
 
-def test_the_next_pack_is_dispatched_a_launch_s_tail_time_before_the_gpu_frees(tiny):
-    """`Batcher._lead`: the `lead_quantile` of the last 32 launches' host time plus 1 ms, at least 1.5 times their
-    moving average plus 1 ms; with a long tail (one launch in five at 9 ms, the rest at 4) the 0.9 quantile covers
-    the tail where 1.5 times the average does not, and quantile 0 is 1.5 times the average; only the last 32 count."""
-    def lead(q, launches):
-        eng = _engine(tiny, lead_quantile=q)
-        for s in launches:
-            eng._launches.append(s)
-            eng._launch_s = batching._ema(eng._launch_s, s)
-        return eng._lead(), eng._launch_s
-
-    tail = [0.004, 0.004, 0.004, 0.004, 0.009] * 8
-    got, average = lead(0.9, tail)
-    assert got == pytest.approx(0.010) and 1.5 * average + 0.001 < got
-    assert lead(0.0, tail)[0] == pytest.approx(1.5 * average + 0.001)
-    got, average = lead(1.0, [0.030] + [0.010] * 32)  # the 30 ms launch has left the window
-    assert got == pytest.approx(1.5 * average + 0.001) and got < 0.0161
-    assert lead(0.9, [])[0] == pytest.approx(0.001)  # nothing launched yet
-
-
 def test_clients_take_turns_in_a_pack_so_a_large_request_cannot_hold_a_lone_image_behind_it(tiny):
     """One client's request of 12 images is queued, then another client's single image: with room for 4 items a
     pack, the single image goes in the very next pack (turns between clients), not after the 12; each client's items

@@ -88,11 +88,9 @@ def _asked(result: EncodeResult, deepstack: bool, tokens: bool) -> EncodeResult:
 class Batcher:
     def __init__(self, encoder: Encoder, *, max_batch_patches: int, max_batch_items: int, max_wait_ms: float,
                  max_queue_items: int, on_batch: Callable[[BatchStats], None] | None = None,
-                 on_fault: Callable[[BaseException], None] | None = None, trace: str | None = None,
-                 lead_quantile: float = 0.9):
+                 on_fault: Callable[[BaseException], None] | None = None, trace: str | None = None):
         """`on_batch`: called with each forward's stats; `on_fault`: called once on a device fault; `trace`: a file
-        that gets a CSV line per forward (`Settings.forward_trace`); `lead_quantile`: how far ahead of the GPU's
-        expected end the next pack is dispatched (`_lead`, `Settings.launch_lead_quantile`)."""
+        that gets a CSV line per forward (`Settings.forward_trace`)."""
         self.encoder = encoder
         self.max_batch_patches = max_batch_patches
         self.max_batch_items = max_batch_items
@@ -119,8 +117,6 @@ class Batcher:
         # time, and of how long an idle GPU waits for a launch's host work before computing (None: not seen yet)
         self._s_per_patch = 0.0
         self._launch_s = 0.0
-        self._launches: collections.deque[float] = collections.deque(maxlen=32)  # the last launches' host time
-        self.lead_quantile = lead_quantile
         self._wait_s: float | None = None
         self._gpu_free_at = 0.0  # time.perf_counter() at which the forwards launched so far should be done
         self._flight: collections.deque[_Launched] = collections.deque()  # launched, not yet finished, in order
@@ -319,23 +315,13 @@ class Batcher:
         base = self._queue[0].enqueued + self.max_wait
         target = base
         if busy:
-            target = max(base, self._gpu_free_at - self._lead())
+            # dispatch one launch's host time (plus a margin) before the running forwards end, so the GPU never waits
+            target = max(base, self._gpu_free_at - 1.5 * self._launch_s - 0.001)
         while self._accepting and self._queue and not self._pack_full():
             now = time.perf_counter()
             if now >= target or (now >= base and busy and all(t.done() for t in busy)):
                 return
             await asyncio.sleep(min(0.001, target - now))
-
-    def _lead(self) -> float:
-        """How long before the GPU is expected to free up the next pack is dispatched: one launch's host time and a
-        millisecond, so that the GPU does not wait for the launch. Launches' host time has a long tail under load
-        (the engine's threads share one interpreter lock; FP8 at 64 clients on an H200: 4.5 ms median, 9.2 at the
-        90th percentile), and a GPU that gets to a launch still running waits for it, a wait the CUDA events count
-        as GPU time: the `lead_quantile` of the last 32 launches, at least 1.5 times their moving average. A longer
-        lead costs a pack the requests of that time, which go in the next one instead."""
-        recent = sorted(self._launches)
-        tail = recent[round(self.lead_quantile * (len(recent) - 1))] if recent else 0.0
-        return max(1.5 * self._launch_s, tail) + 0.001
 
     async def _batcher(self):
         """Forms packs and keeps up to two forwards in flight: while pack k computes, pack k+1 is dispatched, so
@@ -406,7 +392,6 @@ class Batcher:
             return None
         now = time.perf_counter()
         self._launch_s = _ema(self._launch_s, now - start)
-        self._launches.append(now - start)
         patches = sum(w.item.num_patches for w in batch)
         launched = _Launched(start, now, 0.0, pending, patches)
         self._gpu_free_at = launched.predicted_end = self._predicted_end(launched, self._gpu_free_at)

@@ -88,7 +88,7 @@ class LocalEngine:
         self.batcher = Batcher(enc, max_batch_patches=settings.max_batch_patches,
                                max_batch_items=settings.max_batch_items, max_wait_ms=settings.max_wait_ms,
                                max_queue_items=settings.max_queue_items, on_batch=batch_done, on_fault=faulted,
-                               trace=settings.forward_trace, lead_quantile=settings.launch_lead_quantile)
+                               trace=settings.forward_trace)
         await self.batcher.start()
         self.model = ModelInfo(enc.config, enc.preprocessor, enc.device, enc.dtype, enc.backend,
                                enc.tower.options.quantization)
