@@ -118,7 +118,8 @@ class EngineServer:
                     self._expected_until = 0.0  # it came: the batcher takes over
                     # frames in the arena once its page-lock is in place go to the GPU where they lie; before,
                     # they are staged through pinned memory
-                    pinned = locking is not None and locking.done() and locking.result() is not None
+                    pinned = (locking is not None and locking.done() and not locking.cancelled()
+                              and locking.result() is not None)
                     task = asyncio.create_task(self._submit(header, payload, writer, abandoned_fn(header["id"]),
                                                             arena, pinned))
                     tasks.add(task)
