@@ -222,6 +222,11 @@ def test_metrics_merge_every_process(two_workers):
     assert samples['qwen3vl_batch_items_sum{device="cpu"}'] >= n
     assert samples['qwen3vl_engine_up{device="cpu"}'] == 1
     assert any(k.startswith("qwen3vl_model_info{") and v == 1 for k, v in samples.items())
+    # the engine's device time, cumulative, sampled at the scrape: busy in its forwards (the wall time on the CPU,
+    # which gives no events), and no wait for launches counted (that takes the GPU's event times)
+    busy = httpx.get(f"{url}/info").json()["engine"]["gpu_busy_s"]
+    assert 0 < samples['qwen3vl_gpu_busy_seconds{device="cpu"}'] <= busy
+    assert samples['qwen3vl_gpu_launch_wait_seconds{device="cpu"}'] == 0
 
 
 def test_overload_gets_429_and_every_accepted_request_is_answered():

@@ -99,6 +99,7 @@ class DeviceStats:
     in_flight: int = 0
     forwards: int = 0
     gpu_busy_s: float = 0.0
+    launch_wait_s: float = 0.0  # of it, how long the GPU waited for launches dispatched while busy (`Batcher`)
     gpu_allocated_bytes: int = 0
     gpu_reserved_bytes: int = 0
     # whether kernel launches take the lean path (`kernels.runtime`; None: no Triton kernel launched, e.g. on the CPU)
@@ -107,7 +108,7 @@ class DeviceStats:
     compiles_while_serving: int = 0
 
 
-TOTALS = ("queue_depth", "queued_patches", "in_flight", "forwards", "gpu_busy_s", "restarts")
+TOTALS = ("queue_depth", "queued_patches", "in_flight", "forwards", "gpu_busy_s", "launch_wait_s", "restarts")
 
 
 @dataclass

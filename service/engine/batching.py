@@ -123,7 +123,9 @@ class Batcher:
         self._last_done = 0.0
         self._last_computed_at: float | None = None  # when the GPU last finished a pack (host clock): `_learn`
         self.forwards = 0  # forward passes run, for tests and /info
-        self.gpu_busy_s = 0.0  # the GPU's time in those forwards (CUDA events), for /info and the benchmarks
+        self.gpu_busy_s = 0.0  # the GPU's time in those forwards (CUDA events), for /info, /metrics, the benchmarks
+        # of it, how long the GPU waited for launches dispatched while it was busy to return (`_finish`)
+        self.launch_wait_s = 0.0
         # appended a line at a time (O_APPEND: the engines of a node may share one file)
         self._trace = open(trace, "a", buffering=1) if trace else None
 
@@ -170,7 +172,8 @@ class Batcher:
         device = self.encoder.device
         stats = DeviceStats(str(device), pid=os.getpid(), queue_depth=self.queue_depth,
                             queued_patches=self.queued_patches, in_flight=self.in_flight, forwards=self.forwards,
-                            gpu_busy_s=self.gpu_busy_s, lean_launch=(launch := launch_status())["lean"],
+                            gpu_busy_s=self.gpu_busy_s, launch_wait_s=self.launch_wait_s,
+                            lean_launch=(launch := launch_status())["lean"],
                             compiles_while_serving=launch["compiles_while_serving"])
         if device.type == "cuda":
             stats.gpu_allocated_bytes = torch.cuda.memory_allocated(device)
@@ -438,6 +441,10 @@ class Batcher:
         self._last_done = done
         computed_at = done - pending.download_s if gpu_s is not None and pending.download_s is not None else None
         previous, self._last_computed_at = self._last_computed_at, computed_at
+        if previous is not None and computed_at is not None and launched.start < previous < launched.returned:
+            # dispatched while the GPU was busy, the launch's host work outlasted the work before it: the GPU waited
+            # for the host (the operators' sign of a CPU-starved engine; a launch onto an idle GPU is not counted)
+            self.launch_wait_s += launched.returned - previous
         self._learn(busy, launched, computed_at, previous)
         self._reanchor(launched, done if computed_at is None else computed_at)
         end = time.perf_counter()

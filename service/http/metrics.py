@@ -71,6 +71,14 @@ class Metrics:
         self.compiles_while_serving = Gauge(f"{PREFIX}_kernel_compiles_while_serving", "kernels the engine compiled "
                                             "after its warm-up, each while every request waited", ["device"],
                                             registry=r, multiprocess_mode="livemostrecent")
+        # cumulative per engine since it started (a restart starts again from 0; rate() takes that as a reset)
+        self.gpu_busy = Gauge(f"{PREFIX}_gpu_busy_seconds", "the GPU's time in forwards since the engine started "
+                              "(CUDA events): rate() is the busy fraction", ["device"], registry=r,
+                              multiprocess_mode="livemostrecent")
+        self.launch_wait = Gauge(f"{PREFIX}_gpu_launch_wait_seconds", "of the GPU's time since the engine started, "
+                                 "how long it waited for launches dispatched while it was busy to return: rate() "
+                                 "over a few percent means the engine's host side holds the GPU back (CPU-starved)",
+                                 ["device"], registry=r, multiprocess_mode="livemostrecent")
         self.loop_lag = Histogram(f"{PREFIX}_event_loop_lag_seconds", "how late an HTTP process's event loop runs "
                                   "what it scheduled (sampled 4 times a second): a saturated front-end shows here first "
                                   "(more HTTP_WORKERS, or fewer requests per front-end)", registry=r,
@@ -78,12 +86,14 @@ class Metrics:
         self._max_batch_patches = max_batch_patches
 
     def sample_engine(self, stats) -> None:
-        """Queue depth and device memory from an engine's `DeviceStats` (read where the engine runs)."""
+        """Queue depth, device memory and GPU time from an engine's `DeviceStats` (read where the engine runs)."""
         self.queue_depth.labels(stats.device).set(stats.queue_depth)
         self.queued_patches.labels(stats.device).set(stats.queued_patches)
         self.gpu_allocated.labels(stats.device).set(stats.gpu_allocated_bytes)
         self.gpu_reserved.labels(stats.device).set(stats.gpu_reserved_bytes)
         self.compiles_while_serving.labels(stats.device).set(stats.compiles_while_serving)
+        self.gpu_busy.labels(stats.device).set(stats.gpu_busy_s)
+        self.launch_wait.labels(stats.device).set(stats.launch_wait_s)
 
     def observe_batch(self, device: str, stats) -> None:
         """One forward's `BatchStats`, on the engine of `device`."""
