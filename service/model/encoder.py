@@ -198,28 +198,33 @@ class Encoder:
         outputs = [merged if tokens else None, ds if deepstack else None, pooled]
         eager = self.forward.eager > eager_before
         forwarded = time.perf_counter()
-        if started is None:
-            return Pending(items, counts, *outputs, None, eager=eager,
-                           host_s=(uploaded - began, forwarded - uploaded, time.perf_counter() - forwarded))
+        done = computed = None
+        if started is not None:
+            outputs, computed, done = self._to_host(outputs, beside=lone is None)
+        return Pending(items, counts, *outputs, done, started, computed, eager=eager,
+                       host_s=(uploaded - began, forwarded - uploaded, time.perf_counter() - forwarded))
+
+    def _to_host(self, outputs: list, beside: bool) -> tuple[list, "torch.cuda.Event", "torch.cuda.Event"]:
+        """Copies of `outputs` (None stays None) into pinned host memory, queued after the forward; the events
+        recorded after the forward and after the copies. `beside`: on the download stream, beside the next forward;
+        else on the compute stream (a lone frame's: nothing computes beside them, so a hand-over to another stream
+        would only add to its latency)."""
         computed = self._event()
         computed.record()
-        # a lone frame's outputs come back on the compute stream: nothing computes beside them, so a hand-over to
-        # another stream would only add to its latency
-        download = self._download if lone is None else torch.cuda.current_stream(self.device)
-        if lone is None:
+        download = self._download if beside else torch.cuda.current_stream(self.device)
+        if beside:
             download.wait_event(computed)
         host = []
         with torch.cuda.stream(download):
             for t in outputs:
                 if t is not None:
-                    if lone is None:
+                    if beside:
                         t.record_stream(download)  # its memory waits for the copy, not only for the forward
                     t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                 host.append(t)
             done = self._event()
             done.record()
-        host_s = (uploaded - began, forwarded - uploaded, time.perf_counter() - forwarded)
-        return Pending(items, counts, *host, done, started, computed, eager=eager, host_s=host_s)
+        return host, computed, done
 
     def _event(self) -> "torch.cuda.Event":
         try:
