@@ -686,11 +686,16 @@ def test_a_requests_timing_says_how_many_items_shared_its_pack(tiny):
     assert [e.timing.pack_items for e in together] == [3, 3]
 
 
-def test_the_launch_model_learns_the_gpu_compute_and_apart_the_wait_for_a_launch(tiny):
+def test_the_launch_model_learns_the_gpu_compute_and_apart_the_wait_and_counts_the_gpu_s_wait_for_launches(tiny):
     """A forward's CUDA-event time counts from its launch's start: on a GPU left idle, its wait for the launch's host
     work too. The batcher's model learns the compute per patch from forwards the GPU reached with their work all
     queued, and the wait from those that found it idle (`Batcher._learn`), so a launch's host time does not push
-    the predicted end of a queued forward later (the 64-client slow mode), and a starved one's end is still right."""
+    the predicted end of a queued forward later (the 64-client slow mode), and a starved one's end is still right.
+
+    `launch_wait_s` (exported as `qwen3vl_gpu_launch_wait_seconds`): a launch onto an idle GPU is the request's
+    latency, not counted; launches dispatched while a forward computes that return after it ended (0.1 s of host
+    work against 0.05 s forwards) left the GPU waiting about 0.05 s each, counted, part of the GPU time; launches
+    quicker than a forward add nothing."""
     item = tiny.preprocess(random_pngs(1, seed=10)[0])
     device = SimulatedDevice(tiny, seconds=0.05, download_s=0.0, launch_s=0.1, keep=[item])
 
@@ -699,45 +704,21 @@ def test_the_launch_model_learns_the_gpu_compute_and_apart_the_wait_for_a_launch
         await eng.start()
         for _ in range(4):  # one at a time: each launch finds the GPU idle
             await eng.submit([item], timeout_s=10)
-        starved = eng._s_per_patch * item.num_patches, eng._wait_s
+        starved = eng._s_per_patch * item.num_patches, eng._wait_s, eng.launch_wait_s
+        await eng.submit([item] * 6, timeout_s=10)  # packs of one, each dispatched while the one before computes
+        slow = eng.launch_wait_s
         device.launch_s = 0.0  # launches quicker than a forward: packs of one queued behind one another
         await eng.submit([item] * 6, timeout_s=10)
         await eng.stop()
-        return eng, starved
+        return eng, starved, slow
 
-    eng, (compute, wait) = asyncio.run(go())
+    eng, (compute, wait, alone), slow = asyncio.run(go())
     assert eng.gpu_busy_s >= 4 * 0.14  # the events' count: the launches' 0.1 s included
     assert 0.045 <= compute <= 0.07, compute  # 0.05 s (the finisher's wake-up adds a little)
     assert 0.09 <= wait <= 0.15, wait  # the 0.1 s launch
     assert 0.045 <= eng._s_per_patch * item.num_patches <= 0.07  # queued forwards: the compute again
-
-
-def test_the_gpu_s_wait_for_launches_dispatched_while_it_was_busy_is_counted_and_a_lone_launch_s_is_not(tiny):
-    """`launch_wait_s` (exported as `qwen3vl_gpu_launch_wait_seconds`): a launch onto an idle GPU is the request's
-    latency, not counted; launches dispatched while a forward computes that return after it ended (0.1 s of host
-    work against 0.05 s forwards) left the GPU waiting about 0.05 s each, counted, and it is part of the GPU time;
-    launches quicker than a forward add nothing."""
-    item = tiny.preprocess(random_pngs(1, seed=13)[0])
-    device = SimulatedDevice(tiny, seconds=0.05, download_s=0.0, launch_s=0.1, keep=[item])
-
-    async def go():
-        eng = _engine(device, max_wait_ms=0, max_batch_items=1)
-        await eng.start()
-        for _ in range(3):  # one at a time: each launch finds the GPU idle
-            await eng.submit([item], timeout_s=10)
-        alone = eng.launch_wait_s
-        await eng.submit([item] * 6, timeout_s=10)  # packs of one, each dispatched while the one before computes
-        slow = eng.launch_wait_s
-        device.launch_s = 0.0
-        await eng.submit([item] * 6, timeout_s=10)
-        await eng.stop()
-        return eng, alone, slow
-
-    eng, alone, slow = asyncio.run(go())
-    assert alone == 0.0
-    assert 5 * 0.03 <= slow <= 5 * 0.1 and slow < eng.gpu_busy_s, (slow, eng.gpu_busy_s)  # ~0.05 s each after the first
-    assert eng.launch_wait_s - slow <= 0.02, eng.launch_wait_s
-    assert eng.stats().launch_wait_s == eng.launch_wait_s
+    assert alone == 0.0 and 5 * 0.03 <= slow <= 5 * 0.1 and slow < eng.gpu_busy_s, (alone, slow)
+    assert eng.launch_wait_s - slow <= 0.02 and eng.stats().launch_wait_s == eng.launch_wait_s
 
 
 async def _closed_loop(eng, item, clients: int, each: int) -> None:
