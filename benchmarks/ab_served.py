@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_service import compiled, photo_jpegs, start_server, stop_server, write_bodies
-from benchmarks.common import environment, forward_gaps, py_spy, read_forward_trace, top_frames, write_results
+from benchmarks.common import environment, py_spy, top_frames, write_results
 from benchmarks.multigpu import server_cpu
 
 
@@ -51,7 +51,6 @@ def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seco
 
     engine_pids = {e["pid"] for e in httpx.get(f"{url}/info", timeout=10).json()["engine"].get("engines", [])
                    if e.get("pid")}
-    t0 = time.time() + warmup_s
     result: dict = {}
 
     def sample():  # the front-ends over the measured window, sampled beside the generator
@@ -71,11 +70,8 @@ def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seco
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    row = compiled(url, bodies, clients, warmup_s, seconds, work)
+    row = compiled(url, bodies, clients, warmup_s, seconds, work, trace=trace)
     sampler.join()
-    forwards = read_forward_trace(trace, t0, t0 + seconds)
-    if forwards:
-        row["forwards"] = forward_gaps(forwards, seconds)
     row.update(result)
     return row
 

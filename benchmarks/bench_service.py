@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import environment, wait_until_ready, write_results
+from benchmarks.common import environment, forward_gaps, read_forward_trace, wait_until_ready, write_results
 
 CLIENTS, PROCS = 64, 4
 OPENLOOP = ".bin/openloop"  # the compiled generator: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
@@ -329,10 +329,12 @@ def write_bodies(photos: list[bytes], work: Path) -> Path:
 
 
 def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path,
-             params: dict = PARAMS) -> dict:
+             params: dict = PARAMS, trace: Path | None = None) -> dict:
     """`clients` closed-loop clients of the compiled generator (`tools/openloop`, each request's bytes its own) for
     `warmup_s` then `seconds`: images/s completed in the measured window, images per forward and GPU-busy time per
-    image from the engine's counters, the SM clock, and the generator's achieved rate and CPU (is it the limit?)."""
+    image from the engine's counters, the SM clock, and the generator's achieved rate and CPU (is it the limit?);
+    with the server's forward `trace` (`start_server(trace=)`), what its forwards in the window say
+    (`common.forward_gaps`: the packs, the GPU's idle time, the launches and the GPU's wait for them)."""
     if not Path(OPENLOOP).exists():
         raise SystemExit(f"{OPENLOOP} missing: CGO_ENABLED=0 go build -o {OPENLOOP} tools/openloop/main.go")
     csv_path = work / f"c{clients}.csv"
@@ -341,6 +343,7 @@ def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: flo
                             str(bodies), "-concurrency", str(clients), "-duration", f"{warmup_s + seconds}s",
                             "-unique", "-out", str(csv_path)], stdout=subprocess.PIPE, text=True)
     time.sleep(warmup_s)
+    t0 = time.time()
     a = _engine_counters(url)
     time.sleep(seconds)
     b = _engine_counters(url)
@@ -353,6 +356,8 @@ def compiled(url: str, bodies: Path, clients: int, warmup_s: float, seconds: flo
                                                   "cpu_cores": summary["generator_cpu_s"] / summary["wall_s"],
                                                   "reply_bytes_per_s": sum(int(r["bytes"]) for r in done) / seconds})
     row["timing_p50_ms"] = request_times(done)
+    if trace is not None and (forwards := read_forward_trace(trace, t0, t0 + seconds)):
+        row["forwards"] = forward_gaps(forwards, seconds)
     return row
 
 
@@ -564,11 +569,13 @@ def cache_latency(url: str, jpeg: bytes, n: int = 40) -> dict:
                 "miss_keepalive": keepalive_p50(url, path, files[n + 5:], "image/jpeg", n, cache="miss")}
 
 
-def start_server(model: str, port: int, cache_dir: str, tree: str | None = None):
+def start_server(model: str, port: int, cache_dir: str, tree: str | None = None, trace: Path | None = None):
     """The server at its defaults (this tree's, or the one at `tree`: another revision's), its URL and seconds to
-    ready."""
+    ready; `trace`: the file its engines append a line per forward to (`Settings.forward_trace`)."""
     env = {**os.environ, "QWEN3VL_MODEL": model, "QWEN3VL_PORT": str(port), "QWEN3VL_HOST": "127.0.0.1",
            "QWEN3VL_CACHE_DIR": cache_dir}
+    if trace is not None:
+        env["QWEN3VL_FORWARD_TRACE"] = str(trace)
     env = {k: v for k, v in env.items() if not k.startswith("TRITON_CACHE")}
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree)] + [
@@ -691,15 +698,16 @@ def plot(d: dict, path) -> None:
     plt.close(fig)
 
 
-def compiled_loads(url: str, photos: list[bytes], warmup_s: float, seconds: float, epd: bool = False) -> dict:
+def compiled_loads(url: str, photos: list[bytes], warmup_s: float, seconds: float, epd: bool = False,
+                   trace: Path | None = None) -> dict:
     """The compiled generator with 64 and with 256 closed-loop clients, back to back on the server at `url`; with
-    `epd`, then 64 clients asking for vLLM's layout (`epd_c64`)."""
+    `epd`, then 64 clients asking for vLLM's layout (`epd_c64`); `trace`: the server's forward trace (`compiled`)."""
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-openloop-"))
     bodies = write_bodies(photos, work)
     try:
-        out = {f"c{n}": compiled(url, bodies, n, warmup_s, seconds, work) for n in (64, 256)}
+        out = {f"c{n}": compiled(url, bodies, n, warmup_s, seconds, work, trace=trace) for n in (64, 256)}
         if epd:
-            out["epd_c64"] = compiled(url, bodies, CLIENTS, warmup_s, seconds, work, params=EPD_PARAMS)
+            out["epd_c64"] = compiled(url, bodies, CLIENTS, warmup_s, seconds, work, params=EPD_PARAMS, trace=trace)
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -738,12 +746,13 @@ def uniform_only(args, settings, port: int, uniform: list[bytes]) -> None:
     fwd = forward_rates(args.model, {"uniform": uniform}, settings.max_batch_patches, settings.max_batch_items)
     torch.cuda.empty_cache()
     patches = Preprocessor(model_configs(args.model)[1])(uniform[0]).num_patches
-    server, url, ready = start_server(args.model, port, tempfile.mkdtemp(prefix="qwen3vl-cache-"))
+    trace = Path(tempfile.mkdtemp(prefix="qwen3vl-trace-")) / "forwards.csv"
+    server, url, ready = start_server(args.model, port, tempfile.mkdtemp(prefix="qwen3vl-cache-"), trace=trace)
     try:
         import httpx
 
         info = httpx.get(f"{url}/info").json()
-        comp = compiled_loads(url, uniform, args.warmup_s, args.measure_s)
+        comp = compiled_loads(url, uniform, args.warmup_s, args.measure_s, trace=trace)
         res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))], [patches] * len(uniform),
                    [("_warmup", args.warmup_s), ("warm", args.measure_s)])
     finally:
@@ -805,7 +814,8 @@ def main():
     mixed_tags = [f"{size_class(w, h)}:{i}" for i, (w, h) in enumerate(sizes)]
 
     cache_dir = tempfile.mkdtemp(prefix="qwen3vl-cache-")
-    server, url, ready_first = start_server(args.model, port, cache_dir)
+    trace = Path(tempfile.mkdtemp(prefix="qwen3vl-trace-")) / "forwards.csv"
+    server, url, ready_first = start_server(args.model, port, cache_dir, trace=trace)
     print(f"ready after {ready_first:.1f} s (empty cache)", flush=True)
     try:
         mixed_res = load(url, mixed, mixed_tags, mixed_patches,
@@ -820,7 +830,7 @@ def main():
                            [("_warmup", args.warmup_s), ("warm", args.measure_s)])
         if profiler is not None:
             profiler.wait(120)
-        compiled_res = compiled_loads(url, uniform, args.warmup_s, args.measure_s, epd=True)
+        compiled_res = compiled_loads(url, uniform, args.warmup_s, args.measure_s, epd=True, trace=trace)
         epd_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))],
                        [pre(uniform[0]).num_patches] * len(uniform),
                        [("_warmup", args.warmup_s), ("warm", args.measure_s)], params=EPD_PARAMS, procs=EPD_PROCS)
