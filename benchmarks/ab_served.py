@@ -105,9 +105,9 @@ def main() -> None:
             for name, tree in {**trees(Path(args.ab)), **dict.fromkeys(variants)}.items():
                 trace = work / f"forwards-{name}-{round_}.csv"
                 saved = dict(os.environ)
-                os.environ.update({"QWEN3VL_FORWARD_TRACE": str(trace), **variants.get(name, {})})
+                os.environ.update(variants.get(name, {}))
                 try:
-                    server, url, ready = start_server(args.model, 18790, cache, tree)
+                    server, url, ready = start_server(args.model, 18790, cache, tree, trace=trace)
                 except RuntimeError as e:
                     runs.setdefault(name, []).append({"error": str(e)})
                     continue
