@@ -195,7 +195,9 @@ def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
         replay_ms = do_bench(lambda: every(pixels, grids), warmup=20, rep=200, return_mode="median")
         assert 0.67 * replay_ms <= gpu_ms <= 1.5 * replay_ms, (gpu_ms, replay_ms)
         assert 0.67 * replay_ms <= measured.bucket_ms[32768] <= 1.5 * replay_ms, (measured.bucket_ms, replay_ms)
-        tokens = min(max(choice.limit, 8192), 32768)  # eager where the limit is within the buckets, else 32768: graphs
+        # eager where the limit is within the buckets, else 32768: graphs; whole merge windows (a grid's sides are even)
+        unit = cfg.spatial_merge_size**2
+        tokens = min(max(-(-choice.limit // unit) * unit, 8192), 32768)
         grids = typical_grids(tokens, cfg.spatial_merge_size)
         eager = choice.runs_eagerly(tokens)
         before = measured.eager
