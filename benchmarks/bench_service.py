@@ -9,42 +9,31 @@ The same images go through two paths:
    faster of the other two, with the SM clock and power sampled (`forward_sustained_images_per_s`): the forward
    at the clock a server under load runs at. Ratios are given against both.
 2. Service: `qwen3vl-encoder serve` with nothing but the model, host and port set (every other setting its
-   default), and a fresh cache directory. 64 concurrent clients in 4 load-generator processes each POST one JPEG
-   per request to /embed (format=safetensors, deepstack=false). Every request's bytes are its own (a JPEG comment
-   holding a counter: `unique`), so that, except where the cache is measured, nothing is answered from the
-   server's embedding cache.
+   default, QWEN3VL_QUANTIZATION=fp8 included where the environment sets it), and a fresh cache directory. Every
+   request POSTs one JPEG to /embed (format=safetensors, deepstack=false), its bytes its own (a JPEG comment holding
+   a counter: `unique`), so that nothing is answered from the server's embedding cache.
 
-Phases, in order, against one server:
-- start 1 (empty cache): seconds from launch to /ready (`ready_s_first`);
-- mixed photos (224-1536 px per side, fixed seed): the first 30 s after ready (cold window), then 10 s of warm-up
-  and 20 s measured (warm window), latency percentiles per size class;
-- uniform 448 px photos: 10 s warm-up, 20 s measured; then the same photos from the compiled closed-loop generator
-  (`tools/openloop`, bytes of their own per request) with 64 and with 256 clients, 10 s warm-up and 20 s measured
-  each. The compiled generator's figures are the headline (`compiled_ratio_c64`, `compiled_ratio_c256`), the aiohttp
-  one's beside them (`aiohttp_ratio`), each with the generator's achieved rate and CPU;
-- the encoder tier: the same photos asking for vLLM's layout (`format=vllm`: bfloat16, the merged tokens and the
-  DeepStack levels, 4x the bytes of the tokens alone): from the compiled generator, 64 clients
-  (`epd_compiled_ratio_to_forward`), then from 8 aiohttp processes (`epd_ratio_to_forward`, with the generator's
-  CPU per process: well under 1, it is not the limit); 10 s warm-up, 20 s measured each;
-- the embedding cache: one client (curl), the same 448 px JPEG again and again, pooled vector only
-  (`cache_hit_p50_ms`), and the same image in new bytes each time (`cache_miss_p50_ms`); and the same from a client
-  that keeps its connection, as applications' HTTP clients do (`cache_hit_keepalive_p50_ms`): curl opens a
-  connection per request and adds its own start-up to each;
-- one client, curl, a 448 px JPEG: /v1/embeddings and /embed?embeddings=false&pooling=mean, p50 of 40 requests
-  (`single_image_p50_ms`: the slower route), and the pooled route from a keep-alive client
-  (`single_image_keepalive_p50_ms`);
-then start 2 on the same cache (`ready_s_second`), and on it the same single image on a server that has served
-nothing else (`single_image_fresh_p50_ms`), then, twice: SIGKILL of the engine process, then seconds until /ready
-answers 200 again and an image is served (`recovery_s`, the front-ends up throughout).
+Runs, each within one device call (10 minutes), each against a server of its own:
+- the headline (no flag): uniform 448 px photos from the compiled closed-loop generator (`tools/openloop`) with 64
+  and with 256 clients, then from the aiohttp generator (64 clients in 4 processes); 10 s warm-up, 20 s measured
+  each. The compiled generator's figures are the headline (`compiled_ratio_c64`, `compiled_ratio_c256`), the
+  aiohttp one's beside them (`aiohttp_ratio`), each with the generator's achieved rate and CPU, and the server's
+  forward trace over each compiled window (packs, the GPU's idle time, launches). `service.json`, or
+  `service_<quantization>.json` for a quantized tower (`service_fp8.json`);
+- `--mixed`: mixed photos (224-1536 px per side, fixed seed) from the aiohttp generator: the first 30 s after ready
+  (cold window: kernels the warm-up did not cover compile here), then 10 s of warm-up and 20 s measured (warm
+  window), latency percentiles per size class; patches/s over the forward's on the same photos packed in order to
+  the same budget (`mixed_ratio_to_forward`). `service_mixed.json` and its plot;
+- `--startup-only`: seconds from launch to /ready on an empty cache and on the same cache again (`ready_s_first`,
+  `ready_s_second`); one client, curl, one 448 px JPEG on the second, fresh server: /v1/embeddings and
+  /embed?embeddings=false&pooling=mean, p50 of 40 requests (`single_image_fresh_p50_ms`: the slower route), and the
+  pooled route from a keep-alive client; then, twice, SIGKILL of the engine process and the seconds until /ready
+  answers 200 again and an image is served (`recovery_s`, the front-ends up throughout); then that image's forward
+  in-process. `service_startup.json`.
+The encoder tier's layouts (vLLM's, SGLang's) and the embedding cache's latency: `benchmarks.bench_epd`.
 
-`--startup-only` runs the starts, the single image on the fresh server and the recoveries alone, then that image's
-forward in-process (results in `service_startup.json`).
-
-Ratios: uniform images/s over the forward's images/s at 32 x 448 px; mixed patches/s over the forward's patches/s
-on the same photos.
-
-Usage: python -m benchmarks.bench_service [--model random:qwen3-vl-2b] [--out DIR] (the compiled generator built:
-CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
+Usage: python -m benchmarks.bench_service [--mixed | --startup-only] [--model random:qwen3-vl-2b] [--out DIR] (the
+compiled generator built: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
 """
 
 from __future__ import annotations
@@ -72,9 +61,9 @@ from benchmarks.common import environment, forward_gaps, read_forward_trace, wai
 CLIENTS, PROCS = 64, 4
 OPENLOOP = ".bin/openloop"  # the compiled generator: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go
 PARAMS = {"format": "safetensors", "deepstack": "false"}
-# the encoder tier: vLLM's layout (bfloat16, the merged tokens and DeepStack levels), read by more generator
-# processes: each reply is 4x the bytes of the merged tokens alone
-EPD_PARAMS, EPD_PROCS = {"format": "vllm"}, 8
+# the encoder tier: vLLM's layout (bfloat16, the merged tokens and DeepStack levels; `bench_epd`): each reply is 4x
+# the bytes of the merged tokens alone
+EPD_PARAMS = {"format": "vllm"}
 # the server's own account of a request's time (X-*-Time-Ms), recorded per request
 TIMING_HEADERS = {name: f"x-{name}-time-ms" for name in ("preprocess", "queue", "inference", "total")}
 SIZE_CLASSES = (("small", 512), ("medium", 1024), ("large", 1 << 30))  # by the longer side, in pixels
@@ -657,33 +646,25 @@ def stop_server(server):
 
 
 def plot(d: dict, path) -> None:
-    """Left: the service's throughput as a fraction of the forward's on the same images, per load and phase (labels:
-    the absolute figures). Right: p50 and p99 per size class, mixed cold and warm, uniform warm."""
+    """`--mixed`'s result. Left: the service's patches/s as a fraction of the forward's on the same photos, cold and
+    warm (labels: the absolute figures). Right: p50 and p99 per size class, cold and warm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fwd = d["forward"]
+    fwd = d["forward"]["mixed"]["patches_per_s"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
-    bars = [("uniform 448 px, warm", d["uniform"]["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
-             f"{d['uniform']['warm']['images_per_s']:.0f} / {fwd['uniform']['images_per_s']:.0f} img/s")]
-    if "epd" in d:
-        bars.append(("vLLM layout 448 px, warm", d["epd"]["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
-                     f"{d['epd']['warm']['images_per_s']:.0f} / {fwd['uniform']['images_per_s']:.0f} img/s"))
-    for phase in ("cold", "warm"):
-        row = d["mixed"][phase]
-        bars.append((f"mixed, {phase}", row["patches_per_s"] / fwd["mixed"]["patches_per_s"],
-                     f"{row['patches_per_s'] / 1e3:.0f}k / {fwd['mixed']['patches_per_s'] / 1e3:.0f}k patches/s"))
+    bars = [(f"mixed, {phase}", d["mixed"][phase]["patches_per_s"] / fwd,
+             f"{d['mixed'][phase]['patches_per_s'] / 1e3:.0f}k / {fwd / 1e3:.0f}k patches/s")
+            for phase in ("cold", "warm")]
     drawn = left.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
     left.bar_label(drawn, labels=[b[2] for b in bars], fontsize=8)
-    left.tick_params(axis="x", labelrotation=15, labelsize=8)
     left.axhline(0.9, color="grey", linestyle="--", linewidth=1)
-    left.set_ylabel("service / forward (same images, same run)")
+    left.set_ylabel("service / forward (same photos, same run)")
     left.set_title(f"{d['model']}, default settings, {d['clients']} clients")
-    groups = [(f"mixed {phase}: {c}", d["mixed"][phase]["by_size"][c]) for phase in ("cold", "warm")
+    groups = [(f"{phase}: {c}", d["mixed"][phase]["by_size"][c]) for phase in ("cold", "warm")
               for c in d["mixed"][phase]["by_size"]]
-    groups.append(("uniform warm: 448", d["uniform"]["warm"]["by_size"]["448"]))
     xs = range(len(groups))
     right.bar([x - 0.2 for x in xs], [g[1]["p50_ms"] for g in groups], 0.4, label="p50")
     right.bar([x + 0.2 for x in xs], [g[1]["p99_ms"] for g in groups], 0.4, label="p99")
@@ -698,17 +679,13 @@ def plot(d: dict, path) -> None:
     plt.close(fig)
 
 
-def compiled_loads(url: str, photos: list[bytes], warmup_s: float, seconds: float, epd: bool = False,
-                   trace: Path | None = None) -> dict:
-    """The compiled generator with 64 and with 256 closed-loop clients, back to back on the server at `url`; with
-    `epd`, then 64 clients asking for vLLM's layout (`epd_c64`); `trace`: the server's forward trace (`compiled`)."""
+def compiled_loads(url: str, photos: list[bytes], warmup_s: float, seconds: float, trace: Path | None = None) -> dict:
+    """The compiled generator with 64 and with 256 closed-loop clients, back to back on the server at `url`;
+    `trace`: the server's forward trace (`compiled`)."""
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-openloop-"))
     bodies = write_bodies(photos, work)
     try:
-        out = {f"c{n}": compiled(url, bodies, n, warmup_s, seconds, work, trace=trace) for n in (64, 256)}
-        if epd:
-            out["epd_c64"] = compiled(url, bodies, CLIENTS, warmup_s, seconds, work, params=EPD_PARAMS, trace=trace)
-        return out
+        return {f"c{n}": compiled(url, bodies, n, warmup_s, seconds, work, trace=trace) for n in (64, 256)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -736,15 +713,16 @@ def generator_summary(comp: dict, aio: dict, fwd: dict) -> dict:
             "aiohttp_p50_ms": warm["p50_ms"], "aiohttp_p99_ms": warm["p99_ms"]}
 
 
-def uniform_only(args, settings, port: int, uniform: list[bytes]) -> None:
-    """The uniform phase alone, server and forward with the environment's settings (the FP8 tower's HTTP ratio)."""
+def headline(args, settings, port: int, uniform: list[bytes]) -> None:
+    """The uniform load under both generators against the forward, server and forward with the environment's
+    settings: `service.json`, or `service_<quantization>.json` for a quantized tower."""
     import torch
 
     from service.model.loader import model_configs
     from service.model.preprocess import Preprocessor
 
     fwd = forward_rates(args.model, {"uniform": uniform}, settings.max_batch_patches, settings.max_batch_items)
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the server gets the GPU's memory
     patches = Preprocessor(model_configs(args.model)[1])(uniform[0]).num_patches
     trace = Path(tempfile.mkdtemp(prefix="qwen3vl-trace-")) / "forwards.csv"
     server, url, ready = start_server(args.model, port, tempfile.mkdtemp(prefix="qwen3vl-cache-"), trace=trace)
@@ -759,11 +737,49 @@ def uniform_only(args, settings, port: int, uniform: list[bytes]) -> None:
         stop_server(server)
     summary = {"quantization": info.get("quantization"), "forward_images_per_s": fwd["uniform"]["images_per_s"],
                **generator_summary(comp, res, fwd), "ready_s": ready}
-    payload = {"benchmark": "service_uniform", "env": environment(), "model": args.model, "clients": CLIENTS,
+    payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": CLIENTS,
                "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd, "compiled": comp,
-               "uniform": res}
-    write_results(f"service_{settings.quantization}", payload, args.out)
-    print(json.dumps({"benchmark": "service_uniform", **summary}))
+               "uniform": res,
+               "server": {k: info.get(k) for k in ("http_workers", "cuda_graphs", "attention_backend", "limits")}}
+    name = "service" if settings.quantization == "none" else f"service_{settings.quantization}"
+    write_results(name, payload, args.out)
+    print(json.dumps({"benchmark": name, **summary}))
+
+
+def mixed(args, settings, port: int) -> None:
+    """Mixed photos from the aiohttp generator, cold and warm, against the forward on the same photos:
+    `service_mixed.json` and its plot."""
+    import torch
+
+    from service.model.loader import model_configs
+    from service.model.preprocess import Preprocessor
+
+    sizes = mixed_sizes(args.images, seed=1)
+    photos = photo_jpegs(sizes, seed=1)
+    fwd = forward_rates(args.model, {"mixed": photos}, settings.max_batch_patches, settings.max_batch_items)
+    torch.cuda.empty_cache()
+    pre = Preprocessor(model_configs(args.model)[1])
+    patches = [pre(b).num_patches for b in photos]
+    tags = [f"{size_class(w, h)}:{i}" for i, (w, h) in enumerate(sizes)]
+    server, url, ready = start_server(args.model, port, tempfile.mkdtemp(prefix="qwen3vl-cache-"))
+    print(f"ready after {ready:.1f} s (empty cache)", flush=True)
+    try:
+        res = load(url, photos, tags, patches, [("cold", args.cold_s), ("_warmup", args.warmup_s),
+                                                ("warm", args.measure_s)])
+    finally:
+        stop_server(server)
+    summary = {"mixed_ratio_to_forward": res["warm"]["patches_per_s"] / fwd["mixed"]["patches_per_s"],
+               "mixed_cold_ratio_to_forward": res["cold"]["patches_per_s"] / fwd["mixed"]["patches_per_s"],
+               "mixed_warm_p99_over_p50": res["warm"]["p99_ms"] / res["warm"]["p50_ms"],
+               "cold_p99_over_warm_p99": res["cold"]["p99_ms"] / res["warm"]["p99_ms"], "ready_s": ready}
+    payload = {"benchmark": "service_mixed", "env": environment(), "model": args.model, "clients": CLIENTS,
+               "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd, "mixed": res}
+    path = write_results("service_mixed", payload, args.out)
+    try:
+        plot(payload, path.with_suffix(".png"))
+    except ImportError:  # matplotlib is optional: --plot draws it later from the JSON
+        pass
+    print(json.dumps({"benchmark": "service_mixed", **summary}))
 
 
 def main():
@@ -773,14 +789,12 @@ def main():
     ap.add_argument("--cold-s", type=float, default=30)
     ap.add_argument("--warmup-s", type=float, default=10)
     ap.add_argument("--measure-s", type=float, default=20)
-    ap.add_argument("--profile", default=None, help="py-spy raw profile of the server under the uniform load")
-    ap.add_argument("--py-spy", default="py-spy", help="the py-spy binary")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--startup-only", action="store_true", help="only the starts and the engine recoveries")
-    ap.add_argument("--plot", metavar="JSON", help="only draw the plot (PNG beside it) of a committed result file")
-    ap.add_argument("--uniform-only", action="store_true",
-                    help="only the forward and the uniform load (448 px JPEGs) against it: service_<quantization>.json; "
-                         "with QWEN3VL_QUANTIZATION=fp8 in the environment, the FP8 server against the FP8 forward")
+    run = ap.add_mutually_exclusive_group()
+    run.add_argument("--mixed", action="store_true", help="mixed photos, cold and warm: service_mixed.json")
+    run.add_argument("--startup-only", action="store_true",
+                     help="the starts, the lone image on a fresh server, the engine's recoveries: service_startup.json")
+    run.add_argument("--plot", metavar="JSON", help="only draw the plot (PNG beside it) of a service_mixed.json")
     args = ap.parse_args()
     if args.plot:
         plot(json.loads(open(args.plot).read()), os.path.splitext(args.plot)[0] + ".png")
@@ -794,106 +808,10 @@ def main():
         payload = {"benchmark": "service_startup", "env": environment(), "model": args.model, **result}
         write_results("service_startup", payload, args.out)
         print(json.dumps(payload))
-        return
-    uniform = photo_jpegs([(448, 448)] * args.images)
-    if args.uniform_only:
-        uniform_only(args, defaults, port, uniform)
-        return
-    sizes = mixed_sizes(args.images, seed=1)
-    mixed = photo_jpegs(sizes, seed=1)
-    fwd = forward_rates(args.model, {"uniform": uniform, "mixed": mixed}, defaults.max_batch_patches,
-                        defaults.max_batch_items)
-    import torch
-
-    torch.cuda.empty_cache()  # the server gets the GPU's memory
-    from service.model.loader import model_configs
-    from service.model.preprocess import Preprocessor
-
-    pre = Preprocessor(model_configs(args.model)[1])
-    mixed_patches = [pre(b).num_patches for b in mixed]
-    mixed_tags = [f"{size_class(w, h)}:{i}" for i, (w, h) in enumerate(sizes)]
-
-    cache_dir = tempfile.mkdtemp(prefix="qwen3vl-cache-")
-    trace = Path(tempfile.mkdtemp(prefix="qwen3vl-trace-")) / "forwards.csv"
-    server, url, ready_first = start_server(args.model, port, cache_dir, trace=trace)
-    print(f"ready after {ready_first:.1f} s (empty cache)", flush=True)
-    try:
-        mixed_res = load(url, mixed, mixed_tags, mixed_patches,
-                         [("cold", args.cold_s), ("_warmup", args.warmup_s), ("warm", args.measure_s)])
-        profiler = None
-        if args.profile and shutil.which(args.py_spy):
-            profiler = subprocess.Popen([args.py_spy, "record", "-p", str(server.pid), "-d", "10", "-r", "200", "-f",
-                                         "raw", "--subprocesses", "--nonblocking", "-o", args.profile],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        uniform_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))],
-                           [pre(uniform[0]).num_patches] * len(uniform),
-                           [("_warmup", args.warmup_s), ("warm", args.measure_s)])
-        if profiler is not None:
-            profiler.wait(120)
-        compiled_res = compiled_loads(url, uniform, args.warmup_s, args.measure_s, epd=True, trace=trace)
-        epd_res = load(url, uniform, [f"448:{i}" for i in range(len(uniform))],
-                       [pre(uniform[0]).num_patches] * len(uniform),
-                       [("_warmup", args.warmup_s), ("warm", args.measure_s)], params=EPD_PARAMS, procs=EPD_PROCS)
-        cache = cache_latency(url, uniform[0])
-        print(f"embedding cache: {cache}", flush=True)
-        single = single_image(url, uniform[0])
-        print(f"single image, after the loads: {single}", flush=True)
-        import httpx
-
-        info = httpx.get(f"{url}/info").json()
-    finally:
-        stop_server(server)
-    server, url, ready_second = start_server(args.model, port, cache_dir)
-    print(f"ready after {ready_second:.1f} s (second start, same cache)", flush=True)
-    try:
-        single_fresh = single_image(url, uniform[0])
-        print(f"single image, fresh server: {single_fresh}", flush=True)
-        recoveries = recovery_s(url, uniform[0])
-    finally:
-        stop_server(server)
-
-    summary = {
-        "settings": "defaults",
-        **generator_summary(compiled_res, uniform_res, fwd),
-        "mixed_ratio_to_forward": mixed_res["warm"]["patches_per_s"] / fwd["mixed"]["patches_per_s"],
-        "warm_p99_over_p50": uniform_res["warm"]["p99_ms"] / uniform_res["warm"]["p50_ms"],
-        "epd_compiled_ratio_to_forward": compiled_res["epd_c64"]["images_per_s"] / fwd["uniform"]["images_per_s"],
-        "epd_compiled_images_per_s": compiled_res["epd_c64"]["images_per_s"],
-        "epd_compiled_reply_mb_per_s": compiled_res["epd_c64"]["generator"]["reply_bytes_per_s"] / 1e6,
-        "epd_ratio_to_forward": epd_res["warm"]["images_per_s"] / fwd["uniform"]["images_per_s"],
-        "epd_images_per_s": epd_res["warm"]["images_per_s"],
-        "epd_reply_mb_per_s": epd_res["warm"]["generator"]["reply_bytes_per_s"] / 1e6,
-        "epd_generator_max_cpu_fraction": epd_res["warm"]["generator"]["max_cpu_fraction"],
-        "cache_hit_p50_ms": cache["hit"]["p50_ms"],
-        "cache_miss_p50_ms": cache["miss"]["p50_ms"],
-        "cache_hit_keepalive_p50_ms": cache["hit_keepalive"]["p50_ms"],
-        "mixed_warm_p99_over_p50": mixed_res["warm"]["p99_ms"] / mixed_res["warm"]["p50_ms"],
-        "cold_p99_over_warm_p99": mixed_res["cold"]["p99_ms"] / mixed_res["warm"]["p99_ms"],
-        "single_image_p50_ms": max(single["v1_embeddings"]["p50_ms"], single["embed_pooled"]["p50_ms"]),
-        "single_image_keepalive_p50_ms": single["embed_pooled_keepalive"]["p50_ms"],
-        "single_image_fresh_p50_ms": max(single_fresh["v1_embeddings"]["p50_ms"],
-                                         single_fresh["embed_pooled"]["p50_ms"]),
-        "single_image_fresh_keepalive_p50_ms": single_fresh["embed_pooled_keepalive"]["p50_ms"],
-        "single_image_forward_ms": fwd["single_image_forward_ms"],
-        "single_image_served_forward_ms": fwd["single_image_served_ms"],
-        "ready_s_first": ready_first,
-        "ready_s_second": ready_second,
-        "recovery_s": max(recoveries),
-    }
-    payload = {"benchmark": "service", "env": environment(), "model": args.model, "clients": CLIENTS,
-               "load_processes": PROCS, "params": PARAMS, "summary": summary, "forward": fwd,
-               "compiled": compiled_res, "uniform": uniform_res, "mixed": mixed_res,
-               "epd": {"params": EPD_PARAMS, **epd_res},
-               "embedding_cache": cache, "single_image": single,
-               "single_image_fresh": single_fresh,
-               "server": {k: info.get(k) for k in ("http_workers", "cuda_graphs", "attention_backend", "limits")}}
-    path = write_results("service", payload, args.out)
-    try:
-        plot(payload, path.with_suffix(".png"))
-    except ImportError:  # matplotlib is optional: --plot draws it later from the JSON
-        pass
-    print(json.dumps({"benchmark": "service", **{k: round(v, 3) if isinstance(v, float) else v
-                                                 for k, v in summary.items()}}))
+    elif args.mixed:
+        mixed(args, defaults, port)
+    else:
+        headline(args, defaults, port, photo_jpegs([(448, 448)] * args.images))
 
 
 if __name__ == "__main__":

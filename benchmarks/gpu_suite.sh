@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device run: environment, GPU test suite (plus the video-processor parity tests, which need the
 # torchvision the GPU machine has), benchmarks. Everything lands under $OUT.
-# Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|service|soak|all]..., or across
-# device commands (what takes longer than one): benchmarks/device_run.sh.
+# Usage on the GPU machine: bash benchmarks/gpu_suite.sh [tests|attention|tower|service|service-fp8|service-mixed|
+# soak|all]..., or across device commands (what takes longer than one): benchmarks/device_run.sh.
 # The GPU machine lacks the server's web stack: carry its py3.12 wheels (README of the device tool) for fastapi,
 # fastapi-offline, starlette, uvicorn, httptools, pydantic, pydantic-core, pydantic-settings, python-dotenv,
 # typing-inspection, annotated-types, opentelemetry-api, python-multipart, orjson, pybase64, simplejpeg, av and
@@ -54,16 +54,18 @@ for step in "${@:-all}"; do
                ${SWEEP_ARGS:-} > "$OUT/sweep_$g.log" 2>&1 || echo "sweep group $g: exit $?"
            done ;;
     tower|all) python -m benchmarks.bench_tower --out "$OUT" ${TOWER_ARGS:-} 2>&1 | tee "$OUT/bench_tower.log" ;;&
-    service|all) python -m benchmarks.bench_service --out "$OUT" ${SERVICE_ARGS:-} 2>&1 | tee "$OUT/bench_service.log" ;;
-    # the bf16 server's uniform load against the forward, at the defaults (service_none.json), and with every graph
-    # bucket captured (service_all_buckets.json: the start-up's eager limit off), one after the other on one machine
-    service-uniform) python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 | tee "$OUT/bench_service_uniform.log" ;;
-    service-all-buckets) QWEN3VL_CUDA_GRAPH_EAGER_ABOVE=false python -m benchmarks.bench_service --uniform-only \
+    # the served throughput at the defaults under the compiled and the aiohttp generators against the forward
+    # (service.json), with every graph bucket captured (service_all_buckets.json: the start-up's eager limit off), the
+    # FP8 tower's (service_fp8.json), and mixed photos, cold and warm (service_mixed.json): each within a device call
+    service|all) python -m benchmarks.bench_service --out "$OUT" ${SERVICE_ARGS:-} 2>&1 \
+                   | tee "$OUT/bench_service.log" ;;&
+    service-all-buckets) QWEN3VL_CUDA_GRAPH_EAGER_ABOVE=false python -m benchmarks.bench_service \
                            --out "$OUT/all_buckets" 2>&1 | tee "$OUT/bench_service_all_buckets.log"
-                         cp "$OUT/all_buckets/service_none.json" "$OUT/service_all_buckets.json" ;;
-    # the FP8 server's uniform load against the FP8 forward (service_fp8.json)
-    service-fp8) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_service --uniform-only --out "$OUT" 2>&1 \
-                   | tee "$OUT/bench_service_fp8.log" ;;
+                         cp "$OUT/all_buckets/service.json" "$OUT/service_all_buckets.json" ;;
+    service-fp8|all) QWEN3VL_QUANTIZATION=fp8 python -m benchmarks.bench_service --out "$OUT" 2>&1 \
+                       | tee "$OUT/bench_service_fp8.log" ;;&
+    service-mixed|all) python -m benchmarks.bench_service --mixed --out "$OUT" 2>&1 \
+                         | tee "$OUT/bench_service_mixed.log" ;;
     # where packs leave the graph buckets: the served path against the eager forward by pack size, bf16 and FP8
     # (buckets.json, buckets_fp8.json)
     buckets) python -m benchmarks.bench_buckets --out "$OUT" 2>&1 | tee "$OUT/bench_buckets.log"
