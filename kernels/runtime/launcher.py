@@ -88,8 +88,8 @@ class Launcher:
         if self.serving and key is not None:
             # every request waits while the engine compiles: a shape (or specialisation) the warm-up missed
             self.compiles_while_serving += 1
-            log.warning("kernel %s compiled while serving, in %.0f ms (a specialisation the warm-up did not cover: "
-                        "%.200s)", getattr(fn, "__name__", fn), 1e3 * (time.perf_counter() - start), key[2])
+            log.warning("kernel %s compiled while serving, in %.0f ms: a specialisation the warm-up did not cover (%s)",
+                        getattr(fn, "__name__", fn), 1e3 * (time.perf_counter() - start), self._uncovered(fn, key))
         if self.lean is None and key is not None:
             if not self._supported():
                 self._off(f"Triton {internals.version()} is outside the releases whose internals the lean path "
@@ -101,6 +101,21 @@ class Launcher:
         if self.lean and key is not None:
             self.kernels[key] = kernel
         return kernel
+
+    def _uncovered(self, fn, key: tuple) -> str:
+        """What sets `key`'s specialisation apart: the arguments (by name where the JIT function lists them) whose
+        specialisation differs from the nearest one compiled for the same function, device and options, with the
+        compiled one's beside each: what a warm-up must add to cover it."""
+        names = list(getattr(fn, "arg_names", ()))
+        spec = key[2]
+        known = [k[2] for k in self.kernels if k[0] == key[0] and k[1] == key[1] and k[3] == key[3]
+                 and len(k[2]) == len(spec)]
+        if not known:
+            return f"none compiled with these options; specialisation {str(spec)[:600]}"
+        nearest = min(known, key=lambda other: sum(a != b for a, b in zip(spec, other)))
+        diff = [f"{names[i] if i < len(names) else f'argument {i}'}: {str(now)[:160]} (compiled: {str(was)[:160]})"
+                for i, (now, was) in enumerate(zip(spec, nearest)) if now != was]
+        return "; ".join(diff)
 
     def allow(self, enabled: bool) -> None:
         """The operator's choice (`lean_launch`): False sends every launch through Triton's own path from now on;

@@ -93,6 +93,7 @@ class FakeJit:
     def __init__(self):
         self.log, self.compiled = [], {}
         self.device_caches = {0: (None, None, None, None, self.bind)}
+        self.arg_names = ["x", "n", "BLOCK"]
 
     def bind(self, x, n, BLOCK=64, **options):
         return {"x": x, "n": n, "BLOCK": BLOCK}, [("*fp16", "D"), ("i32", "D" if n % 16 == 0 else ""),
@@ -139,8 +140,13 @@ def test_a_compile_after_warm_up_is_logged_and_counted(launcher, caplog):
         launcher.launch(fn, (4,), "y", 48, BLOCK=128)  # compiled already
         assert not caplog.records
         launcher.launch(fn, (4,), "z", 7, BLOCK=128)  # n not divisible by 16: a new specialisation
-    assert len(caplog.records) == 1 and "compiled while serving" in caplog.records[0].getMessage()
-    assert launcher.status()["compiles_while_serving"] == 1
+        message = caplog.records[0].getMessage()
+        assert len(caplog.records) == 1 and "compiled while serving" in message
+        # what the warm-up missed, against the nearest specialisation compiled: n's divisibility, nothing else
+        assert "n: ('i32', '') (compiled: ('i32', 'D'))" in message and "x:" not in message and "BLOCK" not in message
+        assert launcher.status()["compiles_while_serving"] == 1
+        launcher.launch(fn, (4,), "w", 7, BLOCK=128, num_warps=8)  # other options: nothing compiled to compare with
+    assert "none compiled with these options" in caplog.records[-1].getMessage()
 
 
 def test_launch_goes_through_the_jit_with_a_hook_or_unknown_internals(launcher, monkeypatch, caplog):
