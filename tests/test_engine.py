@@ -633,6 +633,66 @@ def test_the_warm_up_compiles_what_videos_and_odd_sized_packs_meet(tiny):
     assert max(sum(t * h * w for _, (t, h, w) in p) for p in packs) <= 4096
 
 
+def test_the_warm_up_covers_every_attention_specialisation_a_served_pack_meets():
+    """What the varlen attention kernel is specialised on, as a model: the tuner's key (the longest segment's
+    length class and whether the pack fills the GPU, `kernels.attention.tiles`), whether every segment has the
+    longest one's length (`UNIFORM`: never for a pack padded into a graph bucket) and whether the longest one's
+    length is divisible by 16 (Triton's specialisation of an integer argument). Random packs of photos of 224 to
+    1536 px and of videos, at the default budget, as the 2B serves them (padded into a bucket; eager and unpadded
+    past the whole-forward limit; a lone frame within it runs a captured whole forward) meet only what the
+    warm-up's packs (eager, unpadded) compiled: the first mixed photos compiled twice mid-traffic without it."""
+    from kernels.attention.tiles import load_class, seq_bucket
+    from service.engine.build import _warm_packs
+    from service.model.graphs import WHOLE_MAX_TOKENS
+    from service.model.loader import model_configs
+    from service.model.preprocess import Preprocessor
+    from service.settings import Settings
+
+    cfg, pre_cfg = model_configs("random:qwen3-vl-2b")
+    settings = Settings()
+    budget, cap, heads = settings.max_batch_patches, settings.max_batch_items, cfg.num_heads
+
+    def specialisation(segments: list[int], padded: bool) -> tuple:
+        longest = max(segments)
+        return (seq_bucket(longest), load_class(sum(segments), heads),
+                not padded and all(n == longest for n in segments), longest % 16 == 0)
+
+    def segments(grids) -> list[int]:  # a frame per segment
+        return [h * w for t, h, w in grids for _ in range(t)]
+
+    warmed = []
+
+    class OnCuda:  # the warm-up's view of the 2B on a GPU: its packs recorded, not run
+        device = torch.device("cuda", 0)
+        preprocessor = Preprocessor(pre_cfg)
+        preprocess = preprocessor
+
+        @staticmethod
+        def encode(items):
+            warmed.append([it.grid_thw for it in items])
+
+    _warm_packs(OnCuda(), settings)
+    covered = {specialisation(segments(p), padded=False) for p in warmed}
+    rng = np.random.default_rng(11)
+    met = set()
+    for _ in range(3000):
+        grids, tokens = [], 0
+        top = int(rng.integers(7, 49))  # the pack's largest side (small photos come in packs of their own too)
+        for _ in range(int(rng.integers(1, cap + 1))):
+            h, w = (2 * int(x) for x in rng.integers(7, top + 1, size=2))  # 224-1536 px: 14-96 patches, even
+            t = int(rng.integers(1, 5)) if rng.random() < 0.1 else 1  # a video's frames now and then
+            if grids and tokens + t * h * w > budget:
+                break
+            grids.append((t, h, w))
+            tokens += t * h * w
+        segs = segments(grids)
+        if tokens > WHOLE_MAX_TOKENS:
+            met.add(specialisation(segs, padded=False))  # past the whole-forward limit a pack may run eagerly
+        if len(segs) > 1 or tokens > WHOLE_MAX_TOKENS:
+            met.add(specialisation(segs, padded=True))
+    assert met - covered == set(), sorted(met - covered)
+
+
 def test_a_client_flooding_the_queue_is_refused_while_another_still_gets_in(tiny):
     """Past `max_queue_items`, a client is admitted only within an equal share of the queue: one client's flood
     fills it, then that client gets 429s while another client's request is queued and served (up to twice the

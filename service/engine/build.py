@@ -218,7 +218,10 @@ def _warm_packs(enc: Encoder, settings: Settings) -> None:
     by 16 and one whose count is not, alone, as a full pack of one size and mixed, and a few of the first, which
     is a pack that does not fill the GPU (`kernels.attention.tiles.load_class`) of several segments whose rows are
     divisible by 16 (a front-end-bound node sends 448 px images five at a time: a second's compile mid-traffic);
-    and a two-frame video (four frames) alone, two in a row and among images."""
+    and a two-frame video (four frames) alone, two in a row and among images. Packs of unequal segments come with
+    a longest segment of each kind, beside the smallest image and full: the graph buckets pad every pack, so the
+    attention kernel sees unequal segments (not `UNIFORM`) whatever the pack, and the longest one's divisibility is
+    a specialisation of its own (mixed photos compiled twice in their first seconds without the odd one)."""
     from PIL import Image  # noqa: PLC0415 - only the warm-up makes images
 
     rng = np.random.default_rng(0)
@@ -246,8 +249,12 @@ def _warm_packs(enc: Encoder, settings: Settings) -> None:
         if not cuda:
             enc.encode([item])
             continue
+        # unequal segments whose longest is divisible by 16 (side - 4) or not (side - 2), beside the smallest image
+        # (the load class of the longest alone) and in full packs
+        even, least = image(side - 4), image(2)
         packs = [[item], [smaller], [item] * full(side * side), [smaller] * full((side - 2) ** 2), [item, smaller],
-                 [item, smaller] * (full(side * side) // 2), [item] * 2, [item] * 3]
+                 [item, smaller] * (full(side * side) // 2), [even, least], [smaller, least],
+                 [smaller, even] * (full((side - 2) ** 2) // 2), [item] * 2, [item] * 3]
         if 2 * 2 * (side - 2) ** 2 + side * side <= settings.max_batch_patches:
             clip = video(side - 2)
             packs += [[clip], [clip, clip], [item, clip], [clip, item, clip]]
