@@ -10,8 +10,9 @@ vectors out, shards of 100 (`SHARD`). Per precision:
   (engine start-up, the first shards, which all come in together, and the last shards' tail outside the window),
   the first GPU's SM clock over it, and the CPU of the job's whole process tree (psutil) over the same window: CPU
   cores per image/s, and per GPU;
-  beside it the job's own figure, its inputs over the time from its processes' start-up to its end (`job_images_per_s`,
-  the last shards' tail included), against the forward's bursts and its sustained rate (`job_ratio_to_*`). A window
+  beside it the job's own figure, its inputs over the time from its processes' start-up to its last shard's commit
+  (`job_images_per_s`, the last shards' tail included, the processes' exit after it apart: `stop_s`), against the
+  forward's bursts and its sustained rate (`job_ratio_to_*`). A window
   above the sustained rate is an upper bound: the job's own rate is then the figure.
 Then the resume test: the job on every GPU, SIGKILLed with its process group (what a scheduler's preemption sends)
 half-way, run again to the end: every input in the output exactly once.
@@ -144,6 +145,8 @@ def job(images: Path, out: Path, devices: str, kill_at: float | None = None, pro
     if (m := re.search(r"started in ([\d.]+) s, then encoded in ([\d.]+) s", err)) is not None:
         row["startup_s"], row["encode_s"] = float(m.group(1)), float(m.group(2))
         row["job_images_per_s"] = round(shards * SHARD / row["encode_s"], 1)  # the whole job once its processes are up
+    if (m := re.search(r"stopped in ([\d.]+) s", err)) is not None:
+        row["stop_s"] = float(m.group(1))  # the processes' exit, after the last shard's commit
     if (m := re.search(r"CPU per input: ([\d.]+) ms decoding, ([\d.]+) ms in the engines", err)) is not None:
         row["decode_cpu_ms_per_image"], row["engine_cpu_ms_per_image"] = float(m.group(1)), float(m.group(2))
     for kind, path, spying in spied:

@@ -76,10 +76,11 @@ def dataset_main(args) -> int:
     configure_process("local")
     counts = asyncio.run(run_job(entries, Path(args.output), settings, opts, progress=not args.quiet))
     done = counts["rows"] + counts["errors"]
+    stopped = f"; stopped in {counts['stop_s']:.1f} s" if "stop_s" in counts else ""  # the processes' exit
     log.info("%s: %d shards written now (%d were already), %d rows, %d errors (__job__/errors/); started in %.1f s, "
-             "then encoded in %.1f s: %.1f inputs/s", args.output, counts["shards_written"],
+             "then encoded in %.1f s: %.1f inputs/s%s", args.output, counts["shards_written"],
              counts["shards_done_before"], counts["rows"], counts["errors"], counts["startup_s"], counts["encode_s"],
-             done / max(counts["encode_s"], 1e-9))
+             done / max(counts["encode_s"], 1e-9), stopped)
     if done and "engine_cpu_s" in counts:  # the processes' layout (`dataset._run_processes`)
         log.info("CPU per input: %.2f ms decoding, %.2f ms in the engines (%.1f cores in all at that rate)",
                  1e3 * counts["decode_cpu_s"] / done, 1e3 * counts["engine_cpu_s"] / done,

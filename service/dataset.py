@@ -539,6 +539,7 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
                     counts[key] += value[key]
             else:
                 failure = f"decoding process {i}: {value}"
+        encoded = time.perf_counter()  # every shard committed: what follows is the processes' exit
         if engine_cpu and (spent := _engines_cpu_s(engines, engine_cpu)) is not None:
             counts["engine_cpu_s"] = round(spent, 2)
     finally:
@@ -553,7 +554,8 @@ def _run_processes(entries, out_dir: Path, settings, opts: JobOptions, devices: 
     if failure is not None:
         raise EncoderError(f"{failure}; the shards written are kept: run the same command again to go on")
     counts["startup_s"] = round(ready - start, 2)
-    counts["encode_s"] = round(time.perf_counter() - ready, 2)
+    counts["encode_s"] = round(encoded - ready, 2)
+    counts["stop_s"] = round(time.perf_counter() - encoded, 2)
     return counts
 
 

@@ -155,7 +155,8 @@ def test_one_process_per_device_writes_what_one_process_writes(inputs, tmp_path)
     two = _run(paths, tmp_path / "two", opts, devices="cpu,cpu", warmup=False)
     assert two["rows"] == one["rows"] == len(by_id) and two["errors"] == one["errors"] == 1
     assert two["shards_written"] == one["shards_written"] == 8
-    assert two["startup_s"] > 0 and two["encode_s"] > 0  # the processes' start-up apart from the encoding
+    # the processes' start-up and exit apart from the encoding (from every decoding process up to every shard in)
+    assert two["startup_s"] > 0 and two["encode_s"] > 0 and two["stop_s"] >= 0
     # the CPU the decoding process and the engines (their forwards here) used while encoding: within what the
     # machine's cores give in that time
     bound = os.cpu_count() * two["encode_s"] + 0.5
