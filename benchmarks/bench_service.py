@@ -122,7 +122,8 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
     a CUDA graph of its own signature (what `bench_tower` times), eagerly, and on the served path (`BucketedTower`:
     padded to a token bucket, graph pieces captured at start-up; eager beyond the largest bucket). The ratio's
     reference is the fastest of the three per pack: the ceiling the service can reach on those packs. Small packs of
-    448 px images and one image alone give the cost of the buckets' padding against their own graphs."""
+    448 px images and one image alone give the cost of the buckets' padding against their own graphs (with the
+    "uniform" set)."""
     import torch
 
     from service.model.results import pack_by_budget
@@ -176,6 +177,8 @@ def forward_rates(model: str, sets: dict[str, list[bytes]], budget: int, items_c
                 out[name]["sustained_images_per_s"] = max(r["images_per_s"] for r in runs.values())
             print(f"forward {name}: {out[name]}", flush=True)
             torch.cuda.empty_cache()
+        if "uniform" not in sets:
+            return out
         one = enc.preprocess(sets["uniform"][0])
         padding = {}
         for n in (1, 2, 4, 8, 23):
