@@ -264,7 +264,6 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
 
     idle = [r[6] for r in rows if r[6] == r[6]]
     exposed = [r[13] for r in rows if r[13] == r[13]]
-    timed = sum(r[6] == r[6] for r in rows)  # forwards whose GPU times were read: those that can show exposure
     return {"forwards": len(rows), "images": pct([r[1] for r in rows]),
             "gpu_idle_fraction": round(sum(max(0.0, i) for i in idle) / 1e3 / seconds / devices, 4) if idle else None,
             "gpu_idle_ms": pct(idle), "predicted_late_ms": pct([r[7] for r in rows]),
@@ -273,9 +272,10 @@ def forward_gaps(rows: list[tuple], seconds: float, devices: int = 1) -> dict:
             "eager_launch_ms": pct([r[5] for r in rows if r[8] == 1]), "model_wait_ms": pct([r[9] for r in rows]),
             "launch_parts_ms": {part: pct([r[10 + i] for r in rows])
                                 for i, part in enumerate(("inputs", "forward", "outputs"))},
-            "exposed": {"fraction_of_forwards": round(len(exposed) / timed, 3) if timed else None,
+            # of the forwards whose GPU times were read (`idle`): those that can show exposure
+            "exposed": {"fraction_of_forwards": round(len(exposed) / len(idle), 3) if idle else None,
                         "ms": pct(exposed),
-                        "fraction_of_window": round(sum(exposed) / 1e3 / seconds / devices, 4) if timed else None}}
+                        "fraction_of_window": round(sum(exposed) / 1e3 / seconds / devices, 4) if idle else None}}
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> Path:
