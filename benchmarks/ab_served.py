@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.bench_service import compiled, photo_jpegs, start_server, stop_server, write_bodies
+from benchmarks.bench_service import EPD_PARAMS, PARAMS, compiled, photo_jpegs, start_server, stop_server, write_bodies
 from benchmarks.common import environment, py_spy, top_frames, write_results
 from benchmarks.multigpu import server_cpu
 
@@ -41,12 +41,13 @@ def trees(folder: Path) -> dict[str, str | None]:
 
 
 def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seconds: float, work: Path,
-             trace: Path, profile: Path | None = None) -> dict:
+             trace: Path, profile: Path | None = None, params: dict = PARAMS) -> dict:
     """`compiled`'s row, with what tells a run's mode: each front-end's client connections and cores over the window
     (the kernel's hash spreads the connections), and the engine's forwards in it (`FORWARD_TRACE`, summarised by
     `common.forward_gaps`: images per forward, the GPU's idle time between forwards, the launches). With `profile`
     (a file), py-spy records which of the engine's threads hold its interpreter lock over the window, and the row
-    gets the frames where most of those samples end (`engine_gil_top`)."""
+    gets the frames where most of those samples end (`engine_gil_top`); beside it (`PROFILE-frontend.txt`), every
+    thread of the front-end with the most connections, on a CPU or not (`frontend_top`)."""
     import httpx
 
     engine_pids = {e["pid"] for e in httpx.get(f"{url}/info", timeout=10).json()["engine"].get("engines", [])
@@ -57,12 +58,20 @@ def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seco
         time.sleep(warmup_s)
         a = server_cpu(server, engine_pids)
         spy = py_spy(min(engine_pids), seconds, profile, rate=200) if profile and engine_pids else None
+        busiest = max(a.frontends, key=lambda pid: a.frontends[pid][1], default=None)
+        front = profile.with_name(profile.stem + "-frontend.txt") if profile else None
+        front_spy = py_spy(busiest, seconds, front, rate=200, gil=False) if front and busiest else None
         time.sleep(seconds)
         b = server_cpu(server, engine_pids)
+        result["engine_cores"] = round((b.engines - a.engines) / seconds, 2)
         if spy is not None:
             spy.wait(timeout=30)
             if profile.exists():
                 result["engine_gil_top"] = top_frames(profile, 30)
+        if front_spy is not None:
+            front_spy.wait(timeout=30)
+            if front.exists():
+                result["frontend_top"] = top_frames(front, 30)
         result["frontends"] = sorted(
             ({"connections": conns, "cores": round((b.frontends[pid][0] - cpu) / seconds, 2)}
              for pid, (cpu, conns) in a.frontends.items() if pid in b.frontends),
@@ -70,7 +79,7 @@ def measured(url: str, server, bodies: Path, clients: int, warmup_s: float, seco
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    row = compiled(url, bodies, clients, warmup_s, seconds, work, trace=trace)
+    row = compiled(url, bodies, clients, warmup_s, seconds, work, trace=trace, params=params)
     sampler.join()
     row.update(result)
     return row
@@ -87,6 +96,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                     help="this tree's server again with these settings in its environment, as NAME "
                          "(e.g. items22:QWEN3VL_MAX_BATCH_ITEMS=22)")
+    ap.add_argument("--format", choices=("tokens", "vllm"), default="tokens",
+                    help="each request's reply: the merged tokens (bench_service's), or vLLM's layout (bench_epd's)")
     ap.add_argument("--profile", action="store_true", help="py-spy on the engine over each measured window "
                     "(raw stacks of the threads holding its interpreter lock, beside ab_served.json)")
     ap.add_argument("--out", default=None)
@@ -119,7 +130,8 @@ def main() -> None:
                     for n in (int(c) for c in args.clients.split(",")):
                         spy = ((Path(args.out or "benchmarks/results") / f"engine_gil_{name}_{round_}_c{n}.txt")
                                if args.profile else None)
-                        row[f"c{n}"] = measured(url, server, bodies, n, args.warmup_s, args.seconds, work, trace, spy)
+                        row[f"c{n}"] = measured(url, server, bodies, n, args.warmup_s, args.seconds, work, trace, spy,
+                                                params=EPD_PARAMS if args.format == "vllm" else PARAMS)
                     print(name, row, flush=True)
                     runs.setdefault(name, []).append(row)
                 finally:
@@ -128,7 +140,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(cache, ignore_errors=True)
     write_results("ab_served", {"benchmark": "ab_served", "env": environment(), "model": args.model,
-                                "clients": args.clients, "variants": variants, "runs": runs}, args.out)
+                                "clients": args.clients, "format": args.format, "variants": variants, "runs": runs},
+                  args.out)
 
 
 if __name__ == "__main__":
