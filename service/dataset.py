@@ -319,7 +319,7 @@ class DatasetJob:
 
 def result_row(id_: str, source: str, kind: str, r, opts: JobOptions) -> dict:
     """An output row: what `opts.outputs` asks for of the result `r`, computed as `/embed` computes it."""
-    from .http.output import llm_features, pooled, torch_saved
+    from .http.output import llm_features, llm_features_saved, pooled, torch_saved
 
     row = {"id": id_, "source": source, "kind": kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens}
     if "pooled" in opts.outputs:
@@ -329,12 +329,11 @@ def result_row(id_: str, source: str, kind: str, r, opts: JobOptions) -> dict:
     if _wants_llm(opts.outputs):
         import torch
 
-        features = llm_features(r, torch.bfloat16)
         if "vllm" in opts.outputs:
-            row[f"{kind}_embeds"] = torch_saved(features)
+            row[f"{kind}_embeds"] = llm_features_saved(r, torch.bfloat16).tobytes()
             row[f"{kind}_grid_thw"] = torch_saved(torch.tensor([r.grid_thw], dtype=torch.int64))
         if "sglang" in opts.outputs:  # the `feature` of SGLang's precomputed_embedding item, as /embed gives it
-            row["sglang_feature"] = features.float().numpy()
+            row["sglang_feature"] = llm_features(r, torch.bfloat16).float().numpy()
     return row
 
 

@@ -215,6 +215,11 @@ class Settings(BaseSettings):
     embedding_cache_mib: int = Field(512, ge=0, description="results of identical inputs (same bytes and options) kept "
                                      "in shared memory, for every HTTP process, and answered without the engine; 0: "
                                      "none kept (identical inputs in flight in one process still share one encoding)")
+    embedding_cache_write_mib_s: int = Field(64, ge=0, description="per HTTP process, the results of 256 KiB or more "
+                                             "written to the embedding cache a second (a second's worth at once; the "
+                                             "rest go unwritten): writing fresh shared memory costs ~1.3 ms of CPU a "
+                                             "MB, which distinct images in vLLM's layout (3.2 MB each) never get back; "
+                                             "0: every result written")
     shared_memory_mib: int = Field(256, ge=0, description="per front-end process, split evenly between its "
                                    "connections to the engines: shared memory in /dev/shm (page-locked by the engines) "
                                    "through which decoded frames reach an engine and its results come back; a request "

@@ -245,3 +245,38 @@ def test_an_entry_is_written_after_the_callers_reply(tmp_path):
     assert not written_at_once
     assert entry is not None and torch.equal(entry[1].embeds, value[1].embeds)
     assert sizes and sizes[-1] == cache.bytes > 4096
+
+
+def test_large_entries_are_written_at_the_write_rate_small_ones_always(tmp_path):
+    """Results of 256 KiB or more go through a token bucket of `write_bytes_per_s`, a second's worth deep; the rest
+    are left unwritten (`on_skip` hears of each) and served all the same; small results are written whatever the
+    bucket holds. With no rate every result is written."""
+    now, skipped = [0.0], []
+    cache = EncoderCache(str(tmp_path), 64 << 20, write_bytes_per_s=1 << 20, on_skip=lambda: skipped.append(1),
+                         clock=lambda: now[0])
+    big = 300 << 10  # bytes of each result's tensors: 3 fit in the bucket's 1 MiB, with 124 KiB left
+
+    def put(first: int, n: int) -> list[bool]:
+        for i in range(first, first + n):
+            _put(cache, f"b{i}", _entry(big, fill=i))
+        return [cache.get(f"b{i}") is not None for i in range(first, first + n)]
+
+    assert put(0, 5) == [True, True, True, False, False] and len(skipped) == 2
+    _put(cache, "small", _entry(4096))
+    assert cache.get("small") is not None
+    now[0] += 0.5  # 124 + 512 KiB: two more
+    assert put(5, 3) == [True, True, False] and len(skipped) == 3
+    now[0] += 10.0  # a long pause refills a second's worth, no more
+    assert put(8, 5) == [True, True, True, False, False] and len(skipped) == 5
+    unbounded = EncoderCache(str(tmp_path / "all"), 64 << 20)
+    (tmp_path / "all").mkdir()
+    for i in range(8):
+        _put(unbounded, f"u{i}", _entry(big))
+    assert all(unbounded.get(f"u{i}") is not None for i in range(8))
+
+
+def test_the_server_s_cache_takes_the_write_rate_setting():
+    with serve(embedding_cache_write_mib_s=3) as (url, app):
+        cache = app.state.service.cache
+        assert cache.write_bytes_per_s == 3 << 20 and cache.on_skip is not None
+        assert _post(url, PHOTO).headers["x-cache"] == "miss" and _post(url, PHOTO).headers["x-cache"] == "hit"

@@ -236,3 +236,38 @@ def test_the_example_clients_say_in_one_line_when_the_encoder_is_not_there(tmp_p
                               "--model", "x", str(image)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert "cannot reach" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("crc32", [False, True])
+def test_torch_saved_loads_back_as_torch_save_s_bytes_do(crc32):
+    """`torch_saved` (torch.save's bytes built around a copy of the data) loads with `torch.load(...,
+    weights_only=True)`, as vLLM loads a part, to the same tensor as `torch.save`'s own bytes, for the shapes and
+    dtypes a reply holds and awkward ones; the process's CRC option is left as it was."""
+    from service.http.output import llm_features, llm_features_saved, torch_saved
+    from service.model.results import EncodeResult
+
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(crc32)
+    try:
+        g = torch.Generator().manual_seed(7)
+        cases = [torch.randn(196, 8192, generator=g).bfloat16(), torch.randn(5, 3, generator=g),
+                 torch.randn(1, 7, generator=g).half(), torch.tensor([[1, 34, 46]]), torch.tensor(2.5),
+                 torch.empty(0, 11), torch.rand(4, 4, generator=g) > 0.5, torch.randn(6, 10, generator=g)[:, ::3]]
+        for t in cases:
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            reference = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+            got = torch.load(io.BytesIO(torch_saved(t)), weights_only=True)
+            assert got.dtype == reference.dtype and got.shape == reference.shape and torch.equal(got, reference)
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            for levels in (0, 3):
+                r = EncodeResult(embeds=torch.randn(13, 24, generator=g), grid_thw=(1, 2, 26), num_tokens=13,
+                                 deepstack=torch.randn(levels, 13, 24, generator=g), pooled=torch.randn(24))
+                got = torch.load(io.BytesIO(llm_features_saved(r, dtype).tobytes()), weights_only=True)
+                assert got.dtype == dtype and torch.equal(got, llm_features(r, dtype))
+                assert torch.equal(got[:, :24], r.embeds.to(dtype))
+                for level in range(levels):
+                    assert torch.equal(got[:, 24 * (level + 1):24 * (level + 2)], r.deepstack[level].to(dtype))
+        assert torch.serialization.get_crc32_options() == crc32
+    finally:
+        torch.serialization.set_crc32_options(before)

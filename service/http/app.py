@@ -62,10 +62,14 @@ class Service:
         self.wiring = wiring
         self._own_cache_dir = bool(settings.embedding_cache_mib and not wiring.cache_dir)
         self.settings = settings
-        self.cache = EncoderCache(wiring.cache_dir, settings.embedding_cache_mib << 20, metrics.cache_bytes.set)
+        self.cache = self._cache(wiring.cache_dir)
         self.engine: Engine = open_engine(settings, wiring, encoder, on_batch=metrics.observe_batch,
                                           on_change=self._engine_changed)
         self._lag_watch: asyncio.Task | None = None
+
+    def _cache(self, path: str | None) -> EncoderCache:
+        return EncoderCache(path, self.settings.embedding_cache_mib << 20, self.metrics.cache_bytes.set,
+                            self.settings.embedding_cache_write_mib_s << 20, self.metrics.cache_skipped.inc)
 
     @property
     def model(self):
@@ -76,8 +80,7 @@ class Service:
         followed in the background (/health answers at once, /ready is 503 until one is connected)."""
         self.metrics.engines.set(self.engine.capacity[1])
         if self._own_cache_dir:
-            self.cache = EncoderCache(make_cache_dir(), self.settings.embedding_cache_mib << 20,
-                                      self.metrics.cache_bytes.set)
+            self.cache = self._cache(make_cache_dir())
         self._lag_watch = asyncio.create_task(self.watch_loop_lag(), name="event-loop-lag")
         await self.engine.start()
 

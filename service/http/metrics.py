@@ -59,6 +59,8 @@ class Metrics:
         self.cache_bytes = Gauge(f"{PREFIX}_embedding_cache_bytes", "bytes held by the embedding cache (shared by "
                                  "the HTTP processes), at the last eviction pass", registry=r,
                                  multiprocess_mode="livemostrecent")
+        self.cache_skipped = Counter(f"{PREFIX}_embedding_cache_unwritten", "large results left out of the "
+                                     "embedding cache by its write rate (embedding_cache_write_mib_s)", registry=r)
         self.errors = Counter(f"{PREFIX}_errors", "errors by reason", ["reason"], registry=r)
         # a gauge fixed at 1 rather than an Info metric: multiprocess mode has no Info (same series name)
         self.model_info = Gauge(f"{PREFIX}_model_info", "model, dtype, device and attention backend",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import math
+import struct
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -97,29 +100,84 @@ def openai_response(results: list[EncodeResult], model: str, encoding_format: st
                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers=headers)
 
 
+def _levels(r: EncodeResult) -> list[torch.Tensor]:
+    return [r.embeds, *r.deepstack]
+
+
+def _numpy_of(dtype: torch.dtype):
+    """A tensor -> numpy in `dtype` (bfloat16 as its bits: numpy has no bfloat16)."""
+    if dtype == torch.bfloat16:
+        return lambda t: t.to(dtype).view(torch.int16).numpy()
+    return lambda t: t.to(dtype).numpy()
+
+
+def _write_features(r: EncodeResult, dtype: torch.dtype, out: np.ndarray) -> None:
+    """`r`'s merged tokens and DeepStack levels into `out` [num_tokens, levels, out_hidden], level by level."""
+    as_numpy = _numpy_of(dtype)
+    for level, t in enumerate(_levels(r)):
+        out[:, level] = as_numpy(t)
+
+
 def llm_features(r: EncodeResult, dtype: torch.dtype) -> torch.Tensor:
     """`[num_tokens, (1 + levels) * out_hidden]` in `dtype`: the merged tokens, then each DeepStack level in order,
     along the last dimension. vLLM's and SGLang's Qwen3-VL split a precomputed feature there at out_hidden
     (Qwen2.5-VL: the merged tokens alone). Assembled in numpy (bfloat16 as its bits): torch's CPU `cat` of bfloat16
     along the last dimension is an order of magnitude slower."""
-    pieces = [r.embeds, *r.deepstack]
-    as_numpy = (lambda t: t.to(dtype).view(torch.int16).numpy()) if dtype == torch.bfloat16 else (
-        lambda t: t.to(dtype).numpy())
     n, width = r.embeds.shape
-    out = np.empty((n, len(pieces), width), dtype=as_numpy(r.embeds[:0]).dtype)
-    for level, t in enumerate(pieces):
-        out[:, level] = as_numpy(t)
+    out = np.empty((n, len(_levels(r)), width), dtype=_numpy_of(dtype)(r.embeds[:0]).dtype)
+    _write_features(r, dtype, out)
     features = torch.from_numpy(out.reshape(n, -1))
     return features.view(torch.bfloat16) if dtype == torch.bfloat16 else features
 
 
-def torch_saved(t: torch.Tensor) -> bytes:
-    """`torch.save(t)`'s bytes: how vLLM takes a precomputed tensor (read back with `torch.load(...,
-    weights_only=True)`); the processes that serve set torch to save it without CRC-32s
-    (`service.runtime.configure_process`)."""
+@functools.lru_cache(maxsize=4096)  # a shape's parts: ~1.3 KB; a shape met first costs one torch.save of its size
+def _saved_around(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """`torch.save`'s bytes of a contiguous tensor of `shape` and `dtype`, before and after its data: the data of a
+    zip record that torch stores uncompressed, found through the record's local header (30 bytes, its name, and
+    the extra field torch pads so that the data start on a 64-byte boundary). The serving processes save without
+    the records' CRC-32s (`service.runtime.configure_process`), and `torch.load` does not check them: so the bytes
+    hold for any data put between the two parts."""
     buf = io.BytesIO()
-    torch.save(t.contiguous(), buf)
-    return buf.getvalue()
+    torch.save(torch.zeros(shape, dtype=dtype), buf)
+    raw = buf.getvalue()
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        (record,) = [i for i in z.infolist() if i.filename.endswith("/data/0")]
+    name_len, extra_len = struct.unpack_from("<HH", raw, record.header_offset + 26)
+    start = record.header_offset + 30 + name_len + extra_len
+    if record.file_size != math.prod(shape) * dtype.itemsize:
+        raise RuntimeError(f"torch.save of {shape} {dtype} stored {record.file_size} bytes of data")
+    return raw[:start], raw[start + record.file_size:]
+
+
+def _saved_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A buffer holding `torch.save`'s bytes of a tensor of `shape` and `dtype` but its data, and the view of the
+    buffer where the data go (bytes)."""
+    head, tail = _saved_around(shape, dtype)
+    size = math.prod(shape) * dtype.itemsize
+    buf = np.empty(len(head) + size + len(tail), dtype=np.uint8)
+    buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
+    buf[len(head) + size:] = np.frombuffer(tail, dtype=np.uint8)
+    return buf, buf[len(head):len(head) + size]
+
+
+def torch_saved(t: torch.Tensor) -> bytes:
+    """`torch.save(t)`'s bytes (read back with `torch.load(..., weights_only=True)`, how vLLM takes a precomputed
+    tensor), built around a copy of `t`'s bytes: no pickling and no zip writer a call."""
+    t = t.contiguous()
+    buf, data = _saved_buffer(tuple(t.shape), t.dtype)
+    if t.numel():
+        data[:] = t.reshape(-1).view(torch.uint8).numpy()
+    return buf.tobytes()
+
+
+def llm_features_saved(r: EncodeResult, dtype: torch.dtype) -> np.ndarray:
+    """`torch_saved(llm_features(r, dtype))` as a buffer, the features written straight into place: one copy of
+    megabytes where assembling, saving and returning the bytes took four."""
+    n, width = r.embeds.shape
+    levels = len(_levels(r))
+    buf, data = _saved_buffer((n, levels * width), dtype)
+    _write_features(r, dtype, data.view(_numpy_of(dtype)(r.embeds[:0]).dtype).reshape(n, levels, width))
+    return buf
 
 
 def torch_base64(t: torch.Tensor) -> bytes:
@@ -201,15 +259,16 @@ def llm_response(results: list[EncodeResult], items: list[Preprocessed], opts: E
     data = []
     for i, (it, r) in enumerate(zip(items, results)):
         kind = it.kind
-        feature = llm_features(r, dtype)
+        n, width = r.embeds.shape
         entry: dict[str, Any] = {"index": i, "type": kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens,
-                                 "shape": list(feature.shape)}
+                                 "shape": [n, len(_levels(r)) * width]}
         if opts.format == "vllm":
             grid = torch.tensor([r.grid_thw], dtype=torch.int64)
-            entry[f"{kind}_embeds"] = {f"{kind}_embeds": _Blob(torch_base64(feature)),
+            entry[f"{kind}_embeds"] = {f"{kind}_embeds": _Blob(pybase64.b64encode(llm_features_saved(r, dtype))),
                                        f"{kind}_grid_thw": _Blob(torch_base64(grid))}
         else:
-            entry[f"{kind}_data"] = {"format": "precomputed_embedding", "feature": feature.float().numpy(),
+            entry[f"{kind}_data"] = {"format": "precomputed_embedding",
+                                     "feature": llm_features(r, dtype).float().numpy(),
                                      f"{kind}_grid_thw": [list(r.grid_thw)]}
         if kind == "video":
             entry["video"] = {k: it.meta[k] for k in ("frame_indices", "timestamps", "source_frames", "source_fps")}
