@@ -271,3 +271,32 @@ def test_torch_saved_loads_back_as_torch_save_s_bytes_do(crc32):
         assert torch.serialization.get_crc32_options() == crc32
     finally:
         torch.serialization.set_crc32_options(before)
+
+
+def test_a_save_layout_it_does_not_know_falls_back_to_saving_whole(monkeypatch, caplog):
+    """Where torch's zip layout is not the one `_saved_around` knows (here: no record named as a tensor's data), each
+    reply is saved whole by `torch.save`, with one warning: same tensors back, never an error."""
+    import types
+    import zipfile
+
+    from service.http import output
+    from service.model.results import EncodeResult
+
+    class Renamed(zipfile.ZipFile):
+        def infolist(self):
+            return [types.SimpleNamespace(filename=i.filename + ".moved", compress_type=i.compress_type,
+                                          file_size=i.file_size) for i in super().infolist()]
+
+    output._saved_around.cache_clear()
+    monkeypatch.setattr(output, "zipfile", types.SimpleNamespace(ZipFile=Renamed, ZIP_STORED=zipfile.ZIP_STORED))
+    monkeypatch.setattr(output, "_warned_layout", False)
+    try:
+        r = EncodeResult(embeds=torch.randn(5, 8), deepstack=torch.randn(2, 5, 8), grid_thw=(1, 2, 10),
+                         num_tokens=5, pooled=torch.randn(8))
+        with caplog.at_level("WARNING", logger="service.http.output"):
+            got = torch.load(io.BytesIO(output.llm_features_saved(r, torch.bfloat16).tobytes()), weights_only=True)
+            grid = torch.load(io.BytesIO(output.torch_saved(torch.tensor([[1, 2, 10]]))), weights_only=True)
+        assert torch.equal(got, output.llm_features(r, torch.bfloat16)) and grid.tolist() == [[1, 2, 10]]
+        assert sum("layout this service does not know" in m for m in caplog.messages) == 1
+    finally:
+        output._saved_around.cache_clear()

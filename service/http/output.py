@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 import math
 import struct
 import zipfile
@@ -17,6 +18,8 @@ from fastapi.responses import Response
 
 from ..engine.api import EncodeResult, Preprocessed, result_tensors
 from .schemas import EmbedOptions
+
+log = logging.getLogger(__name__)
 
 
 def orjson_response(content: Any, status: int = 200, headers=None) -> Response:
@@ -131,28 +134,43 @@ def llm_features(r: EncodeResult, dtype: torch.dtype) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4096)  # a shape's parts: ~1.3 KB; a shape met first costs one torch.save of its size
-def _saved_around(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes]:
+def _saved_around(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes] | None:
     """`torch.save`'s bytes of a contiguous tensor of `shape` and `dtype`, before and after its data: the data of a
     zip record that torch stores uncompressed, found through the record's local header (30 bytes, its name, and
     the extra field torch pads so that the data start on a 64-byte boundary). The serving processes save without
     the records' CRC-32s (`service.runtime.configure_process`), and `torch.load` does not check them: so the bytes
-    hold for any data put between the two parts."""
-    buf = io.BytesIO()
-    torch.save(torch.zeros(shape, dtype=dtype), buf)
-    raw = buf.getvalue()
+    hold for any data put between the two parts. None where torch saves otherwise (then each reply is saved whole)."""
+    raw = _plain_saved(torch.zeros(shape, dtype=dtype))
     with zipfile.ZipFile(io.BytesIO(raw)) as z:
-        (record,) = [i for i in z.infolist() if i.filename.endswith("/data/0")]
-    name_len, extra_len = struct.unpack_from("<HH", raw, record.header_offset + 26)
-    start = record.header_offset + 30 + name_len + extra_len
-    if record.file_size != math.prod(shape) * dtype.itemsize:
-        raise RuntimeError(f"torch.save of {shape} {dtype} stored {record.file_size} bytes of data")
-    return raw[:start], raw[start + record.file_size:]
+        records = [i for i in z.infolist() if i.filename.endswith("/data/0")]
+    size = math.prod(shape) * dtype.itemsize
+    if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED or records[0].file_size != size:
+        global _warned_layout
+        if not _warned_layout:
+            log.warning("torch %s saves a tensor in a layout this service does not know: vLLM-layout replies are "
+                        "saved whole, at a few more ms of CPU each", torch.__version__)
+            _warned_layout = True
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", raw, records[0].header_offset + 26)
+    start = records[0].header_offset + 30 + name_len + extra_len
+    return raw[:start], raw[start + size:]
 
 
-def _saved_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+_warned_layout = False
+
+
+def _plain_saved(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def _saved_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray] | None:
     """A buffer holding `torch.save`'s bytes of a tensor of `shape` and `dtype` but its data, and the view of the
-    buffer where the data go (bytes)."""
-    head, tail = _saved_around(shape, dtype)
+    buffer where the data go (bytes); None where `_saved_around` has no parts."""
+    if (parts := _saved_around(shape, dtype)) is None:
+        return None
+    head, tail = parts
     size = math.prod(shape) * dtype.itemsize
     buf = np.empty(len(head) + size + len(tail), dtype=np.uint8)
     buf[:len(head)] = np.frombuffer(head, dtype=np.uint8)
@@ -164,7 +182,9 @@ def torch_saved(t: torch.Tensor) -> bytes:
     """`torch.save(t)`'s bytes (read back with `torch.load(..., weights_only=True)`, how vLLM takes a precomputed
     tensor), built around a copy of `t`'s bytes: no pickling and no zip writer a call."""
     t = t.contiguous()
-    buf, data = _saved_buffer(tuple(t.shape), t.dtype)
+    if (saved := _saved_buffer(tuple(t.shape), t.dtype)) is None:
+        return _plain_saved(t)
+    buf, data = saved
     if t.numel():
         data[:] = t.reshape(-1).view(torch.uint8).numpy()
     return buf.tobytes()
@@ -175,7 +195,9 @@ def llm_features_saved(r: EncodeResult, dtype: torch.dtype) -> np.ndarray:
     megabytes where assembling, saving and returning the bytes took four."""
     n, width = r.embeds.shape
     levels = len(_levels(r))
-    buf, data = _saved_buffer((n, levels * width), dtype)
+    if (saved := _saved_buffer((n, levels * width), dtype)) is None:
+        return np.frombuffer(_plain_saved(llm_features(r, dtype)), dtype=np.uint8)
+    buf, data = saved
     _write_features(r, dtype, data.view(_numpy_of(dtype)(r.embeds[:0]).dtype).reshape(n, levels, width))
     return buf
 
