@@ -46,8 +46,6 @@ def bodies(directory: Path, n: int = 400, side: int = 96) -> None:
 def wide_checkpoint(path: Path) -> str:
     """A Qwen3-VL checkpoint whose tower is tiny (3 blocks of 64) and whose results are the 2B's shapes: merged
     tokens 2048 wide and three DeepStack levels."""
-    import json as json_
-
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     vision = dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, out_hidden_size=2048,
@@ -56,7 +54,7 @@ def wide_checkpoint(path: Path) -> str:
                 num_key_value_heads=1, head_dim=16,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     Qwen3VLForConditionalGeneration(Qwen3VLConfig(vision_config=vision, text_config=text)).save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json_.dumps({
+    (path / "preprocessor_config.json").write_text(json.dumps({
         "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
         "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}))
@@ -125,8 +123,7 @@ def main():
     medians = {rev: statistics.median(v) for rev, v in results.items()}
     a, b = args.revisions
     payload = {"benchmark": args.name, "env": environment(), "layout": args.layout, "revisions": named,
-               "req_per_s": results,
-               "median": medians, "ratio_b_over_a": medians[b] / medians[a]}
+               "req_per_s": results, "median": medians, "ratio_b_over_a": medians[b] / medians[a]}
     print(json.dumps({"median": medians, "ratio_b_over_a": payload["ratio_b_over_a"]}))
     write_results(args.name, payload, args.out)
 
