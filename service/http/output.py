@@ -107,6 +107,10 @@ def _levels(r: EncodeResult) -> list[torch.Tensor]:
     return [r.embeds, *r.deepstack]
 
 
+def _level_count(r: EncodeResult) -> int:
+    return 1 + r.deepstack.shape[0]
+
+
 def _numpy_of(dtype: torch.dtype):
     """A tensor -> numpy in `dtype` (bfloat16 as its bits: numpy has no bfloat16)."""
     if dtype == torch.bfloat16:
@@ -127,7 +131,7 @@ def llm_features(r: EncodeResult, dtype: torch.dtype) -> torch.Tensor:
     (Qwen2.5-VL: the merged tokens alone). Assembled in numpy (bfloat16 as its bits): torch's CPU `cat` of bfloat16
     along the last dimension is an order of magnitude slower."""
     n, width = r.embeds.shape
-    out = np.empty((n, len(_levels(r)), width), dtype=_numpy_of(dtype)(r.embeds[:0]).dtype)
+    out = np.empty((n, _level_count(r), width), dtype=_numpy_of(dtype)(r.embeds[:0]).dtype)
     _write_features(r, dtype, out)
     features = torch.from_numpy(out.reshape(n, -1))
     return features.view(torch.bfloat16) if dtype == torch.bfloat16 else features
@@ -194,7 +198,7 @@ def llm_features_saved(r: EncodeResult, dtype: torch.dtype) -> np.ndarray:
     """`torch_saved(llm_features(r, dtype))` as a buffer, the features written straight into place: one copy of
     megabytes where assembling, saving and returning the bytes took four."""
     n, width = r.embeds.shape
-    levels = len(_levels(r))
+    levels = _level_count(r)
     if (saved := _saved_buffer((n, levels * width), dtype)) is None:
         return np.frombuffer(_plain_saved(llm_features(r, dtype)), dtype=np.uint8)
     buf, data = saved
@@ -283,7 +287,7 @@ def llm_response(results: list[EncodeResult], items: list[Preprocessed], opts: E
         kind = it.kind
         n, width = r.embeds.shape
         entry: dict[str, Any] = {"index": i, "type": kind, "grid_thw": list(r.grid_thw), "num_tokens": r.num_tokens,
-                                 "shape": [n, len(_levels(r)) * width]}
+                                 "shape": [n, _level_count(r) * width]}
         if opts.format == "vllm":
             grid = torch.tensor([r.grid_thw], dtype=torch.int64)
             entry[f"{kind}_embeds"] = {f"{kind}_embeds": _Blob(pybase64.b64encode(llm_features_saved(r, dtype))),
