@@ -243,6 +243,7 @@ def test_torch_saved_loads_back_as_torch_save_s_bytes_do(crc32):
     """`torch_saved` (torch.save's bytes built around a copy of the data) loads with `torch.load(...,
     weights_only=True)`, as vLLM loads a part, to the same tensor as `torch.save`'s own bytes, for the shapes and
     dtypes a reply holds and awkward ones; the process's CRC option is left as it was."""
+    from service.http import output
     from service.http.output import llm_features, llm_features_saved, torch_saved
     from service.model.results import EncodeResult
 
@@ -269,6 +270,8 @@ def test_torch_saved_loads_back_as_torch_save_s_bytes_do(crc32):
                 for level in range(levels):
                     assert torch.equal(got[:, 24 * (level + 1):24 * (level + 2)], r.deepstack[level].to(dtype))
         assert torch.serialization.get_crc32_options() == crc32
+        # this torch's layout is the one the parts are cut from (else replies are saved whole: correct, but slower)
+        assert output._saved_around((196, 8192), torch.bfloat16) is not None
     finally:
         torch.serialization.set_crc32_options(before)
 
