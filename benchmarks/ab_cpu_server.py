@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import environment, wait_until_ready, write_results
+from benchmarks.common import environment, revision_trees, wait_until_ready, write_results
 from benchmarks.soak import openloop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,27 +99,15 @@ def main():
     bodies(work / "bodies", side=448 if args.layout == "vllm" else 96)
     if args.layout == "vllm":
         wide_checkpoint(work / "checkpoint")
-    trees = {}
-    for rev in args.revisions:
-        if rev == ".":
-            trees[rev] = ROOT
-        else:
-            trees[rev] = work / rev
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(trees[rev]), rev],
-                           check=True, capture_output=True)
     results = {rev: [] for rev in args.revisions}
     named = {rev: "working tree" if rev == "." else subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True).stdout.strip()
         for rev in args.revisions}
-    try:
+    with revision_trees(args.revisions, work) as trees:
         for start in range(2):
             for i, rev in enumerate(args.revisions):
                 results[rev] += rounds(trees[rev], 18800 + 2 * start + i, work, args.layout)
                 print(rev, [round(x) for x in results[rev]], flush=True)
-    finally:
-        for rev, tree in trees.items():
-            if tree != ROOT:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     medians = {rev: statistics.median(v) for rev, v in results.items()}
     a, b = args.revisions
     payload = {"benchmark": args.name, "env": environment(), "layout": args.layout, "revisions": named,

@@ -23,9 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import environment, write_results
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import environment, revision_trees, write_results
 
 CHILD = r"""
 import asyncio, inspect, json, os, shutil, sys, tempfile, time
@@ -90,15 +88,6 @@ shutil.rmtree(path, ignore_errors=True)
 """
 
 
-def tree(rev: str, work: Path) -> Path:
-    if rev == ".":
-        return ROOT
-    path = work / rev
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True,
-                   capture_output=True)
-    return path
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("revisions", nargs=2)
@@ -109,9 +98,8 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-reply-"))
-    trees = {rev: tree(rev, work) for rev in args.revisions}
     runs: dict[str, list] = {rev: [] for rev in args.revisions}
-    try:
+    with revision_trees(args.revisions, work) as trees:
         for _ in range(args.runs):
             for rev, path in trees.items():
                 out = subprocess.run([sys.executable, "-c", CHILD, str(args.rate), str(args.seconds)], cwd=path,
@@ -119,11 +107,6 @@ def main():
                                      text=True, check=True)
                 runs[rev].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(rev, runs[rev][-1], flush=True)
-    finally:
-        for rev, path in trees.items():
-            if path != ROOT:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
-                               capture_output=True)
     summary = {rev: statistics.median(r["cpu_ms_per_reply"] for r in rs) for rev, rs in runs.items()}
     write_results(args.name, {"benchmark": "vllm_reply_cpu", "env": environment(), "rate": args.rate,
                               "seconds": args.seconds, "runs": runs, "summary_cpu_ms_per_reply": summary}, args.out)

@@ -89,6 +89,29 @@ def attention_flops(lengths, head_dim) -> int:
     return 4 * sum(n * n for n in lengths) * HEADS * head_dim
 
 
+@contextlib.contextmanager
+def revision_trees(revisions: list[str], work: Path):
+    """{revision: its tree}: `.` is this working tree, any other a git revision checked out in a worktree under
+    `work`, removed again on the way out (also where a later checkout fails)."""
+    root = Path(__file__).resolve().parents[1]
+    trees: dict[str, Path] = {}
+    try:
+        for rev in revisions:
+            if rev == ".":
+                trees[rev] = root
+            else:
+                path = work / rev
+                subprocess.run(["git", "-C", str(root), "worktree", "add", "-f", "--detach", str(path), rev],
+                               check=True, capture_output=True)
+                trees[rev] = path
+        yield trees
+    finally:
+        for path in trees.values():
+            if path != root:
+                subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(path)],
+                               capture_output=True)
+
+
 def wait_until_ready(url: str, server, timeout_s: float, interval_s: float = 0.5) -> bool:
     """Poll `url`/ready until it answers 200 (True), or the deadline passes or the server process
     `server` (a Popen) exits (False)."""
