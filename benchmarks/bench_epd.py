@@ -55,7 +55,8 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
     payload = {"benchmark": "epd", "env": environment(), "model": args.model, "runs": runs}
     write_results("epd", payload, args.out)
-    print(json.dumps({k: v.get("images_per_s") for k, v in runs.items() if isinstance(v, dict)}))
+    print(json.dumps({k: v["images_per_s"] if "images_per_s" in v else {case: r["p50_ms"] for case, r in v.items()}
+                      for k, v in runs.items()}))
 
 
 if __name__ == "__main__":
