@@ -111,6 +111,8 @@ def main() -> None:
     # kernels' source and the tower's options, so trees whose kernels differ do not share entries
     cache = tempfile.mkdtemp(prefix="qwen3vl-ab-cache-")
     runs: dict[str, list] = {}
+    profiles = Path(args.out or "benchmarks/results")
+    profiles.mkdir(parents=True, exist_ok=True)  # py-spy writes there before the results do
     try:
         for round_ in range(args.rounds):
             for name, tree in {**trees(Path(args.ab)), **dict.fromkeys(variants)}.items():
@@ -128,8 +130,7 @@ def main() -> None:
                 try:
                     row = {"round": round_, "ready_s": round(ready, 1)}
                     for n in (int(c) for c in args.clients.split(",")):
-                        spy = ((Path(args.out or "benchmarks/results") / f"engine_gil_{name}_{round_}_c{n}.txt")
-                               if args.profile else None)
+                        spy = (profiles / f"engine_gil_{name}_{round_}_c{n}.txt") if args.profile else None
                         row[f"c{n}"] = measured(url, server, bodies, n, args.warmup_s, args.seconds, work, trace, spy,
                                                 params=EPD_PARAMS if args.format == "vllm" else PARAMS)
                     print(name, row, flush=True)
