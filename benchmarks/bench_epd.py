@@ -6,8 +6,12 @@ every other setting its default), then one image alone and the embedding cache o
 Each request holds room in its front-end's shared memory (`Settings.shared_memory_mib`) from its submission to its
 reply; what does not fit goes over the engine's socket. This shows what that bound costs vLLM's layout.
 
-Usage: python -m benchmarks.bench_epd [--shared-memory-mib 256,64] [--out DIR] -> epd.json (the compiled generator
-built: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
+`--forward TOWER_JSON`: the served forward timed in the same device call (`bench_tower --presets qwen3-vl-2b
+--workloads 1x448px 32x448px --no-compile --no-fp8`, as `gpu_suite.sh epd` runs it): epd.json's `summary` then
+holds each load's images/s over the forward's at 32 images, and the lone image's p50 less its forward alone.
+
+Usage: python -m benchmarks.bench_epd [--shared-memory-mib 256,64] [--forward TOWER_JSON] [--out DIR] -> epd.json
+(the compiled generator built: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
 """
 
 from __future__ import annotations
@@ -26,14 +30,36 @@ LOADS = (("epd_c64", 64, b.EPD_PARAMS), ("epd_c256", 256, b.EPD_PARAMS), ("token
          ("tokens_c256", 256, b.PARAMS))
 
 
+def summary(runs: dict, tower: dict, model: str) -> dict:
+    """The loads over the served forward (`ours`, 32 x 448 px) and the lone image's p50 beyond its forward alone
+    (`ours`, 1 x 448 px), from a tower.json of the same preset as `model`."""
+    preset = model.removeprefix("random:")
+    ours = {r["workload"]: r["results"]["ours"] for r in tower["rows"] if r["preset"] == preset}
+    if not ours:
+        raise SystemExit(f"the forward's file has no rows of {preset}")
+    out: dict = {}
+    if (full := ours.get("32x448px")) is not None:
+        out["forward_images_per_s"] = round(full["images_per_s"], 1)
+        out.update({f"{k}_ratio": round(v["images_per_s"] / full["images_per_s"], 3)
+                    for k, v in runs.items() if "images_per_s" in v})
+    if (lone := ours.get("1x448px")) is not None and "single_image" in runs:
+        out["lone_forward_ms"] = round(lone["ms"], 2)
+        out.update({f"{k}_beyond_forward_ms": round(v["p50_ms"] - lone["ms"], 2)
+                    for k, v in runs["single_image"].items()})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen3-vl-2b")
     ap.add_argument("--shared-memory-mib", default="256,64", help="a server per value, in order")
     ap.add_argument("--warmup-s", type=float, default=8)
     ap.add_argument("--measure-s", type=float, default=12)
+    ap.add_argument("--forward", type=Path, default=None, metavar="TOWER_JSON",
+                    help="bench_tower's result of the same call: the summary's ratios")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    tower = json.loads(args.forward.read_text()) if args.forward else None
     photos = b.photo_jpegs([(448, 448)] * 256)
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-epd-"))
     bodies = b.write_bodies(photos, work)
@@ -54,7 +80,12 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
     payload = {"benchmark": "epd", "env": environment(), "model": args.model, "runs": runs}
+    if tower is not None:
+        payload["forward"] = {r["workload"]: r["results"]["ours"] for r in tower["rows"]}
+        payload["summary"] = summary(runs, tower, args.model)
     write_results("epd", payload, args.out)
+    if "summary" in payload:
+        print(json.dumps(payload["summary"]))
     print(json.dumps({k: v["images_per_s"] if "images_per_s" in v else {case: r["p50_ms"] for case, r in v.items()}
                       for k, v in runs.items()}))
 

@@ -103,8 +103,12 @@ for step in "${@:-all}"; do
                 CUDA_VISIBLE_DEVICES=0 python -m pytest -q -x -p no:cacheprovider $XDIST tests/gpu tests/test_video.py \
                   > "$OUT/gpu_tests.log" 2>&1
                 wait; tail -n 4 "$OUT/gpu_tests.log" "$OUT/gpu_kernel_tests.log" ;;
-    # the vLLM layout beside the tokens under the compiled generator, at 256 and 64 MiB of shared memory (epd.json)
-    epd) python -m benchmarks.bench_epd --out "$OUT" 2>&1 | tee "$OUT/bench_epd.log" ;;
+    # the vLLM layout beside the tokens under the compiled generator, at 256 and 64 MiB of shared memory, over the
+    # served forward (32 images, and one alone for the lone request) timed first in the same call (epd.json)
+    epd) python -m benchmarks.bench_tower --presets qwen3-vl-2b --workloads 1x448px 32x448px --no-compile --no-fp8 \
+           --out "$OUT/epd_forward" > "$OUT/epd_forward.log" 2>&1
+         python -m benchmarks.bench_epd --forward "$OUT/epd_forward/tower.json" --out "$OUT" 2>&1 \
+           | tee "$OUT/bench_epd.log" ;;
     # issue 57's open loop: 90% of the closed-loop capacity, images only, 2 minutes (openloop_p99.json)
     openloop-p99) python -m benchmarks.soak --minutes 2 --fraction 0.9 --video-every 0 --name openloop_p99 \
                     --out "$OUT" > "$OUT/openloop_p99.log" 2>&1 ;;
