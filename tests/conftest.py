@@ -3,6 +3,7 @@ and test images (real photographs from scikit-image plus awkward synthetic ones)
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -86,6 +87,27 @@ def hf_processor():
 
     return Qwen2VLImageProcessorPil(**{k: v for k, v in QWEN3VL_PREPROCESSOR.items() if "type" not in k
                                        and k != "processor_class"})
+
+
+def _transformers_composites_alpha() -> bool:
+    """Whether the installed transformers' processors put a transparent image on white (5.23 does, as this service
+    does) rather than drop its alpha channel (5.17 does)."""
+    from transformers.image_transforms import convert_to_rgb
+
+    return np.asarray(convert_to_rgb(Image.new("RGBA", (1, 1), (0, 0, 0, 0)))).reshape(-1)[:3].tolist() == [255] * 3
+
+
+def hf_input(img: Image.Image) -> Image.Image:
+    """`img` as the reference processor is given it: unchanged where transformers composites transparency on white;
+    composited here as 5.23 composites it where the installed release drops the alpha channel, so that the parity
+    tests hold over the supported releases (the service follows 5.23: README, "Parity")."""
+    if ("A" not in img.getbands() and img.info.get("transparency") is None) or _composites_alpha():
+        return img
+    rgba = img.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+
+
+_composites_alpha = functools.cache(_transformers_composites_alpha)
 
 
 def encode_bytes(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:

@@ -16,7 +16,8 @@ transformers' video sampling and resizing).
 from __future__ import annotations
 
 import base64
-import inspect
+import contextlib
+import dataclasses
 import io
 import json
 
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import encode_bytes, make_video, photos, rel_err
+from conftest import encode_bytes, hf_input, make_video, photos, rel_err
 from examples import sglang_client, vllm_client
 from servers import serve
 
@@ -109,7 +110,7 @@ def _hf_pixels(name, model, inputs, video_item):
 
     spec = FAMILIES[name]["preprocessor"]
     processor = Qwen2VLImageProcessorPil(**{k: v for k, v in spec.items() if "type" not in k and k != "processor_class"})
-    images = processor(images=[Image.open(io.BytesIO(b)) for b in inputs[:2]], return_tensors="pt")
+    images = processor(images=[hf_input(Image.open(io.BytesIO(b))) for b in inputs[:2]], return_tensors="pt")
     from service.model.preprocess import lut_table, patchify
 
     t, h, w = video_item.grid_thw
@@ -118,11 +119,42 @@ def _hf_pixels(name, model, inputs, video_item):
     return images["pixel_values"], images["image_grid_thw"], rows, torch.tensor([video_item.grid_thw])
 
 
-def _logits(model, input_ids, **kw):
-    """The logits of the prompt `input_ids`; `mm_token_type_ids` marked as transformers' processors mark them."""
+def _logits(model, input_ids, encoded=None, **kw):
+    """The logits of the prompt `input_ids`; `mm_token_type_ids` marked as transformers' processors mark them.
+    `encoded` ({"image": ..., "video": ...}, `_mm_outputs`): what the model's encoder steps return in place of
+    what they compute from the pixels, in the form those take in the installed release (a DeepStack level as one
+    tensor in 5.17, a tuple per item in 5.23). Every release this service supports takes features this way; 5.23's
+    `mm_encoder_outputs` keyword is unknown to 5.17, which ignores it."""
     ids = torch.tensor([input_ids])
     types = (ids == TOKENS["image_token_id"]).long() + 2 * (ids == TOKENS["video_token_id"]).long()
-    with torch.no_grad():
+    inner = model.model
+
+    inside = []  # 5.23's video step calls the image step: the nested call computes, as the model's would
+
+    def replacing(step, ours):
+        def replaced(*args, **kwargs):
+            if inside:
+                return step(*args, **kwargs)
+            inside.append(step)
+            try:
+                computed = step(*args, **kwargs)
+            finally:
+                inside.pop()
+            assert len(computed.pooler_output) == len(ours.pooler_output)
+            levels = getattr(computed, "deepstack_features", None) or []
+            assert len(levels) == len(ours.deepstack_features or [])
+            if not levels:
+                return ours
+            return dataclasses.replace(ours, deepstack_features=[
+                torch.cat(level) if isinstance(like, torch.Tensor) else level
+                for like, level in zip(levels, ours.deepstack_features)])
+        return replaced
+
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for kind, output in (encoded or {}).items():
+            name = f"get_{kind}_features"
+            setattr(inner, name, replacing(getattr(inner, name), output))
+            stack.callback(delattr, inner, name)  # the class's method again
         return model(input_ids=ids, mm_token_type_ids=types, **kw).logits[0]
 
 
@@ -170,12 +202,6 @@ def _decode_sglang(payload: dict):
 @pytest.mark.parametrize("layout", ["vllm", "sglang"])
 def test_layout_through_the_language_model(family, inputs, served, layout):
     name, _, model = family
-    if "mm_encoder_outputs" not in inspect.signature(type(model).forward).parameters:
-        # older releases take unknown keywords silently: the logits would be the placeholders', not our features'
-        import transformers
-
-        pytest.skip(f"transformers {transformers.__version__} takes no precomputed encoder outputs "
-                    "(mm_encoder_outputs, 5.23 does): nothing to put our features through")
     replies, video_item = served
     reply = replies[layout]
     out_hidden, levels = reply["out_hidden_size"], reply["deepstack_levels"]
@@ -197,8 +223,10 @@ def test_layout_through_the_language_model(family, inputs, served, layout):
 
     reference = _logits(model, input_ids, pixel_values=pixels, image_grid_thw=image_grid,
                         pixel_values_videos=video_rows, video_grid_thw=video_grid)
-    ours = _logits(model, input_ids, image_grid_thw=image_grid, video_grid_thw=video_grid, mm_encoder_outputs={
-        kind: _mm_outputs(levels, [f for f, _ in decoded[kind]], out_hidden) for kind in ("image", "video")})
+    as_reference = dict(pixel_values=pixels, image_grid_thw=image_grid, pixel_values_videos=video_rows,
+                        video_grid_thw=video_grid)
+    ours = _logits(model, input_ids, {kind: _mm_outputs(levels, [f for f, _ in decoded[kind]], out_hidden)
+                                      for kind in ("image", "video")}, **as_reference)
     assert rel_err(ours, reference) <= TOL
     # and the test bites: the DeepStack levels swapped, or two images' features swapped, move the logits
     wrong = []
@@ -210,8 +238,7 @@ def test_layout_through_the_language_model(family, inputs, served, layout):
     wrong.append({"image": _mm_outputs(levels, [torch.cat([a[1:], a[:1]]), b], out_hidden)})  # tokens out of order
     for outputs in wrong:
         outputs["video"] = _mm_outputs(levels, [f for f, _ in decoded["video"]], out_hidden)
-        assert rel_err(_logits(model, input_ids, image_grid_thw=image_grid, video_grid_thw=video_grid,
-                               mm_encoder_outputs=outputs), reference) > 100 * TOL
+        assert rel_err(_logits(model, input_ids, outputs, **as_reference), reference) > 100 * TOL
 
 
 def test_bfloat16_by_default_and_options_checked(family, inputs):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import encode_bytes, hf_tower_outputs, photos, rel_err
+from conftest import encode_bytes, hf_input, hf_tower_outputs, photos, rel_err
 from service.model.encoder import Encoder
 from service.model.tower import TowerOptions
 
@@ -29,7 +29,7 @@ def photo_files(tmp_path_factory):
 
 
 def _reference(hf_model, hf_processor, images):
-    inputs = hf_processor(images=images, return_tensors="pt")
+    inputs = hf_processor(images=[hf_input(img) for img in images], return_tensors="pt")
     grids = inputs["image_grid_thw"]
     with torch.no_grad():
         out = hf_model.model.get_image_features(inputs["pixel_values"], grids)

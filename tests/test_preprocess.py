@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import encode_bytes, photos
+from conftest import encode_bytes, hf_input, photos
 from service.errors import ImageTooLarge, InvalidInput, UnsupportedImage
 from service.model.preprocess import Preprocessor, PreprocessConfig
 
@@ -19,7 +19,7 @@ PRE = Preprocessor(PreprocessConfig())
 
 def _reference(hf_processor, img, **size):
     kw = {"size": {"shortest_edge": size["min_pixels"], "longest_edge": size["max_pixels"]}} if size else {}
-    out = hf_processor(images=[img], return_tensors="np", **kw)
+    out = hf_processor(images=[hf_input(img)], return_tensors="np", **kw)
     return out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0])
 
 

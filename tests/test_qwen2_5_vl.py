@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import encode_bytes, make_video, photos, rel_err
+from conftest import encode_bytes, hf_input, make_video, photos, rel_err
 from service.errors import CheckpointError
 from service.model.config import PRESETS, preset, tower_config_from_dir
 from service.model.encoder import Encoder
@@ -136,7 +136,7 @@ def test_bytes_to_embeddings_match_transformers(hf_full, encoder):
     import io
 
     images = [Image.open(io.BytesIO(b)) for b in blobs.values()]
-    inputs = processor(images=images, return_tensors="pt")
+    inputs = processor(images=[hf_input(img) for img in images], return_tensors="pt")
     with torch.no_grad():
         ref = model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
     ref = ref.pooler_output if hasattr(ref, "pooler_output") else ref
