@@ -21,9 +21,10 @@ for step in "${@:-all}"; do
     # the GPU tests: tests/gpu, and the GPU half of each kernel's file under tests/kernels (marked gpu; their other
     # half runs in Triton's interpreter, in CI)
     # (with pytest-xdist, in 4 processes a file each: most of their time is Triton compiling, on the CPU); and the
-    # parity tests against transformers, which CI runs with its 5.23, with the machine's own release (5.17 on H200s)
-    tests|all) { python -m pytest -q -x -p no:cacheprovider $XDIST tests/gpu tests/test_video.py \
-                   tests/test_llm_layouts.py tests/test_preprocess.py tests/test_qwen2_5_vl.py tests/test_parity_transformers.py
+    # CPU parity tests against transformers, which CI runs with its 5.23, with the machine's release (5.17 on H200s)
+    tests|all) { python -m pytest -q -x -p no:cacheprovider $XDIST tests/gpu tests/test_video.py
+                 CUDA_VISIBLE_DEVICES= python -m pytest -q -x -p no:cacheprovider $XDIST tests/test_llm_layouts.py \
+                   tests/test_preprocess.py tests/test_qwen2_5_vl.py tests/test_parity_transformers.py
                  python -m pytest -q -x -p no:cacheprovider $XDIST -m gpu tests/kernels; } 2>&1 \
                  | tee "$OUT/gpu_tests.log" | tail -n 15 ;;&
     kernel-tests) python -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels 2>&1 | tee "$OUT/gpu_kernel_tests.log" | tail -n 15 ;;
