@@ -53,11 +53,8 @@ def wide_checkpoint(path: Path) -> str:
     text = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    # no preprocessor_config.json: the loader takes Qwen3-VL's processor defaults (`PreprocessConfig.from_dir`)
     Qwen3VLForConditionalGeneration(Qwen3VLConfig(vision_config=vision, text_config=text)).save_pretrained(path)
-    (path / "preprocessor_config.json").write_text(json.dumps({
-        "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor"}))
     return str(path)
 
 

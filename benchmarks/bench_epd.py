@@ -30,13 +30,18 @@ LOADS = (("epd_c64", 64, b.EPD_PARAMS), ("epd_c256", 256, b.EPD_PARAMS), ("token
          ("tokens_c256", 256, b.PARAMS))
 
 
-def summary(runs: dict, tower: dict, model: str) -> dict:
-    """The loads over the served forward (`ours`, 32 x 448 px) and the lone image's p50 beyond its forward alone
-    (`ours`, 1 x 448 px), from a tower.json of the same preset as `model`."""
+def served_forward(tower: dict, model: str) -> dict:
+    """{workload: the served forward's row (`ours`)} of a tower.json, for the preset `model` names."""
     preset = model.removeprefix("random:")
     ours = {r["workload"]: r["results"]["ours"] for r in tower["rows"] if r["preset"] == preset}
     if not ours:
         raise SystemExit(f"the forward's file has no rows of {preset}")
+    return ours
+
+
+def summary(runs: dict, ours: dict) -> dict:
+    """The loads over the served forward (`ours`, 32 x 448 px) and the lone image's p50 beyond its forward alone
+    (`ours`, 1 x 448 px)."""
     out: dict = {}
     if (full := ours.get("32x448px")) is not None:
         out["forward_images_per_s"] = round(full["images_per_s"], 1)
@@ -59,7 +64,8 @@ def main():
                     help="bench_tower's result of the same call: the summary's ratios")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    tower = json.loads(args.forward.read_text()) if args.forward else None
+    # read first: a wrong file fails before the servers' minutes, not after
+    forward = served_forward(json.loads(args.forward.read_text()), args.model) if args.forward else None
     photos = b.photo_jpegs([(448, 448)] * 256)
     work = Path(tempfile.mkdtemp(prefix="qwen3vl-epd-"))
     bodies = b.write_bodies(photos, work)
@@ -80,9 +86,9 @@ def main():
     finally:
         shutil.rmtree(work, ignore_errors=True)
     payload = {"benchmark": "epd", "env": environment(), "model": args.model, "runs": runs}
-    if tower is not None:
-        payload["forward"] = {r["workload"]: r["results"]["ours"] for r in tower["rows"]}
-        payload["summary"] = summary(runs, tower, args.model)
+    if forward is not None:
+        payload["forward"] = forward
+        payload["summary"] = summary(runs, forward)
     write_results("epd", payload, args.out)
     if "summary" in payload:
         print(json.dumps(payload["summary"]))
