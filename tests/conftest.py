@@ -89,6 +89,7 @@ def hf_processor():
                                        and k != "processor_class"})
 
 
+@functools.cache
 def _transformers_composites_alpha() -> bool:
     """Whether the installed transformers' processors put a transparent image on white (5.23 does, as this service
     does) rather than drop its alpha channel (5.17 does)."""
@@ -100,14 +101,13 @@ def _transformers_composites_alpha() -> bool:
 def hf_input(img: Image.Image) -> Image.Image:
     """`img` as the reference processor is given it: unchanged where transformers composites transparency on white;
     composited here as 5.23 composites it where the installed release drops the alpha channel, so that the parity
-    tests hold over the supported releases (the service follows 5.23: README, "Parity")."""
-    if ("A" not in img.getbands() and img.info.get("transparency") is None) or _composites_alpha():
+    tests hold over the supported releases (the service follows 5.23: README). Written here rather than calling the
+    service's `preprocess.to_rgb`: the reference must not be the code it checks."""
+    if ("A" not in img.getbands() and img.info.get("transparency") is None) or _transformers_composites_alpha():
         return img
     rgba = img.convert("RGBA")
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
-
-_composites_alpha = functools.cache(_transformers_composites_alpha)
 
 
 def encode_bytes(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
