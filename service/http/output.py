@@ -118,6 +118,11 @@ def _numpy_of(dtype: torch.dtype):
     return lambda t: t.to(dtype).numpy()
 
 
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype `_numpy_of(dtype)` gives."""
+    return np.dtype(np.int16) if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
 def _write_features(r: EncodeResult, dtype: torch.dtype, out: np.ndarray) -> None:
     """`r`'s merged tokens and DeepStack levels into `out` [num_tokens, levels, out_hidden], level by level."""
     as_numpy = _numpy_of(dtype)
@@ -131,7 +136,7 @@ def llm_features(r: EncodeResult, dtype: torch.dtype) -> torch.Tensor:
     (Qwen2.5-VL: the merged tokens alone). Assembled in numpy (bfloat16 as its bits): torch's CPU `cat` of bfloat16
     along the last dimension is an order of magnitude slower."""
     n, width = r.embeds.shape
-    out = np.empty((n, _level_count(r), width), dtype=_numpy_of(dtype)(r.embeds[:0]).dtype)
+    out = np.empty((n, _level_count(r), width), dtype=_numpy_dtype(dtype))
     _write_features(r, dtype, out)
     features = torch.from_numpy(out.reshape(n, -1))
     return features.view(torch.bfloat16) if dtype == torch.bfloat16 else features
@@ -202,7 +207,7 @@ def llm_features_saved(r: EncodeResult, dtype: torch.dtype) -> np.ndarray:
     if (saved := _saved_buffer((n, levels * width), dtype)) is None:
         return np.frombuffer(_plain_saved(llm_features(r, dtype)), dtype=np.uint8)
     buf, data = saved
-    _write_features(r, dtype, data.view(_numpy_of(dtype)(r.embeds[:0]).dtype).reshape(n, levels, width))
+    _write_features(r, dtype, data.view(_numpy_dtype(dtype)).reshape(n, levels, width))
     return buf
 
 
