@@ -386,17 +386,17 @@ def _engine_counters(url) -> tuple[float, int, float]:
     return time.perf_counter(), engine["forwards"], engine["gpu_busy_s"]
 
 
-def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS, clients=CLIENTS) -> dict:
-    """`clients` closed-loop clients over `procs` processes through `phases`; per measured phase images/s, patches/s,
-    p50/p99 overall and per tag, errors, the medians of the server's timing headers, the engine's forwards and GPU
-    busy fraction (from /info at the phase's bounds, as this process sees them), and the load generator's own CPU
-    (the busiest process's fraction of a core) and reply bytes/s."""
+def load(url, bodies, tags, patches, phases) -> dict:
+    """CLIENTS closed-loop clients over PROCS processes, each request with the tokens-only PARAMS, through `phases`;
+    per measured phase images/s, patches/s, p50/p99 overall and per tag, errors, the medians of the server's timing
+    headers, the engine's forwards and GPU busy fraction (from /info at the phase's bounds, as this process sees
+    them), and the load generator's own CPU (the busiest process's fraction of a core) and reply bytes/s."""
     ctx = mp.get_context("spawn")
     pipes, workers = [], []
-    for p in range(procs):
+    for p in range(PROCS):
         a, b = ctx.Pipe()
-        w = ctx.Process(target=_client_proc, args=(url, bodies[p::procs], tags[p::procs], clients // procs, phases,
-                                                   b, params, p))
+        w = ctx.Process(target=_client_proc, args=(url, bodies[p::PROCS], tags[p::PROCS], CLIENTS // PROCS, phases,
+                                                   b, PARAMS, p))
         w.start()
         pipes.append(a)
         workers.append(w)
@@ -442,7 +442,7 @@ def load(url, bodies, tags, patches, phases, params=PARAMS, procs=PROCS, clients
                                  for k, name in enumerate(TIMING_HEADERS)},
                "forwards": f1 - f0, "images_per_forward": len(ok) / max(1, f1 - f0),
                "gpu_busy_fraction": (b1 - b0) / (t1 - t0),
-               "generator": {"processes": procs, "reply_bytes_per_s": sum(o[name]["bytes"] for o in outs) / seconds,
+               "generator": {"processes": PROCS, "reply_bytes_per_s": sum(o[name]["bytes"] for o in outs) / seconds,
                              "max_cpu_fraction": max(o[name]["cpu_s"] for o in outs) / seconds,
                              "cpu_fraction_per_process": [o[name]["cpu_s"] / seconds for o in outs]}}
         if size is not None:
