@@ -57,10 +57,12 @@ def main():
                      "fc1_bias_gelu_us": us(lambda: torch._addmm_activation(b_fc1, x, w_fc1.t(), use_gelu=True)),
                      "fc2_residual_us": us(lambda: residual.addmm_(h, w_fc2.t()))})
         print(rows[-1], flush=True)
-    name = "gemm_rows_tunableop" if args.tunableop else "gemm_rows"
-    write_results(name, {"benchmark": name, "env": environment(), "preset": args.preset,
-                         "shapes": {"proj": [hidden, hidden], "fc1": [hidden, inner], "fc2": [inner, hidden]},
-                         "rows": rows}, args.out)
+    payload = {"benchmark": "gemm_rows", "env": environment(), "preset": args.preset,
+               "shapes": {"proj": [hidden, hidden], "fc1": [hidden, inner], "fc2": [inner, hidden]}, "rows": rows}
+    if args.tunableop:  # which solution TunableOp kept for each shape ("Default": cuBLAS's own pick)
+        payload["tunableop_results"] = [list(map(str, r)) for r in torch.cuda.tunable.get_results()]
+        payload["benchmark"] = "gemm_rows_tunableop"
+    write_results(payload["benchmark"], payload, args.out)
 
 
 if __name__ == "__main__":
