@@ -51,6 +51,11 @@ for step in "${@:-all}"; do
                 | tee "$OUT/memcheck.log" | tail -n 25 ;;
     # the served path's forward against the eager one on the same packs, kernel by kernel (profile_served.json)
     profile-served) python -m tools.profile_served --out "$OUT" 2>&1 | tee "$OUT/profile_served.log" ;;
+    # a lone image's own graph against its served bucket, kernel by kernel (bucket_kernels.json), and the blocks'
+    # GEMMs by row count, with TunableOp beside (gemm_rows.json, gemm_rows_tunableop.json)
+    bucket-kernels) python -m tools.bucket_kernels --out "$OUT" 2>&1 | tee "$OUT/bucket_kernels.log" ;;
+    gemm-rows) python -m tools.gemm_rows --out "$OUT" 2>&1 | tee "$OUT/gemm_rows.log"
+               python -m tools.gemm_rows --tunableop --rows 736 864 16 --out "$OUT" 2>&1 | tee -a "$OUT/gemm_rows.log" ;;
     profile) python -m tools.profile_tower --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile_tower.log" ;;
     sweep) for g in ${SWEEP_GROUPS:-baseline ptr gluon}; do
              timeout ${SWEEP_TIMEOUT:-240} python -m tools.sweep_attention --group $g --out "$OUT/sweep.jsonl" \
