@@ -1,14 +1,16 @@
 """The encoder tier's reply under load: vLLM's layout (`format=vllm`: bfloat16 merged tokens and DeepStack levels,
 3.2 MB of tensors and 4.3 MB of JSON a 448 px image) beside the merged tokens alone, from the compiled closed-loop
 generator (`tools/openloop`, bytes of their own per request), at each `--shared-memory-mib` (a server per value,
-every other setting its default), then one image alone and the embedding cache on the first server.
+every other setting its default), then one image alone, the embedding cache, and one image alone kept alive on
+eight connections with the front-end each reached (`single_image_by_frontend`), on the first server.
 
 Each request holds room in its front-end's shared memory (`Settings.shared_memory_mib`) from its submission to its
 reply; what does not fit goes over the engine's socket. This shows what that bound costs vLLM's layout.
 
 `--forward TOWER_JSON`: the served forward timed in the same device call (`bench_tower --presets qwen3-vl-2b
 --workloads 1x448px 32x448px --no-compile --no-fp8`, as `gpu_suite.sh epd` runs it): epd.json's `summary` then
-holds each load's images/s over the forward's at 32 images, and the lone image's p50 less its forward alone.
+holds each load's images/s over the forward's at 32 images, and the lone image's p50 less its forward alone (kept
+alive: the range over the front-ends).
 
 Usage: python -m benchmarks.bench_epd [--shared-memory-mib 256,64] [--forward TOWER_JSON] [--out DIR] -> epd.json
 (the compiled generator built: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go)
@@ -51,6 +53,10 @@ def summary(runs: dict, ours: dict) -> dict:
         out["lone_forward_ms"] = round(lone["ms"], 2)
         out.update({f"{k}_beyond_forward_ms": round(v["p50_ms"] - lone["ms"], 2)
                     for k, v in runs["single_image"].items()})
+        if by_frontend := runs.get("single_image_by_frontend"):  # kept alive, each connection's front-end
+            p50s = [r["p50_ms"] for r in by_frontend]
+            out["keepalive_by_frontend_beyond_forward_ms"] = [round(min(p50s) - lone["ms"], 2),
+                                                              round(max(p50s) - lone["ms"], 2)]
     return out
 
 
@@ -81,6 +87,7 @@ def main():
                 if i == 0:
                     runs["single_image"] = b.single_image(url, photos[0])
                     runs["cache"] = b.cache_latency(url, photos[0])
+                    runs["single_image_by_frontend"] = b.lone_by_frontend(url, photos[0])
             finally:
                 b.stop_server(server)
     finally:
@@ -92,8 +99,9 @@ def main():
     write_results("epd", payload, args.out)
     if "summary" in payload:
         print(json.dumps(payload["summary"]))
-    print(json.dumps({k: v["images_per_s"] if "images_per_s" in v else {case: r["p50_ms"] for case, r in v.items()}
-                      for k, v in runs.items()}))
+    print(json.dumps({k: v["images_per_s"] if "images_per_s" in v
+                      else [(r["http_process"], r["p50_ms"]) for r in v] if isinstance(v, list)
+                      else {case: r["p50_ms"] for case, r in v.items()} for k, v in runs.items()}))
 
 
 if __name__ == "__main__":

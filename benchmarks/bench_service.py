@@ -27,7 +27,8 @@ Runs, each within one device call (10 minutes), each against a server of its own
 - `--startup-only`: seconds from launch to /ready on an empty cache and on the same cache again (`ready_s_first`,
   `ready_s_second`); one client, curl, one 448 px JPEG on the second, fresh server: /v1/embeddings and
   /embed?embeddings=false&pooling=mean, p50 of 40 requests (`single_image_fresh_p50_ms`: the slower route), and the
-  pooled route from a keep-alive client; then, twice, SIGKILL of the engine process and the seconds until /ready
+  pooled route from a keep-alive client, and kept alive on eight connections with the front-end each reached
+  (`single_image_by_frontend`); then, twice, SIGKILL of the engine process and the seconds until /ready
   answers 200 again and an image is served (`recovery_s`, the front-ends up throughout); then that image's forward
   in-process. `service_startup.json`.
 The encoder tier's layouts (vLLM's, SGLang's) and the embedding cache's latency: `benchmarks.bench_epd`.
@@ -490,10 +491,11 @@ def curl_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40
 
 
 def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40,
-                  cache: str | None = "miss") -> dict:
+                  cache: str | None = "miss", frontend: bool = False) -> dict:
     """`curl_p50`'s figures from one client that keeps its connection open, as an application's HTTP client does
     (curl opens one per request and adds its own start-up to each): the wall time of each request on one
-    `http.client` connection."""
+    `http.client` connection; `frontend`: with the front-end process the connection reached (`http_process`, from
+    `/info` asked on it first)."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -511,7 +513,11 @@ def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int
         return reply.status, ms, {k.lower(): v.lower() for k, v in reply.getheaders()}
 
     try:
-        return _p50s(send, n, cache)
+        reached = {}
+        if frontend:
+            conn.request("GET", "/info")
+            reached["http_process"] = json.loads(conn.getresponse().read()).get("http_process")
+        return {**reached, **_p50s(send, n, cache)}
     finally:
         conn.close()
 
@@ -530,6 +536,22 @@ def lone_bodies(directory: str, jpeg: bytes, n: int) -> tuple[list[str], list[st
             body = base64.b64encode(unique(jpeg, 7_500_000 + i)).decode()
             f.write(json.dumps({"input": "data:image/jpeg;base64," + body}).encode())
     return jpgs, jsons
+
+
+def lone_by_frontend(url: str, jpeg: bytes, connections: int = 8, n: int = 20) -> list[dict]:
+    """The pooled vector of `jpeg` (bytes of its own each request) kept alive on `connections` connections one after
+    another (`keepalive_p50`), each with the front-end process it reached: whether a lone request's time depends on
+    the front-end that serves it."""
+    pooled = "/embed?embeddings=false&pooling=mean"
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for c in range(connections):
+            files = [os.path.join(d, f"{c}-{i}.jpg") for i in range(n + 5)]
+            for i, name in enumerate(files):
+                with open(name, "wb") as f:
+                    f.write(unique(jpeg, 6_000_000 + 1000 * c + i))
+            rows.append(keepalive_p50(url, pooled, files, "image/jpeg", n, frontend=True))
+    return rows
 
 
 def single_image(url: str, jpeg: bytes, n: int = 40) -> dict:
@@ -619,6 +641,9 @@ def startup(model: str, port: int, body: bytes) -> dict:
     try:
         single_fresh = single_image(url, body)
         print(f"single image, fresh server: {single_fresh}", flush=True)
+        by_frontend = lone_by_frontend(url, body)
+        print(f"kept alive, by front-end: {[(r['http_process'], round(r['p50_ms'], 2)) for r in by_frontend]}",
+              flush=True)
         recoveries = recovery_s(url, body)
     finally:
         stop_server(server)
@@ -627,7 +652,7 @@ def startup(model: str, port: int, body: bytes) -> dict:
     return {"ready_s_first": first, "ready_s_second": second, "recovery_s": recoveries,
             "single_image_fresh": single_fresh, "single_image_fresh_p50_ms": fresh_p50,
             "single_image_fresh_keepalive_p50_ms": single_fresh["embed_pooled_keepalive"]["p50_ms"],
-            "single_image_forward_ms": forward_ms}
+            "single_image_by_frontend": by_frontend, "single_image_forward_ms": forward_ms}
 
 
 def single_forward_ms(model: str, body: bytes, rep_ms: float = 300.0) -> float:
