@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import environment, revision_trees, wait_until_ready, write_results
+from benchmarks.common import environment, revision_trees, write_results
 from benchmarks.soak import openloop
+from tools.ready import wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -57,7 +57,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import environment, forward_gaps, read_forward_trace, wait_until_ready, write_results
+from benchmarks.common import environment, forward_gaps, read_forward_trace, write_results
+from tools.ready import wait_until_ready
 
 CLIENTS, PROCS = 64, 4
 OPENLOOP = ".bin/openloop"  # the compiled generator: CGO_ENABLED=0 go build -o .bin/openloop tools/openloop/main.go

@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -110,23 +109,6 @@ def revision_trees(revisions: list[str], work: Path):
             if path != root:
                 subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(path)],
                                capture_output=True)
-
-
-def wait_until_ready(url: str, server, timeout_s: float, interval_s: float = 0.5) -> bool:
-    """Poll `url`/ready until it answers 200 (True), or the deadline passes or the server process
-    `server` (a Popen) exits (False)."""
-    import httpx
-
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return True
-        except httpx.TransportError:
-            pass
-        if time.time() > deadline or server.poll() is not None:
-            return False
-        time.sleep(interval_s)
 
 
 class ClockLog:

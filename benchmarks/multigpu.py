@@ -42,7 +42,8 @@ import numpy as np
 import psutil
 
 from benchmarks.bench_service import photo_jpegs
-from benchmarks.common import environment, forward_gaps, py_spy, read_forward_trace, top_frames, wait_until_ready
+from benchmarks.common import environment, forward_gaps, py_spy, read_forward_trace, top_frames
+from tools.ready import wait_until_ready
 
 PARAMS = "format=safetensors&deepstack=false"  # tokens only, as bench_service's uniform load
 

@@ -27,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import environment, wait_until_ready, write_results
+from benchmarks.common import environment, write_results
+from tools.ready import wait_until_ready
 
 
 def _free_port() -> int:

@@ -14,7 +14,8 @@ import time
 import psutil
 
 from service.uvicorn_server import ConnectionBoard
-from servers import free_port, wait_until_ready
+from servers import free_port
+from tools.ready import wait_until_ready
 
 _HOLDER = """
 import sys

@@ -17,7 +17,8 @@ import time
 import httpx
 import pytest
 
-from servers import free_port, wait_until_ready
+from servers import free_port
+from tools.ready import wait_until_ready
 
 
 @pytest.fixture(scope="module", params=["0", "1"], ids=["one-process", "front-ends"])

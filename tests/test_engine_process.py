@@ -22,7 +22,8 @@ from PIL import Image
 from safetensors.torch import load as safetensors_load
 
 from conftest import encode_bytes, make_video, random_pngs, rel_err
-from servers import KeepAliveClient, free_port, wait_until_ready
+from servers import KeepAliveClient, free_port
+from tools.ready import wait_until_ready
 from service.engine.protocol import read_message, write_message
 from service.model.encoder import Encoder
 

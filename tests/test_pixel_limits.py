@@ -93,7 +93,8 @@ def test_memory_returns_to_its_level_after_a_request_of_large_images():
 
     import psutil
 
-    from servers import free_port, wait_until_ready
+    from servers import free_port
+    from tools.ready import wait_until_ready
 
     port = free_port()
     env = {**os.environ, "QWEN3VL_MODEL": "random:tiny", "QWEN3VL_DEVICE": "cpu", "QWEN3VL_HOST": "127.0.0.1",

@@ -26,7 +26,8 @@ import torch
 from PIL import Image
 
 from conftest import rel_err
-from servers import free_port, wait_until_ready
+from servers import free_port
+from tools.ready import wait_until_ready
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA GPUs")]

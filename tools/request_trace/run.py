@@ -53,7 +53,8 @@ def steps(path: str, skip: int = 5) -> tuple[list[tuple[str, str, float]], float
 
 
 def main():
-    from benchmarks.bench_service import curl_p50, lone_bodies, photo_jpegs, wait_until_ready
+    from benchmarks.bench_service import curl_p50, lone_bodies, photo_jpegs
+    from tools.ready import wait_until_ready
 
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
