@@ -523,15 +523,22 @@ def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int
         conn.close()
 
 
+def unique_files(directory: str, jpeg: bytes, first: int, n: int, prefix: str = "") -> list[str]:
+    """`n` files in `directory` (named `prefix` and the index) of `jpeg` in bytes of its own each (`unique`, numbers
+    from `first`: callers keep their ranges apart, so that none is answered from another's cache entry)."""
+    files = [os.path.join(directory, f"{prefix}{i}.jpg") for i in range(n)]
+    for i, name in enumerate(files):
+        with open(name, "wb") as f:
+            f.write(unique(jpeg, first + i))
+    return files
+
+
 def lone_bodies(directory: str, jpeg: bytes, n: int) -> tuple[list[str], list[str]]:
     """`n` request bodies of `jpeg` for each route, every one with bytes of its own (`unique`: none answered from
     the cache; the two routes' results would be the same cache entries, so theirs differ too), as files in
     `directory`: (the raw JPEGs for `/embed`, the OpenAI JSON bodies for `/v1/embeddings`)."""
-    jpgs, jsons = [], []
+    jpgs, jsons = unique_files(directory, jpeg, 7_000_000, n), []
     for i in range(n):
-        jpgs.append(os.path.join(directory, f"{i}.jpg"))
-        with open(jpgs[-1], "wb") as f:
-            f.write(unique(jpeg, 7_000_000 + i))
         jsons.append(os.path.join(directory, f"{i}.json"))
         with open(jsons[-1], "wb") as f:
             body = base64.b64encode(unique(jpeg, 7_500_000 + i)).decode()
@@ -547,10 +554,7 @@ def lone_by_frontend(url: str, jpeg: bytes, connections: int = 8, n: int = 20) -
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for c in range(connections):
-            files = [os.path.join(d, f"{c}-{i}.jpg") for i in range(n + 5)]
-            for i, name in enumerate(files):
-                with open(name, "wb") as f:
-                    f.write(unique(jpeg, 6_000_000 + 1000 * c + i))
+            files = unique_files(d, jpeg, 6_000_000 + 1000 * c, n + 5, prefix=f"{c}-")
             rows.append(keepalive_p50(url, pooled, files, "image/jpeg", n, frontend=True))
     return rows
 
@@ -573,11 +577,7 @@ def cache_latency(url: str, jpeg: bytes, n: int = 40) -> dict:
     and from a client keeping its connection (`*_keepalive`)."""
     path = "/embed?embeddings=false&pooling=mean"
     with tempfile.TemporaryDirectory() as d:
-        files = []
-        for i in range(2 * (n + 5)):
-            files.append(os.path.join(d, f"{i}.jpg"))
-            with open(files[-1], "wb") as f:
-                f.write(unique(jpeg, 8_000_000 + i))
+        files = unique_files(d, jpeg, 8_000_000, 2 * (n + 5))
         return {"hit": curl_p50(url, path, files[:1], "image/jpeg", n, cache="hit"),
                 "miss": curl_p50(url, path, files[:n + 5], "image/jpeg", n, cache="miss"),
                 "hit_keepalive": keepalive_p50(url, path, files[:1], "image/jpeg", n, cache="hit"),
