@@ -63,6 +63,7 @@ def _mend_interpreter_scalars() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _mend_interpreter_scalars()
 
+
 # A tower that exercises everything of the real ones: several blocks, two DeepStack taps, a
 # non-square learned position grid resampled to non-square images, head_dim 16.
 TINY_VISION = dict(
@@ -149,7 +150,6 @@ def hf_input(img: Image.Image) -> Image.Image:
         return img
     rgba = img.convert("RGBA")
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-
 
 
 def encode_bytes(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
