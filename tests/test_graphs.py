@@ -299,6 +299,43 @@ def test_a_bucket_routes_to_the_fastest_at_or_above_it():
     assert cheapest_buckets({8192: 10.0, 9216: 9.0, 10240: 8.0}, 4096, 0.02) == {8192: 10240, 9216: 10240}
 
 
+
+def test_buckets_move_up_off_a_costly_row_count():
+    """`off_steps` against a brute-force search over fresh random costs: each bucket up to the limit goes to the
+    cheapest row count from it to `span` above it, in `step`s, below the next bucket and not past the limit, where
+    that beats its own by `gain`; the others stay, their costs never asked for. Then the H200's fc2 step
+    (gemm_rows.json): 800 rows cost 23.3 us, 848-864 rows 18.1-18.2."""
+    from service.model.graphs import off_steps
+
+    rng = np.random.default_rng(11)
+    for trial in range(200):
+        sizes = rng.choice(np.arange(4, 320), size=int(rng.integers(1, 9)), replace=False) * 16
+        buckets = tuple(sorted(int(b) for b in sizes))
+        table = {rows: float(rng.choice([1.0, 1.01, 1.3, 2.0])) for rows in range(0, 6000, 16)}
+        limit, span = int(rng.choice([0, 1024, 4096])), int(rng.choice([0, 32, 64]))
+        gain = float(rng.choice([0.0, 0.02]))
+        asked = []
+
+        def cost(rows):
+            asked.append(rows)
+            return table[rows]
+
+        expected = []
+        for i, b in enumerate(buckets):
+            if b > limit:
+                expected.append(b)
+                continue
+            top = min(b + span, limit, buckets[i + 1] - 16 if i + 1 < len(buckets) else limit)
+            best = min(range(b, top + 1, 16), key=lambda r: (table[r], r))
+            expected.append(best if table[best] < (1 - gain) * table[b] else b)
+        assert off_steps(buckets, cost, limit, span, 16, gain) == tuple(expected), (trial, buckets, limit, span)
+        assert all(r <= limit and r % 16 == 0 for r in asked)
+        assert list(expected) == sorted(set(expected))  # still distinct, in order: no bucket reaches the next
+    fc2 = {784: 16.74, 800: 23.34, 816: 23.04, 832: 22.94, 848: 18.11, 864: 18.21, 1024: 18.5}
+    assert off_steps((640, 800, 1024), lambda r: fc2.get(r, 18.5)) == (640, 848, 1024)
+    # 800 may go no further than 816 (the next bucket is 832), 1.3% cheaper: it stays; 832 goes to 848
+    assert off_steps((800, 832), lambda r: fc2.get(r, 23.0)) == (800, 848)
+
 def test_a_routed_pack_runs_in_the_larger_bucket_and_equals_the_plain_forward(tower):
     """A pack whose bucket is routed to a larger one (`routes`, set from start-up's timings on CUDA) computes that
     bucket's rows, costs that bucket's time, and still equals the plain forward (the extra rows are padding)."""
@@ -366,3 +403,19 @@ def test_a_pending_forward_says_whether_it_ran_eagerly():
         assert not enc.launch(many).eager  # within 8192: its graphs
         enc.forward.eager_choice = EagerChoice(host_ms=1.0, gpu_ms=3.0, tokens=4096)  # a limit of 4096 tokens
         assert enc.launch(many).eager and not enc.launch(small).eager
+
+
+def test_a_restart_keeps_the_placement_its_timings_name(monkeypatch):
+    """An earlier start's timings (in the file named by the buckets asked for) give the buckets it placed, so a
+    restart neither searches again nor times again (`time_buckets` takes timings of exactly its buckets); timings of
+    another bucket count are not taken for a placement. On the CPU nothing is placed: no GPU, no cuBLAS steps."""
+    tower = random_tower(preset("tiny"), "cpu", torch.float32, seed=2)
+    bt = BucketedTower(tower, (64, 256, 1024))
+    assert bt._placed({64: 0.5, 304: 1.0, 1024: 2.0}, None) == (64, 304, 1024)
+    from service.model import graphs  # a search, costed as a GPU would be: 272 rows cheaper than 256
+
+    monkeypatch.setattr(graphs, "sleep_cycles_per_ms", lambda: 1.0)
+    monkeypatch.setattr(bt, "_block_ms", lambda rows, offsets, rate: 1.0 if rows == 272 else 2.0)
+    assert bt._placed({64: 0.5, 1024: 2.0}, None) == (64, 272, 1024)
+    bt.capture()
+    assert bt.buckets == (64, 256, 1024)

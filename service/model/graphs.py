@@ -208,6 +208,32 @@ def cheapest_buckets(bucket_ms: dict[int, float], above: int = WHOLE_MAX_TOKENS,
     return {t: r for t, r in sorted(route.items()) if r != t}
 
 
+# Buckets up to WHOLE_MAX_TOKENS may move up by this many rows at most, in steps of STEP_ROWS, to a row count where
+# the blocks' GEMMs cost less (`off_steps`): cuBLAS's kernel for a row count can be slower than at a few dozen more
+# (on an H200 fc2 took 23 us at 800 rows, 18 at 848-1,024 and 16.7 at 784: a 448 px image's bucket of 800 cost it
+# 12% of its forward; docs/PERFORMANCE.md, "The lone image's bucket"). Only upwards: every pack a bucket held, the
+# moved one holds.
+STEP_SPAN_ROWS = 64
+STEP_ROWS = 16
+
+
+def off_steps(buckets: tuple[int, ...], cost, limit: int = WHOLE_MAX_TOKENS, span: int = STEP_SPAN_ROWS,
+              step: int = STEP_ROWS, gain: float = ROUTE_GAIN) -> tuple[int, ...]:
+    """`buckets` with each one up to `limit` moved to the row count from it to `span` rows above it (in `step`s,
+    below the next bucket, up to `limit`: a bucket above it holds no whole forward) whose `cost(rows)` is least,
+    where that is at least `gain` below its own cost."""
+    placed = []
+    for i, tokens in enumerate(buckets):
+        if tokens > limit:
+            placed.append(tokens)
+            continue
+        ceiling = min(tokens + span, limit, buckets[i + 1] - step if i + 1 < len(buckets) else limit)
+        costs = {rows: cost(rows) for rows in range(tokens, ceiling + 1, step)}
+        best = min(costs, key=costs.get)
+        placed.append(best if costs[best] < (1 - gain) * costs[tokens] else tokens)
+    return tuple(placed)
+
+
 def typical_grids(tokens: int, merge: int) -> list[tuple[int, int, int]]:
     """Grids of `tokens` patches as 32 x 32-patch frames (a 512 px image's) and one smaller: a pack of photos, whose
     attention costs what a served pack's does (one frame of all the tokens would cost quadratically more)."""
@@ -407,6 +433,8 @@ class BucketedTower:
                 log.info("packs from %d tokens run eagerly while an eager forward's launches take the host %.1f ms (at "
                          "start-up; a forward of %d tokens takes the GPU %.1f ms)", max(choice.limit, WHOLE_MAX_TOKENS),
                          choice.host_ms, self.buckets[-1], choice.gpu_ms_per_token * self.buckets[-1])
+        if pool is not None:
+            self.buckets = self._placed(timings, offsets)
         statics = self._statics = _Statics(tower, self.buckets[-1])
         for tokens in self.buckets:
             # a whole forward needs the Triton kernel on a GPU (SDPA reads the segments back to the host)
@@ -432,6 +460,34 @@ class BucketedTower:
         log.info("CUDA graphs captured for %d token buckets up to %d", len(self.buckets), self.buckets[-1])
         if pool is not None:
             self.time_buckets(known=timings)
+
+    def _placed(self, known: dict[int, float] | None, offsets) -> tuple[int, ...]:
+        """The buckets moved off the row counts where the blocks' GEMMs cost more than a little above (`off_steps`,
+        costed by `_block_ms`); where an earlier start's timings are given, the buckets it placed and timed (their
+        file is named by the buckets asked for: `timing_key`), so that every restart keeps one placement."""
+        if known is not None and len(known) == len(self.buckets):
+            return tuple(sorted(known))
+        rate = sleep_cycles_per_ms()
+        placed = off_steps(self.buckets, lambda rows: self._block_ms(rows, offsets, rate))
+        if moved := {a: b for a, b in zip(self.buckets, placed) if a != b}:
+            log.info("buckets moved off row counts where the blocks' GEMMs cost more: %s", moved)
+        return placed
+
+    def _block_ms(self, rows: int, offsets, rate: float, calls: int = 8, reps: int = 5) -> float:
+        """GPU ms of `calls` runs of a block's work after its attention (`VisionTower.block_tail`: the output
+        projection, the MLP, the norms) on `rows` rows, queued behind a wait, median of `reps`: what of a forward
+        grows with its rows, and the GEMMs whose kernel cuBLAS picks by the row count."""
+        tower = self.tower
+        layer = next((i for i in range(len(tower.blocks)) if i not in tower._taps), 0)
+        source = torch.randn((rows, tower.config.hidden_size), dtype=tower.dtype, device=tower.device)
+        attended, x = torch.randn_like(source), torch.empty_like(source)
+
+        def run():
+            for _ in range(calls):
+                x.copy_(source)  # the residual stream is updated in place with `offsets`
+                tower.block_tail(layer, x, attended, offsets, None)
+
+        return queued_ms(run, _wall_ms(run), reps, rate)
 
     def timing_key(self) -> str:
         """What the buckets' timings depend on in this tower: its shapes, dtype, kernels' options and the buckets
