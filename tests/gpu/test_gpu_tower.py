@@ -182,9 +182,12 @@ def test_capture_times_an_eager_forward_and_larger_packs_run_eagerly():
         print(f"eager forward of 32768 tokens: host {host_ms:.1f} ms, GPU {gpu_ms:.1f} ms -> limit {choice.limit}")
         assert host_ms > 0 and gpu_ms > 0 and every.eager_choice is None
         assert choice.limit == int(EAGER_MARGIN * host_ms * 32768 / gpu_ms)
-        assert measured.buckets == every.buckets == buckets and measured.captured
+        # 1,024 may move up off a costly row count (`off_steps`), each tower by its own timings; the others cannot
+        assert measured.buckets[1:] == every.buckets[1:] == buckets[1:] and measured.captured
+        assert all(1024 <= b.buckets[0] <= 1088 for b in (measured, every))
         # each bucket's forward timed after capture (`time_buckets`): the largest within a third of its replay below
-        assert sorted(measured.bucket_ms) == list(buckets) and all(ms > 0 for ms in measured.bucket_ms.values())
+        assert sorted(measured.bucket_ms) == list(measured.buckets)
+        assert all(ms > 0 for ms in measured.bucket_ms.values())
         assert measured.routes == cheapest_buckets(measured.bucket_ms)  # routed where a larger bucket timed faster
         for small, large in measured.routes.items():
             assert measured.bucket_for(small) == large
@@ -224,4 +227,25 @@ def test_capture_keeps_every_bucket_when_the_eager_forward_cannot_be_timed(monke
     bucketed = graphs.BucketedTower(tower, (1024, 8192))
     with torch.inference_mode():
         bucketed.capture()
-    assert bucketed.buckets == (1024, 8192) and bucketed.captured and bucketed.eager_choice is None
+    assert bucketed.buckets[1] == 8192 and 1024 <= bucketed.buckets[0] <= 1088  # (1,024 may move: `off_steps`)
+    assert bucketed.captured and bucketed.eager_choice is None
+
+
+def test_buckets_move_only_within_their_span():
+    """On a GPU, start-up moves each bucket up to 4,096 tokens at most 64 rows up, in 16s (`off_steps`, costed by
+    the blocks' own work after attention), short of the next bucket and not past 4,096; larger ones stay. Which move
+    is the GPU's and cuBLAS's (on an H200 fc2 costs more at 800 rows than at 848: gemm_rows.json); printed."""
+    from service.model.graphs import BucketedTower
+
+    nominal = (256, 320, 400, 512, 640, 800, 1024, 1280, 1600, 2048, 2560, 3200, 4096, 8192)
+    tower = random_tower(preset("qwen3-vl-2b"), "cuda", torch.bfloat16, seed=6)
+    bucketed = BucketedTower(tower, nominal)
+    with torch.inference_mode():
+        bucketed.capture()
+    print("buckets moved:", {a: b for a, b in zip(nominal, bucketed.buckets) if a != b})
+    assert len(bucketed.buckets) == len(nominal) and sorted(bucketed.bucket_ms) == list(bucketed.buckets)
+    for i, (asked, placed) in enumerate(zip(nominal, bucketed.buckets)):
+        if asked > 4096:
+            assert placed == asked
+        else:
+            assert asked <= placed <= min(asked + 64, 4096, nominal[i + 1] - 16) and placed % 16 == 0
