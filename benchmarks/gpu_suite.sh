@@ -91,17 +91,18 @@ for step in "${@:-all}"; do
     # one benchmark at other revisions beside this tree's, alternated twice on one machine (a host's speed differs
     # from lease to lease, so only a comparison within one lease says what a revision changed): carry .ab, made
     # here with `mkdir -p .ab && git archive REV > .ab/REV.tar`; AB_ARGS are bench_service's (--startup-only: the
-    # lone image and the start-up). Results under $OUT/ab/<revision or "head">/<round>.
+    # lone image and the start-up). Results under $OUT/ab-<revision or "head">-<round>
+    # (one level: the device tool leaves out deeper folders).
     ab) for round in 1 2; do
           for tree in .ab/*.tar head; do
             name=$(basename "$tree" .tar); dir=$PWD
             if [ "$name" != head ]; then
               dir=/tmp/ab/$name; [ -d "$dir" ] || { mkdir -p "$dir" && tar -xf "$tree" -C "$dir"; }
             fi
-            mkdir -p "$OUT/ab/$name/$round"
+            res="$OUT/ab-$name-$round"; mkdir -p "$res"
             (cd "$dir" && GIT_REVISION=${name/head/${GIT_REVISION:-head}} PYTHONPATH=$dir:${PYTHONPATH#*:} \
-               python -m benchmarks.bench_service ${AB_ARGS:---startup-only} --out "$OUT/ab/$name/$round" \
-               > "$OUT/ab/$name/$round/bench_service.log" 2>&1; tail -n 1 "$OUT/ab/$name/$round/bench_service.log")
+               python -m benchmarks.bench_service ${AB_ARGS:---startup-only} --out "$res" \
+               > "$res/bench_service.log" 2>&1; tail -n 1 "$res/bench_service.log")
           done
         done ;;
     # on a machine of two or more GPUs: the GPU tests on GPU 0 and the kernels' on GPU 1 (in 12 processes: compiling
