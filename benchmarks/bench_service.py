@@ -492,11 +492,12 @@ def curl_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40
 
 
 def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int = 40,
-                  cache: str | None = "miss", frontend: bool = False) -> dict:
+                  cache: str | None = "miss", frontend: bool = False, idle_s: float = 0.0) -> dict:
     """`curl_p50`'s figures from one client that keeps its connection open, as an application's HTTP client does
     (curl opens one per request and adds its own start-up to each): the wall time of each request on one
     `http.client` connection; `frontend`: with the front-end process the connection reached (`http_process`, from
-    `/info` asked on it first)."""
+    `/info` asked on it first); `idle_s`: the client waits that long before each request (a server idle between
+    requests, as it is between curl's: its processes asleep and its caches cold, which costs each request time)."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -506,6 +507,7 @@ def keepalive_p50(url: str, path: str, body_files: list[str], ctype: str, n: int
     def send(i):
         with open(body_files[i % len(body_files)], "rb") as f:
             body = f.read()
+        time.sleep(idle_s)
         start = time.perf_counter()
         conn.request("POST", path, body, {"content-type": ctype})
         reply = conn.getresponse()
@@ -562,13 +564,16 @@ def lone_by_frontend(url: str, jpeg: bytes, connections: int = 8, n: int = 20) -
 def single_image(url: str, jpeg: bytes, n: int = 40) -> dict:
     """One client posting one JPEG at a time, each request's bytes its own (`lone_bodies`): `curl_p50` of
     `/v1/embeddings` and of the pooled-only `/embed`, and the latter from a client keeping its connection
-    (`keepalive_p50`, other bytes again)."""
+    (`keepalive_p50`, other bytes again), sending back to back and 20 ms after its last reply (about the gap
+    between two curl processes' requests: what of curl's figure the server's idling costs)."""
     with tempfile.TemporaryDirectory() as d:
-        jpgs, jsons = lone_bodies(d, jpeg, 2 * (n + 5))
-        pooled = "/embed?embeddings=false&pooling=mean"
-        return {"v1_embeddings": curl_p50(url, "/v1/embeddings", jsons[:n + 5], "application/json", n),
-                "embed_pooled": curl_p50(url, pooled, jpgs[:n + 5], "image/jpeg", n),
-                "embed_pooled_keepalive": keepalive_p50(url, pooled, jpgs[n + 5:], "image/jpeg", n)}
+        jpgs, jsons = lone_bodies(d, jpeg, 3 * (n + 5))
+        pooled, m = "/embed?embeddings=false&pooling=mean", n + 5
+        return {"v1_embeddings": curl_p50(url, "/v1/embeddings", jsons[:m], "application/json", n),
+                "embed_pooled": curl_p50(url, pooled, jpgs[:m], "image/jpeg", n),
+                "embed_pooled_keepalive": keepalive_p50(url, pooled, jpgs[m:2 * m], "image/jpeg", n),
+                "embed_pooled_keepalive_idle": keepalive_p50(url, pooled, jpgs[2 * m:], "image/jpeg", n,
+                                                             idle_s=0.02)}
 
 
 def cache_latency(url: str, jpeg: bytes, n: int = 40) -> dict:
@@ -653,6 +658,7 @@ def startup(model: str, port: int, body: bytes) -> dict:
     return {"ready_s_first": first, "ready_s_second": second, "recovery_s": recoveries,
             "single_image_fresh": single_fresh, "single_image_fresh_p50_ms": fresh_p50,
             "single_image_fresh_keepalive_p50_ms": single_fresh["embed_pooled_keepalive"]["p50_ms"],
+            "single_image_fresh_keepalive_idle_p50_ms": single_fresh["embed_pooled_keepalive_idle"]["p50_ms"],
             "single_image_by_frontend": by_frontend, "single_image_forward_ms": forward_ms}
 
 
