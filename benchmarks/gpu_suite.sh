@@ -91,8 +91,8 @@ for step in "${@:-all}"; do
     # one benchmark at other revisions beside this tree's, alternated twice on one machine (a host's speed differs
     # from lease to lease, so only a comparison within one lease says what a revision changed): carry .ab, made
     # here with `mkdir -p .ab && git archive REV > .ab/REV.tar`; AB_ARGS are bench_service's (--startup-only: the
-    # lone image and the start-up; AB_ROUNDS: the rounds, "1 2" unless given). Results under $OUT/ab-<revision or "head">-<round>
-    # (one level: the device tool leaves out deeper folders).
+    # lone image and the start-up; AB_ROUNDS: the rounds, "1 2" unless given). Results under
+    # $OUT/ab-<revision or "head">-<round> (one level: the device tool leaves out deeper folders).
     ab) for round in ${AB_ROUNDS:-1 2}; do
           for tree in .ab/*.tar head; do
             name=$(basename "$tree" .tar); dir=$PWD
