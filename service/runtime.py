@@ -24,11 +24,11 @@ BATCHER_SWITCH_INTERVAL_S = 0.0005
 # In the processes that decode (front-ends, the single-process server), blocks of at least this many bytes are mapped
 # for themselves and unmapped when freed, and free memory at the heap's top past it goes back to the system: glibc's
 # own thresholds grow with each large block freed (up to 32 MiB), and a request's decoded images (megabytes each) then
-# stay in the decoding threads' heaps after it, 0.8 GB after 64 large GIFs (16 MiB keeps them too). Below the
-# threshold a block comes from the heap, its pages already faulted in: at 4 MiB a 2B vLLM-layout reply (4.3 MB, its
-# buffers mapped and zeroed afresh at every reply) cost a front-end 10.2 ms of CPU, at 8 MiB 3.5
-# (`benchmarks/bench_reply_malloc.py`). An engine process decodes nothing and keeps glibc's thresholds: there a
-# forward's blocks mapped and unmapped at every pack cost a CPU server 12-24% of its throughput.
+# stay in the decoding threads' heaps after it (16 MiB keeps them too). Below the threshold a block comes from the
+# heap, its pages already faulted in: at 4 MiB a vLLM-layout reply's buffers were mapped and zeroed afresh at every
+# reply, three times the CPU it costs at 8 MiB (`benchmarks/bench_reply_malloc.py`). An engine process decodes
+# nothing and keeps glibc's thresholds: there a forward's blocks mapped and unmapped at every pack cost a CPU server
+# an eighth to a quarter of its throughput (`benchmarks/results/cpu_engine_malloc.json`).
 MALLOC_RETURN_BYTES = 8 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 

@@ -70,10 +70,9 @@ def default_http_workers(gpus: int, cores: int) -> int:
     """HTTP front-end processes for `gpus` engines on `cores` cores.
 
     A front-end carries a few hundred 448-px JPEG requests a second (decoding, the reply), a fifth to a quarter of
-    what one H200 encodes in FP8, so 6 per GPU; up to three eighths of the cores, the rest for the engines, the
-    decoding threads and the kernel's network stack (on 4 H200s of 64 cores, 24 front-ends served FP8 better than
-    16, which saturated on a slower host, and bf16 as well: benchmarks/results/multigpu.json); at least 8 (or half
-    the cores), which one GPU needs.
+    what one GPU encodes in FP8, so 6 per GPU; up to three eighths of the cores, the rest for the engines, the
+    decoding threads and the kernel's network stack (measured on a node of 4 GPUs and 64 cores: docs/PERFORMANCE.md,
+    "A whole node"); at least 8 (or half the cores), which one GPU needs.
     """
     return max(1, min(64, max(min(8, cores // 2), min(6 * gpus, cores * 3 // 8))))
 

@@ -124,9 +124,8 @@ class Encoder:
 
         A handful of torch calls whatever the pack's size: each call lets go of the interpreter lock and must win it
         back from the engine's other threads (its event loop, the result copiers), at up to a switch interval each,
-        so calls per item would make a launch's host time grow with the load (measured with two or three per item,
-        FP8 at 64 clients on an H200: 5 ms at the median and 13 at the 90th percentile for 15 images, the GPU
-        waiting for it; ~1 ms with these)."""
+        so calls per item would make a launch's host time grow with the load until the GPU waits for it
+        (docs/PERFORMANCE.md, "The GPU waiting for launches")."""
         cuda = self._upload is not None
         compute = torch.cuda.current_stream(self.device) if cuda else None
         sources = [torch.from_numpy(it.frames.reshape(-1)) for it in items]

@@ -33,9 +33,8 @@ WHOLE_MAX_TOKENS = 4096
 
 # A pack above WHOLE_MAX_TOKENS runs in the smallest bucket that holds it unless a larger one's timed forward
 # (`BucketedTower.time_buckets`) is at least this much faster: cuBLAS picks its GEMM kernel by the row count, and at
-# some counts its pick is slower than at a few hundred rows more (on an H200, 32,768 rows' fc1 took 12% longer than
-# 32,144 rows'; docs/PERFORMANCE.md, "Why rows cost more in some buckets"). The margin keeps the timings' noise from
-# moving packs to larger buckets for nothing.
+# some counts its pick is slower than at a few hundred rows more (docs/PERFORMANCE.md, "What a row costs in each
+# bucket"). The margin keeps the timings' noise from moving packs to larger buckets for nothing.
 ROUTE_GAIN = 0.02
 
 # A pack above WHOLE_MAX_TOKENS runs eagerly, not through its bucket's graphs, when its forward takes the GPU at least
@@ -209,9 +208,9 @@ def cheapest_buckets(bucket_ms: dict[int, float], above: int = WHOLE_MAX_TOKENS,
 
 
 # Buckets up to WHOLE_MAX_TOKENS may move up by this many rows at most, in steps of STEP_ROWS, to a row count where
-# the blocks' GEMMs cost less (`off_steps`): cuBLAS's kernel for a row count can be slower than at a few dozen more
-# (on an H200 fc2 took 23 us at 800 rows, 18 at 848-1,024 and 16.7 at 784: a 448 px image's bucket of 800 cost it
-# 12% of its forward; docs/PERFORMANCE.md, "The lone image's bucket"). Only upwards: every pack a bucket held, the
+# the blocks' GEMMs cost less (`off_steps`): cuBLAS's kernel for a row count can be slower than at a few dozen more,
+# enough to cost a lone image a tenth of its forward (docs/PERFORMANCE.md, "A lone request"). The steps move with the
+# GPU and the cuBLAS release, so they are found by timing, not listed. Only upwards: every pack a bucket held, the
 # moved one holds.
 STEP_SPAN_ROWS = 64
 STEP_ROWS = 16
@@ -300,8 +299,8 @@ class EagerChoice:
     (`issued`), first start-up's (`measure`). The GPU time is linear in the tokens, from start-up's measurement.
 
     The host time is what varies: beside the engine's other threads and the decoding processes, and on a node of
-    several engines, an eager forward took the host twice its start-up time (4 x H200: 21 against
-    10-11 ms, each engine's start-up measurement giving a limit of its own). Measured as served, host-bound eager
+    several engines, an eager forward took the host about twice its start-up time, each engine's start-up measurement
+    giving a limit of its own (docs/PERFORMANCE.md, "A whole node"). Measured as served, host-bound eager
     forwards raise the limit until packs run through their graphs again. Every `probe_every`-th pack that start-up's
     measurement would run eagerly but the current one does not runs eagerly, so that the estimate follows the
     host when it frees up."""
