@@ -299,7 +299,6 @@ def test_a_bucket_routes_to_the_fastest_at_or_above_it():
     assert cheapest_buckets({8192: 10.0, 9216: 9.0, 10240: 8.0}, 4096, 0.02) == {8192: 10240, 9216: 10240}
 
 
-
 def test_buckets_move_up_off_a_costly_row_count():
     """`off_steps` against a brute-force search over fresh random costs: each bucket up to the limit goes to the
     cheapest row count from it to `span` above it, in `step`s, below the next bucket and not past the limit, where
@@ -335,6 +334,7 @@ def test_buckets_move_up_off_a_costly_row_count():
     assert off_steps((640, 800, 1024), lambda r: fc2.get(r, 18.5)) == (640, 848, 1024)
     # 800 may go no further than 816 (the next bucket is 832), 1.3% cheaper: it stays; 832 goes to 848
     assert off_steps((800, 832), lambda r: fc2.get(r, 23.0)) == (800, 848)
+
 
 def test_a_routed_pack_runs_in_the_larger_bucket_and_equals_the_plain_forward(tower):
     """A pack whose bucket is routed to a larger one (`routes`, set from start-up's timings on CUDA) computes that
