@@ -261,6 +261,16 @@ def test_an_earlier_starts_bucket_timings_are_taken_for_the_same_tower_and_bucke
     half = BucketedTower(random_tower(preset("tiny"), "cpu", torch.float16, seed=2), buckets, eager_margin=None)
     assert len({bucketed.timing_key(), other.timing_key(), half.timing_key()}) == 3
     assert bucketed.timing_key() == BucketedTower(tower, buckets, eager_margin=None).timing_key()
+    # named by the buckets asked for, not where start-up placed them, and by the placement's bounds: a file of
+    # nominal buckets from a start that placed none (an older release on the same cache volume) is not taken
+    from service.model import graphs
+
+    moved, key = BucketedTower(tower, buckets, eager_margin=None), bucketed.timing_key()
+    moved.buckets = (64, 272, 1024)
+    assert moved.timing_key() == key
+    monkeypatch.setattr(graphs, "STEP_SPAN_ROWS", 0)  # placed otherwise (here: not at all)
+    assert moved.timing_key() != key
+    monkeypatch.undo()
 
     path = tmp_path / "buckets" / "t.json"
     build.save_bucket_timings(path, saved)

@@ -391,7 +391,7 @@ class BucketedTower:
     def __init__(self, tower: VisionTower, buckets: tuple[int, ...] = (), eager_margin: float | None = EAGER_MARGIN):
         """`eager_margin`: `EagerChoice`'s (None: every pack within a bucket runs its graphs)."""
         self.tower = tower
-        self.buckets = tuple(sorted(buckets))
+        self.buckets = self.asked = tuple(sorted(buckets))  # `capture` may move `buckets` (`_placed`), not `asked`
         self.eager_margin = eager_margin
         self.eager_choice: EagerChoice | None = None  # where `capture` timed an eager forward
         self.bucket_ms: dict[int, float] = {}  # each bucket's forward, GPU ms, where `capture` timed them
@@ -463,7 +463,8 @@ class BucketedTower:
     def _placed(self, known: dict[int, float] | None, offsets) -> tuple[int, ...]:
         """The buckets moved off the row counts where the blocks' GEMMs cost more than a little above (`off_steps`,
         costed by `_block_ms`); where an earlier start's timings are given, the buckets it placed and timed (their
-        file is named by the buckets asked for: `timing_key`), so that every restart keeps one placement."""
+        file is named by the buckets asked for and the placement's bounds: `timing_key`), so that every restart keeps
+        one placement."""
         if known is not None and len(known) == len(self.buckets):
             return tuple(sorted(known))
         rate = sleep_cycles_per_ms()
@@ -489,10 +490,13 @@ class BucketedTower:
         return queued_ms(run, _wall_ms(run), reps, rate)
 
     def timing_key(self) -> str:
-        """What the buckets' timings depend on in this tower: its shapes, dtype, kernels' options and the buckets
-        (the GPU and the software versions are the caller's to add)."""
+        """What the buckets' timings depend on in this tower: its shapes, dtype, kernels' options, the buckets asked
+        for and how start-up places them (`off_steps`' bounds: timings of buckets placed otherwise, or not at all,
+        name another file); the same before and after `capture`. The GPU and the software versions are the caller's
+        to add."""
         tower = self.tower
-        return "|".join(map(str, (tower.config, tower.dtype, tower.backend, tower.options, self.buckets)))
+        placement = (WHOLE_MAX_TOKENS, STEP_SPAN_ROWS, STEP_ROWS, ROUTE_GAIN)
+        return "|".join(map(str, (tower.config, tower.dtype, tower.backend, tower.options, self.asked, placement)))
 
     @torch.inference_mode()
     def time_buckets(self, reps: int = 3, known: dict[int, float] | None = None) -> None:
