@@ -461,15 +461,15 @@ class BucketedTower:
             self.time_buckets(known=timings)
 
     def _placed(self, known: dict[int, float] | None, offsets) -> tuple[int, ...]:
-        """The buckets moved off the row counts where the blocks' GEMMs cost more than a little above (`off_steps`,
-        costed by `_block_ms`); where an earlier start's timings are given, the buckets it placed and timed (their
-        file is named by the buckets asked for and the placement's bounds: `timing_key`), so that every restart keeps
-        one placement."""
-        if known is not None and len(known) == len(self.buckets):
+        """The buckets asked for (`asked`: so a second capture does not move them again) moved off the row counts
+        where the blocks' GEMMs cost more than a little above (`off_steps`, costed by `_block_ms`); where an earlier
+        start's timings are given, the buckets it placed and timed (their file is named by the buckets asked for and
+        the placement's bounds: `timing_key`), so that every restart keeps one placement."""
+        if known is not None and len(known) == len(self.asked):
             return tuple(sorted(known))
         rate = sleep_cycles_per_ms()
-        placed = off_steps(self.buckets, lambda rows: self._block_ms(rows, offsets, rate))
-        if moved := {a: b for a, b in zip(self.buckets, placed) if a != b}:
+        placed = off_steps(self.asked, lambda rows: self._block_ms(rows, offsets, rate))
+        if moved := {a: b for a, b in zip(self.asked, placed) if a != b}:
             log.info("buckets moved off row counts where the blocks' GEMMs cost more: %s", moved)
         return placed
 
